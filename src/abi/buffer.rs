@@ -1,0 +1,86 @@
+//! Caller-owned memory that crosses the boundary.
+//!
+//! NCCL hands `isend`/`irecv` raw pointers and promises the memory stays valid, and is not
+//! written by anyone else in the receive case, until `test` reports the request done. A
+//! [`UserBuffer`] captures that promise once, at the boundary, so the transports can use the
+//! memory as slices without any `unsafe` of their own.
+
+/// A memory range NCCL lent us for the life of one request.
+#[derive(Debug, Clone, Copy)]
+pub struct UserBuffer {
+    addr: usize,
+    len: usize,
+}
+
+impl UserBuffer {
+    /// No memory: a zero-byte message.
+    pub const EMPTY: UserBuffer = UserBuffer { addr: 0, len: 0 };
+
+    /// Wraps NCCL's pointer.
+    ///
+    /// # Safety
+    /// `ptr` must be valid for reads and writes of `len` bytes until the request that uses
+    /// this buffer completes or its comm is closed, and nothing else may write the memory in
+    /// that time while the plugin writes it (receives). NCCL guarantees both.
+    pub unsafe fn new(ptr: *mut u8, len: usize) -> Self {
+        UserBuffer {
+            addr: ptr as usize,
+            len,
+        }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True for zero bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Start address (for range checks against registrations).
+    pub fn addr(&self) -> usize {
+        self.addr
+    }
+
+    /// The bytes `from..` of the buffer.
+    pub fn bytes_from(&self, from: usize) -> &[u8] {
+        if from >= self.len {
+            return &[];
+        }
+        // SAFETY: `new`'s contract makes addr..addr+len readable for the request's life, and
+        // the range is inside it (from < len).
+        unsafe { std::slice::from_raw_parts((self.addr + from) as *const u8, self.len - from) }
+    }
+
+    /// The bytes `from..to` of the buffer, for writing received data.
+    pub fn bytes_mut(&mut self, from: usize, to: usize) -> &mut [u8] {
+        let to = to.min(self.len);
+        if from >= to {
+            return &mut [];
+        }
+        // SAFETY: `new`'s contract makes addr..addr+len writable and ours alone to write for
+        // the request's life; from < to <= len keeps the range inside it, and `&mut self`
+        // means no other slice from this handle is live.
+        unsafe { std::slice::from_raw_parts_mut((self.addr + from) as *mut u8, to - from) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn slices_stay_inside_the_buffer() {
+        let mut v = vec![1u8, 2, 3, 4];
+        // SAFETY: `v` outlives `b` and nothing else touches it meanwhile.
+        let mut b = unsafe { UserBuffer::new(v.as_mut_ptr(), v.len()) };
+        assert_eq!(b.bytes_from(1), &[2, 3, 4]);
+        assert!(b.bytes_from(9).is_empty());
+        b.bytes_mut(2, 99).copy_from_slice(&[7, 8]);
+        assert!(b.bytes_mut(3, 2).is_empty());
+        assert_eq!(v, [1, 2, 7, 8]);
+        assert!(UserBuffer::EMPTY.bytes_from(0).is_empty());
+    }
+}

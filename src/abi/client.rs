@@ -1,0 +1,647 @@
+//! The boundary seen from NCCL's side: loads a built plugin with `dlopen` (RTLD_NOW |
+//! RTLD_LOCAL, as NCCL does), resolves one exported `ncclNetPlugin_vN` table and calls it with
+//! that version's exact C signatures. The conformance suite and `nccl-net-bench` drive the
+//! plugin only through this, the way NCCL's proxy threads do.
+
+use std::{
+    ffi::{c_char, c_int, c_ulong, c_void, CStr, CString},
+    path::{Path, PathBuf},
+    sync::{Mutex, OnceLock},
+};
+
+use super::ffi::*;
+
+/// ABI versions the plugin exports.
+pub const VERSIONS: [u32; 6] = [6, 7, 8, 9, 10, 11];
+
+/// NCCL's result code, as an error.
+pub type Code = ncclResult_t;
+
+/// An opaque pointer the plugin returned (comm, request or memory handle).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Opaque(pub *mut c_void);
+
+// SAFETY: these are plugin objects whose thread-safety the plugin's contract defines (comms
+// are used from NCCL's service and progress threads); the client only passes them back.
+unsafe impl Send for Opaque {}
+// SAFETY: as above; the client never dereferences them.
+unsafe impl Sync for Opaque {}
+
+impl Opaque {
+    /// The NULL pointer.
+    pub const NULL: Opaque = Opaque(std::ptr::null_mut());
+    /// Whether it is NULL.
+    pub fn is_null(&self) -> bool {
+        self.0.is_null()
+    }
+}
+
+/// Version-neutral view of a device's properties.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Properties {
+    /// `name`.
+    pub name: String,
+    /// `pciPath`, if any.
+    pub pci_path: Option<String>,
+    /// `guid`.
+    pub guid: u64,
+    /// `ptrSupport`.
+    pub ptr_support: i32,
+    /// `regIsGlobal` (v8+).
+    pub reg_is_global: Option<i32>,
+    /// `forceFlush` (v9+).
+    pub force_flush: Option<i32>,
+    /// `speed` (Mbps).
+    pub speed: i32,
+    /// `port`.
+    pub port: i32,
+    /// `latency`.
+    pub latency: f32,
+    /// `maxComms`.
+    pub max_comms: i32,
+    /// `maxRecvs`.
+    pub max_recvs: i32,
+    /// `netDeviceType` and `netDeviceVersion` (v7+).
+    pub net_device: Option<(u32, i32)>,
+    /// `vProps` (v9+).
+    pub vprops: Option<(i32, [i32; 4])>,
+    /// `maxP2pBytes` and `maxCollBytes` (v9+).
+    pub max_bytes: Option<(usize, usize)>,
+    /// `maxMultiRequestSize` (v11).
+    pub max_multi_request_size: Option<i32>,
+}
+
+/// One line the plugin sent to the test logger.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoggedLine {
+    /// `ncclDebugLogLevel`.
+    pub level: u32,
+    /// Subsystem flags.
+    pub flags: u64,
+    /// The format string the plugin passed.
+    pub fmt: String,
+    /// The formatted text.
+    pub text: String,
+}
+
+static LOGGED: Mutex<Vec<LoggedLine>> = Mutex::new(Vec::new());
+
+/// Lines logged through [`Net::init`]'s logger so far (tests assert on them).
+pub fn logged_lines() -> Vec<LoggedLine> {
+    LOGGED.lock().map(|l| l.clone()).unwrap_or_default()
+}
+
+/// The logger handed to the plugin. Declared with the plugin's one variadic argument.
+extern "C" fn test_logger(
+    level: ncclDebugLogLevel,
+    flags: c_ulong,
+    _file: *const c_char,
+    _line: c_int,
+    fmt: *const c_char,
+    text: *const c_char,
+) {
+    let read = |p: *const c_char| {
+        if p.is_null() {
+            String::new()
+        } else {
+            // SAFETY: the plugin passes NUL-terminated strings alive for the call.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
+        }
+    };
+    let (fmt, text) = (read(fmt), read(text));
+    if std::env::var_os("NCCL_NET_CLIENT_QUIET").is_none() && level <= NCCL_LOG_WARN {
+        eprintln!("[plugin WARN] {text}");
+    }
+    if let Ok(mut l) = LOGGED.lock() {
+        l.push(LoggedLine {
+            level,
+            flags: flags as u64,
+            fmt,
+            text,
+        });
+    }
+}
+
+fn logger() -> ncclDebugLogger_t {
+    type Fixed = extern "C" fn(ncclDebugLogLevel, c_ulong, *const c_char, c_int, *const c_char, *const c_char);
+    let f: Fixed = test_logger;
+    // SAFETY: on the SysV x86_64 and AAPCS64 (Linux) ABIs, a variadic call whose variadic
+    // arguments are all pointers passes them exactly like a fixed-argument call, so a
+    // function with one extra fixed `*const c_char` receives the plugin's single "%s"
+    // argument correctly. Stable Rust cannot define a C-variadic function itself.
+    Some(unsafe { std::mem::transmute::<Fixed, unsafe extern "C" fn(ncclDebugLogLevel, c_ulong, *const c_char, c_int, *const c_char, ...)>(f) })
+}
+
+#[derive(Clone, Copy)]
+enum Table {
+    V6(*const ncclNet_v6_t),
+    V7(*const ncclNet_v7_t),
+    V8(*const ncclNet_v8_t),
+    V9(*const ncclNet_v9_t),
+    V10(*const ncclNet_v10_t),
+    V11(*const ncclNet_v11_t),
+}
+
+/// A loaded plugin library and one of its tables.
+pub struct Net {
+    lib: *mut c_void,
+    table: Table,
+    version: u32,
+    ctx: *mut c_void,
+    /// The library's path.
+    pub path: PathBuf,
+}
+
+// SAFETY: the library handle and table are process-global and immutable; the plugin's
+// entry points are callable from any thread (NCCL calls them from several).
+unsafe impl Send for Net {}
+// SAFETY: as above.
+unsafe impl Sync for Net {}
+
+fn check(r: ncclResult_t) -> Result<(), Code> {
+    if r == ncclResult_t::ncclSuccess {
+        Ok(())
+    } else {
+        Err(r)
+    }
+}
+
+/// Calls `$f` of whichever table is loaded, with per-version arguments.
+macro_rules! call {
+    ($self:expr, $t:ident => $body:expr) => {{
+        // SAFETY: the table pointer came from dlsym of the matching symbol in a library that
+        // stays loaded while `self` lives; its slots have this version's signatures.
+        unsafe {
+            match $self.table {
+                Table::V6(p) => { let $t = &*p; $body }
+                Table::V7(p) => { let $t = &*p; $body }
+                Table::V8(p) => { let $t = &*p; $body }
+                Table::V9(p) => { let $t = &*p; $body }
+                Table::V10(p) => { let $t = &*p; $body }
+                Table::V11(p) => { let $t = &*p; $body }
+            }
+        }
+    }};
+}
+
+/// Reads a C string the plugin owns.
+fn owned(p: *const c_char) -> Option<String> {
+    if p.is_null() {
+        None
+    } else {
+        // SAFETY: the plugin returns NUL-terminated strings that live as long as it does.
+        Some(unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned())
+    }
+}
+
+impl Net {
+    /// `dlopen`s `path` and resolves `ncclNetPlugin_v<version>`.
+    pub fn open(path: &Path, version: u32) -> Result<Net, String> {
+        let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
+        // SAFETY: c is a NUL-terminated path.
+        let lib = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
+        if lib.is_null() {
+            // SAFETY: dlerror returns a NUL-terminated string after a failed dlopen.
+            let err = owned(unsafe { libc::dlerror() }).unwrap_or_default();
+            return Err(format!("dlopen {}: {err}", path.display()));
+        }
+        let sym = CString::new(format!("ncclNetPlugin_v{version}")).expect("no NUL");
+        // SAFETY: lib is a live handle; sym is NUL-terminated.
+        let p = unsafe { libc::dlsym(lib, sym.as_ptr()) };
+        if p.is_null() {
+            // SAFETY: lib came from dlopen above and is closed once.
+            unsafe { libc::dlclose(lib) };
+            return Err(format!("{} exports no {}", path.display(), sym.to_string_lossy()));
+        }
+        let table = match version {
+            6 => Table::V6(p as _),
+            7 => Table::V7(p as _),
+            8 => Table::V8(p as _),
+            9 => Table::V9(p as _),
+            10 => Table::V10(p as _),
+            11 => Table::V11(p as _),
+            v => return Err(format!("unsupported version {v}")),
+        };
+        Ok(Net {
+            lib,
+            table,
+            version,
+            ctx: std::ptr::null_mut(),
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// The ABI version in use.
+    pub fn version(&self) -> u32 {
+        self.version
+    }
+
+    /// The table's `name`.
+    pub fn name(&self) -> String {
+        call!(self, t => owned(t.name)).unwrap_or_default()
+    }
+
+    /// Raw table pointer (for layout checks).
+    pub fn table_ptr(&self) -> *const c_void {
+        match self.table {
+            Table::V6(p) => p as _,
+            Table::V7(p) => p as _,
+            Table::V8(p) => p as _,
+            Table::V9(p) => p as _,
+            Table::V10(p) => p as _,
+            Table::V11(p) => p as _,
+        }
+    }
+
+    /// `init` with the recording logger (v11: creates the per-communicator context).
+    pub fn init(&mut self) -> Result<(), Code> {
+        let log = logger();
+        let mut ctx = std::ptr::null_mut();
+        let mut config = ncclNetCommConfig_v11_t { trafficClass: -1 };
+        // SAFETY: as in `call!`.
+        let r = unsafe {
+            match self.table {
+                Table::V6(p) => (*p).init.unwrap()(log),
+                Table::V7(p) => (*p).init.unwrap()(log),
+                Table::V8(p) => (*p).init.unwrap()(log),
+                Table::V9(p) => (*p).init.unwrap()(log),
+                Table::V10(p) => (*p).init.unwrap()(log, None),
+                Table::V11(p) => (*p).init.unwrap()(&mut ctx, 42, &mut config, log, None),
+            }
+        };
+        if !ctx.is_null() {
+            self.ctx = ctx;
+        }
+        check(r)
+    }
+
+    /// v11 `finalize` of this client's context (a no-op before v11).
+    pub fn finalize(&mut self) -> Result<(), Code> {
+        self.finalize_ctx(Opaque(self.ctx))?;
+        self.ctx = std::ptr::null_mut();
+        Ok(())
+    }
+
+    /// v11 `finalize` of an arbitrary context pointer.
+    pub fn finalize_ctx(&self, ctx: Opaque) -> Result<(), Code> {
+        match self.table {
+            // SAFETY: as in `call!`; ctx is passed through untouched.
+            Table::V11(p) => check(unsafe { (*p).finalize.unwrap()(ctx.0) }),
+            _ => Ok(()),
+        }
+    }
+
+    /// `devices`.
+    pub fn devices(&self) -> Result<i32, Code> {
+        let mut n = 0;
+        check(call!(self, t => t.devices.unwrap()(&mut n)))?;
+        Ok(n)
+    }
+
+    /// `getProperties`, normalised.
+    pub fn properties(&self, dev: i32) -> Result<Properties, Code> {
+        macro_rules! base {
+            ($p:expr) => {
+                Properties {
+                    name: owned($p.name).unwrap_or_default(),
+                    pci_path: owned($p.pciPath),
+                    guid: $p.guid,
+                    ptr_support: $p.ptrSupport,
+                    reg_is_global: None,
+                    force_flush: None,
+                    speed: $p.speed,
+                    port: $p.port,
+                    latency: $p.latency,
+                    max_comms: $p.maxComms,
+                    max_recvs: $p.maxRecvs,
+                    net_device: None,
+                    vprops: None,
+                    max_bytes: None,
+                    max_multi_request_size: None,
+                }
+            };
+        }
+        // Garbage-fill first, so a field the plugin forgets shows up.
+        macro_rules! get {
+            ($p:expr, $ty:ty) => {{
+                let mut v = std::mem::MaybeUninit::<$ty>::uninit();
+                // SAFETY: writing bytes into our own uninitialised storage.
+                unsafe { std::ptr::write_bytes(v.as_mut_ptr(), 0xa5, 1) };
+                // SAFETY: as in `call!`; v is writable storage of this version's layout.
+                check(unsafe { (*$p).getProperties.unwrap()(dev, v.as_mut_ptr()) })?;
+                // SAFETY: the plugin wrote the whole struct (it returned success).
+                unsafe { v.assume_init() }
+            }};
+        }
+        Ok(match self.table {
+            Table::V6(p) => base!(get!(p, ncclNetProperties_v6_t)),
+            Table::V7(p) => {
+                let v = get!(p, ncclNetProperties_v7_t);
+                Properties {
+                    net_device: Some((v.netDeviceType, v.netDeviceVersion)),
+                    ..base!(v)
+                }
+            }
+            Table::V8(p) => {
+                let v = get!(p, ncclNetProperties_v8_t);
+                Properties {
+                    reg_is_global: Some(v.regIsGlobal),
+                    net_device: Some((v.netDeviceType, v.netDeviceVersion)),
+                    ..base!(v)
+                }
+            }
+            Table::V9(p) => v9_props(get!(p, ncclNetProperties_v9_t)),
+            Table::V10(p) => v9_props(get!(p, ncclNetProperties_v10_t)),
+            Table::V11(p) => {
+                let v = get!(p, ncclNetProperties_v11_t);
+                Properties {
+                    reg_is_global: Some(v.regIsGlobal),
+                    force_flush: Some(v.forceFlush),
+                    net_device: Some((v.netDeviceType, v.netDeviceVersion)),
+                    vprops: Some((v.vProps.ndevs, v.vProps.devs)),
+                    max_bytes: Some((v.maxP2pBytes, v.maxCollBytes)),
+                    max_multi_request_size: Some(v.maxMultiRequestSize),
+                    ..base!(v)
+                }
+            }
+        })
+    }
+
+    /// `listen` into `handle`.
+    pub fn listen(&self, dev: i32, handle: &mut [u8; 128]) -> Result<Opaque, Code> {
+        let mut comm = std::ptr::null_mut();
+        let h = handle.as_mut_ptr() as *mut c_void;
+        let r = match self.table {
+            // SAFETY: as in `call!`.
+            Table::V11(p) => unsafe { (*p).listen.unwrap()(self.ctx, dev, h, &mut comm) },
+            _ => call!(self, t => listen_slot(t)(dev, h, &mut comm)),
+        };
+        check(r)?;
+        Ok(Opaque(comm))
+    }
+
+    /// One `connect` step with `handle` (NCCL passes the same buffer every time).
+    pub fn connect(&self, dev: i32, handle: &mut [u8; 128]) -> Result<Opaque, Code> {
+        let mut comm = std::ptr::null_mut();
+        let mut dev_comm = std::ptr::null_mut();
+        let h = handle.as_mut_ptr() as *mut c_void;
+        // SAFETY: as in `call!`.
+        let r = unsafe {
+            match self.table {
+                Table::V6(p) => (*p).connect.unwrap()(dev, h, &mut comm),
+                Table::V7(p) => (*p).connect.unwrap()(dev, h, &mut comm, &mut dev_comm),
+                Table::V8(p) => (*p).connect.unwrap()(dev, h, &mut comm, &mut dev_comm),
+                Table::V9(p) => (*p).connect.unwrap()(dev, h, &mut comm, &mut dev_comm),
+                Table::V10(p) => {
+                    let mut config = ncclNetCommConfig_v10_t { trafficClass: -1 };
+                    (*p).connect.unwrap()(dev, &mut config, h, &mut comm, &mut dev_comm)
+                }
+                Table::V11(p) => (*p).connect.unwrap()(self.ctx, dev, h, &mut comm, &mut dev_comm),
+            }
+        };
+        check(r)?;
+        Ok(Opaque(comm))
+    }
+
+    /// One `accept` step.
+    pub fn accept(&self, listen: Opaque) -> Result<Opaque, Code> {
+        let mut comm = std::ptr::null_mut();
+        let mut dev_comm = std::ptr::null_mut();
+        // SAFETY: as in `call!`.
+        let r = unsafe {
+            match self.table {
+                Table::V6(p) => (*p).accept.unwrap()(listen.0, &mut comm),
+                Table::V7(p) => (*p).accept.unwrap()(listen.0, &mut comm, &mut dev_comm),
+                Table::V8(p) => (*p).accept.unwrap()(listen.0, &mut comm, &mut dev_comm),
+                Table::V9(p) => (*p).accept.unwrap()(listen.0, &mut comm, &mut dev_comm),
+                Table::V10(p) => (*p).accept.unwrap()(listen.0, &mut comm, &mut dev_comm),
+                Table::V11(p) => (*p).accept.unwrap()(listen.0, &mut comm, &mut dev_comm),
+            }
+        };
+        check(r)?;
+        Ok(Opaque(comm))
+    }
+
+    /// `regMr` (v6/v7 take an `int` size; larger sizes are refused here).
+    pub fn reg_mr(&self, comm: Opaque, data: *mut u8, size: usize, ptr_type: i32) -> Result<Opaque, Code> {
+        let mut mh = std::ptr::null_mut();
+        let d = data as *mut c_void;
+        let int = || i32::try_from(size).map_err(|_| ncclResult_t::ncclInvalidArgument);
+        // SAFETY: as in `call!`.
+        let r = unsafe {
+            match self.table {
+                Table::V6(p) => (*p).regMr.unwrap()(comm.0, d, int()?, ptr_type, &mut mh),
+                Table::V7(p) => (*p).regMr.unwrap()(comm.0, d, int()?, ptr_type, &mut mh),
+                Table::V8(p) => (*p).regMr.unwrap()(comm.0, d, size, ptr_type, &mut mh),
+                Table::V9(p) => (*p).regMr.unwrap()(comm.0, d, size, ptr_type, &mut mh),
+                Table::V10(p) => (*p).regMr.unwrap()(comm.0, d, size, ptr_type, &mut mh),
+                Table::V11(p) => (*p).regMr.unwrap()(comm.0, d, size, ptr_type, &mut mh),
+            }
+        };
+        check(r)?;
+        Ok(Opaque(mh))
+    }
+
+    /// `deregMr`.
+    pub fn dereg_mr(&self, comm: Opaque, mhandle: Opaque) -> Result<(), Code> {
+        check(call!(self, t => t.deregMr.unwrap()(comm.0, mhandle.0)))
+    }
+
+    /// `isend`; `Ok(NULL)` means "not now".
+    pub fn isend(&self, comm: Opaque, data: *mut u8, size: usize, tag: i32, mhandle: Opaque) -> Result<Opaque, Code> {
+        let mut req = std::ptr::null_mut();
+        let d = data as *mut c_void;
+        let int = || i32::try_from(size).map_err(|_| ncclResult_t::ncclInvalidArgument);
+        let null = std::ptr::null_mut();
+        // SAFETY: as in `call!`.
+        let r = unsafe {
+            match self.table {
+                Table::V6(p) => (*p).isend.unwrap()(comm.0, d, int()?, tag, mhandle.0, &mut req),
+                Table::V7(p) => (*p).isend.unwrap()(comm.0, d, int()?, tag, mhandle.0, &mut req),
+                Table::V8(p) => (*p).isend.unwrap()(comm.0, d, int()?, tag, mhandle.0, &mut req),
+                Table::V9(p) => (*p).isend.unwrap()(comm.0, d, size, tag, mhandle.0, &mut req),
+                Table::V10(p) => (*p).isend.unwrap()(comm.0, d, size, tag, mhandle.0, null, &mut req),
+                Table::V11(p) => (*p).isend.unwrap()(comm.0, d, size, tag, mhandle.0, null, &mut req),
+            }
+        };
+        check(r)?;
+        Ok(Opaque(req))
+    }
+
+    /// `irecv` of `bufs` (pointer, size); `Ok(NULL)` means "not now". For v9+ the request
+    /// slot is preset to NCCL's optional-completion hint (0x1) when `optional_hint` is set.
+    pub fn irecv(&self, comm: Opaque, bufs: &[(*mut u8, usize)], tags: &[i32], mhandles: &[Opaque], optional_hint: bool) -> Result<Opaque, Code> {
+        let n = bufs.len().min(tags.len()).min(mhandles.len());
+        let mut data: Vec<*mut c_void> = bufs[..n].iter().map(|b| b.0 as *mut c_void).collect();
+        let mut sizes_z: Vec<usize> = bufs[..n].iter().map(|b| b.1).collect();
+        let mut sizes_i = Vec::with_capacity(n);
+        for s in &sizes_z {
+            sizes_i.push(i32::try_from(*s).map_err(|_| ncclResult_t::ncclInvalidArgument)?);
+        }
+        let mut tags: Vec<c_int> = tags[..n].to_vec();
+        let mut mh: Vec<*mut c_void> = mhandles[..n].iter().map(|m| m.0).collect();
+        self.irecv_raw(comm, bufs.len() as i32, data.as_mut_ptr(), sizes_i.as_mut_ptr(), sizes_z.as_mut_ptr(), tags.as_mut_ptr(), mh.as_mut_ptr(), optional_hint)
+    }
+
+    /// `irecv` with raw arrays, for tests of bad arguments.
+    #[allow(clippy::too_many_arguments)]
+    pub fn irecv_raw(&self, comm: Opaque, n: i32, data: *mut *mut c_void, sizes_i: *mut c_int, sizes_z: *mut usize, tags: *mut c_int, mh: *mut *mut c_void, optional_hint: bool) -> Result<Opaque, Code> {
+        let mut req: *mut c_void = if optional_hint && self.version >= 9 { 1 as *mut c_void } else { std::ptr::null_mut() };
+        let null = std::ptr::null_mut();
+        // SAFETY: as in `call!`; the arrays are the caller's.
+        let r = unsafe {
+            match self.table {
+                Table::V6(p) => (*p).irecv.unwrap()(comm.0, n, data, sizes_i, tags, mh, &mut req),
+                Table::V7(p) => (*p).irecv.unwrap()(comm.0, n, data, sizes_i, tags, mh, &mut req),
+                Table::V8(p) => (*p).irecv.unwrap()(comm.0, n, data, sizes_i, tags, mh, &mut req),
+                Table::V9(p) => (*p).irecv.unwrap()(comm.0, n, data, sizes_z, tags, mh, &mut req),
+                Table::V10(p) => (*p).irecv.unwrap()(comm.0, n, data, sizes_z, tags, mh, null, &mut req),
+                Table::V11(p) => (*p).irecv.unwrap()(comm.0, n, data, sizes_z, tags, mh, null, &mut req),
+            }
+        };
+        check(r)?;
+        Ok(Opaque(req))
+    }
+
+    /// `iflush` of `bufs`; `Ok(NULL)` means nothing to wait for.
+    pub fn iflush(&self, comm: Opaque, bufs: &[(*mut u8, usize)], mhandles: &[Opaque]) -> Result<Opaque, Code> {
+        let mut data: Vec<*mut c_void> = bufs.iter().map(|b| b.0 as *mut c_void).collect();
+        let mut sizes: Vec<c_int> = bufs.iter().map(|b| b.1 as c_int).collect();
+        let mut mh: Vec<*mut c_void> = mhandles.iter().map(|m| m.0).collect();
+        let mut req = std::ptr::null_mut();
+        let n = bufs.len() as c_int;
+        check(call!(self, t => t.iflush.unwrap()(comm.0, n, data.as_mut_ptr(), sizes.as_mut_ptr(), mh.as_mut_ptr(), &mut req)))?;
+        Ok(Opaque(req))
+    }
+
+    /// `test`: `Ok(true)` when done, with `sizes` filled.
+    pub fn test(&self, request: Opaque, sizes: Option<&mut [i32]>) -> Result<bool, Code> {
+        let mut done: c_int = 0;
+        let s = sizes.map_or(std::ptr::null_mut(), |s| s.as_mut_ptr());
+        check(call!(self, t => t.test.unwrap()(request.0, &mut done, s)))?;
+        Ok(done != 0)
+    }
+
+    /// `test` with raw pointers, for tests of bad arguments.
+    pub fn test_raw(&self, request: Opaque, done: *mut c_int, sizes: *mut c_int) -> Code {
+        call!(self, t => t.test.unwrap()(request.0, done, sizes))
+    }
+
+    /// `closeSend`.
+    pub fn close_send(&self, comm: Opaque) -> Result<(), Code> {
+        check(call!(self, t => t.closeSend.unwrap()(comm.0)))
+    }
+
+    /// `closeRecv`.
+    pub fn close_recv(&self, comm: Opaque) -> Result<(), Code> {
+        check(call!(self, t => t.closeRecv.unwrap()(comm.0)))
+    }
+
+    /// `closeListen`.
+    pub fn close_listen(&self, comm: Opaque) -> Result<(), Code> {
+        check(call!(self, t => t.closeListen.unwrap()(comm.0)))
+    }
+
+    /// Whether the optional slots NCCL checks for NULL are NULL in this table:
+    /// (getDeviceMr, irecvConsumed, makeVDevice, setNetAttr) where the version has them.
+    pub fn optional_slots_null(&self) -> bool {
+        // SAFETY: as in `call!`.
+        unsafe {
+            match self.table {
+                Table::V6(_) => true,
+                Table::V7(p) => (*p).getDeviceMr.is_none() && (*p).irecvConsumed.is_none(),
+                Table::V8(p) => (*p).getDeviceMr.is_none() && (*p).irecvConsumed.is_none(),
+                Table::V9(p) => (*p).getDeviceMr.is_none() && (*p).irecvConsumed.is_none() && (*p).makeVDevice.is_none(),
+                Table::V10(p) => (*p).getDeviceMr.is_none() && (*p).irecvConsumed.is_none() && (*p).makeVDevice.is_none(),
+                Table::V11(p) => (*p).getDeviceMr.is_none() && (*p).irecvConsumed.is_none() && (*p).makeVDevice.is_none() && (*p).setNetAttr.is_none() && (*p).finalize.is_some(),
+            }
+        }
+    }
+
+    /// Unloads the library (`dlclose`), as NCCL 2.28+ does after its last communicator.
+    pub fn close(self) {
+        drop(self)
+    }
+}
+
+impl Drop for Net {
+    fn drop(&mut self) {
+        // SAFETY: lib came from dlopen in `open` and is closed exactly once, here.
+        unsafe { libc::dlclose(self.lib) };
+    }
+}
+
+fn v9_props(v: ncclNetProperties_v9_t) -> Properties {
+    Properties {
+        name: owned(v.name).unwrap_or_default(),
+        pci_path: owned(v.pciPath),
+        guid: v.guid,
+        ptr_support: v.ptrSupport,
+        reg_is_global: Some(v.regIsGlobal),
+        force_flush: Some(v.forceFlush),
+        speed: v.speed,
+        port: v.port,
+        latency: v.latency,
+        max_comms: v.maxComms,
+        max_recvs: v.maxRecvs,
+        net_device: Some((v.netDeviceType, v.netDeviceVersion)),
+        vprops: Some((v.vProps.ndevs, v.vProps.devs)),
+        max_bytes: Some((v.maxP2pBytes, v.maxCollBytes)),
+        max_multi_request_size: None,
+    }
+}
+
+/// `listen` of the tables without a context (v6..v10).
+///
+/// # Safety
+/// Only for those tables (all have the same `listen` signature).
+fn listen_slot<T: ListenSlot>(t: &T) -> unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> ncclResult_t {
+    t.listen_fn()
+}
+
+trait ListenSlot {
+    fn listen_fn(&self) -> unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> ncclResult_t;
+}
+
+macro_rules! listen_slot {
+    ($($t:ty),*) => {$(
+        impl ListenSlot for $t {
+            fn listen_fn(&self) -> unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> ncclResult_t {
+                self.listen.expect("listen is set")
+            }
+        }
+    )*};
+}
+listen_slot!(ncclNet_v6_t, ncclNet_v7_t, ncclNet_v8_t, ncclNet_v9_t, ncclNet_v10_t);
+
+impl ListenSlot for ncclNet_v11_t {
+    fn listen_fn(&self) -> unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> ncclResult_t {
+        unreachable!("v11 listen takes a context and is called directly")
+    }
+}
+
+/// Where the built plugin is: `$NCCL_ERDMA_PLUGIN_LIB`, else next to the running executable's
+/// target directory (`target/<profile>/libnccl_net_erdma.so`).
+pub fn default_library() -> PathBuf {
+    static PATH: OnceLock<PathBuf> = OnceLock::new();
+    PATH.get_or_init(|| {
+        if let Some(p) = std::env::var_os("NCCL_ERDMA_PLUGIN_LIB") {
+            return PathBuf::from(p);
+        }
+        let exe = std::env::current_exe().unwrap_or_default();
+        let mut dir = exe.parent().map(Path::to_path_buf).unwrap_or_default();
+        for _ in 0..3 {
+            for name in ["libnccl-net-erdma.so", "libnccl_net_erdma.so"] {
+                let cand = dir.join(name);
+                if cand.exists() {
+                    return cand;
+                }
+            }
+            if !dir.pop() {
+                break;
+            }
+        }
+        PathBuf::from("libnccl-net-erdma.so")
+    })
+    .clone()
+}

@@ -1,0 +1,516 @@
+//! Out-of-band TCP bootstrap shared by both transports.
+//!
+//! `listen` binds a [`Listener`] on the bootstrap interface and writes a [`Handle`]; the
+//! peer's `connect` opens a [`Channel`] to it and sends a versioned, length-checked
+//! [`MsgKind::Hello`] carrying the listener's nonce. Nothing here blocks: NCCL polls `connect`
+//! and `accept` from one service thread, so every step returns "not yet" instead of waiting.
+//! A connection that sends garbage, a wrong magic, version or nonce, an oversized or truncated
+//! message, or nothing before its deadline is dropped with a WARN; the real peer still gets in.
+
+pub mod handle;
+pub mod iface;
+
+use std::{
+    io::{self, Read, Write},
+    net::{IpAddr, SocketAddr, TcpListener, TcpStream},
+    time::{Duration, Instant},
+};
+
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+
+pub use handle::{Handle, TransportKind, HANDLE_SIZE};
+
+use crate::error::{Error, Result};
+
+/// Bytes in a message header.
+pub const MSG_HEADER: usize = 16;
+/// Largest payload a handshake message may carry.
+pub const MAX_PAYLOAD: usize = 16 * 1024;
+const MSG_MAGIC: u32 = 0x4552_4d41; // "ERMA"
+/// At most this many not-yet-identified connections wait on one listener.
+const MAX_PENDING: usize = 16;
+
+/// Handshake message types.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u16)]
+pub enum MsgKind {
+    /// Connector -> listener: nonce, transport, transport payload.
+    Hello = 1,
+    /// Listener -> connector: accepted, transport payload.
+    Accept = 2,
+    /// Either way: refused, with a UTF-8 reason.
+    Reject = 3,
+    /// Connector -> listener: connector-side setup finished (verbs).
+    Ready = 4,
+}
+
+impl MsgKind {
+    fn from_u16(v: u16) -> Option<Self> {
+        Some(match v {
+            1 => MsgKind::Hello,
+            2 => MsgKind::Accept,
+            3 => MsgKind::Reject,
+            4 => MsgKind::Ready,
+            _ => return None,
+        })
+    }
+}
+
+/// Encodes a message header.
+pub fn encode_header(kind: MsgKind, len: usize) -> [u8; MSG_HEADER] {
+    let mut h = [0u8; MSG_HEADER];
+    h[0..4].copy_from_slice(&MSG_MAGIC.to_le_bytes());
+    h[4..6].copy_from_slice(&handle::PROTOCOL_VERSION.to_le_bytes());
+    h[6..8].copy_from_slice(&(kind as u16).to_le_bytes());
+    h[8..12].copy_from_slice(&(len as u32).to_le_bytes());
+    h
+}
+
+/// Decodes and validates a message header: returns the kind and payload length.
+pub fn decode_header(h: &[u8; MSG_HEADER]) -> Result<(MsgKind, usize)> {
+    let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    if magic != MSG_MAGIC {
+        return Err(Error::Remote(format!(
+            "handshake message has magic {magic:#010x}, expected {MSG_MAGIC:#010x}"
+        )));
+    }
+    let version = u16::from_le_bytes([h[4], h[5]]);
+    if version != handle::PROTOCOL_VERSION {
+        return Err(Error::Remote(format!(
+            "handshake protocol version {version}, this plugin speaks {}",
+            handle::PROTOCOL_VERSION
+        )));
+    }
+    let kind_raw = u16::from_le_bytes([h[6], h[7]]);
+    let kind = MsgKind::from_u16(kind_raw)
+        .ok_or_else(|| Error::Remote(format!("unknown handshake message type {kind_raw}")))?;
+    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
+    if len > MAX_PAYLOAD {
+        return Err(Error::Remote(format!(
+            "handshake message of {len} bytes exceeds the {MAX_PAYLOAD}-byte limit"
+        )));
+    }
+    Ok((kind, len))
+}
+
+/// A non-blocking, framed message stream used during connection setup. Reads never go past
+/// the end of the current message, so the stream can carry data afterwards.
+#[derive(Debug)]
+pub struct Channel {
+    stream: TcpStream,
+    peer: SocketAddr,
+    connected: bool,
+    out: Vec<u8>,
+    out_pos: usize,
+    hdr: [u8; MSG_HEADER],
+    hdr_len: usize,
+    payload: Vec<u8>,
+    want: Option<(MsgKind, usize)>,
+}
+
+/// A received message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// Its type.
+    pub kind: MsgKind,
+    /// Its payload.
+    pub payload: Vec<u8>,
+}
+
+fn would_block(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted | io::ErrorKind::NotConnected
+    )
+}
+
+impl Channel {
+    fn new(stream: TcpStream, peer: SocketAddr, connected: bool) -> Self {
+        Channel {
+            stream,
+            peer,
+            connected,
+            out: Vec::new(),
+            out_pos: 0,
+            hdr: [0; MSG_HEADER],
+            hdr_len: 0,
+            payload: Vec::new(),
+            want: None,
+        }
+    }
+
+    /// Starts a non-blocking TCP connection to `addr`.
+    pub fn connect(addr: SocketAddr) -> Result<Self> {
+        let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
+            .map_err(|e| Error::io("creating bootstrap socket", e))?;
+        sock.set_nonblocking(true)
+            .map_err(|e| Error::io("making bootstrap socket non-blocking", e))?;
+        sock.set_tcp_nodelay(true)
+            .map_err(|e| Error::io("setting TCP_NODELAY", e))?;
+        match sock.connect(&SockAddr::from(addr)) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) || would_block(&e) => {}
+            Err(e) => return Err(Error::io(format!("connecting to {addr}"), e)),
+        }
+        Ok(Channel::new(sock.into(), addr, false))
+    }
+
+    /// The peer's address.
+    pub fn peer(&self) -> SocketAddr {
+        self.peer
+    }
+
+    /// True once the TCP connection is established; an error if it failed.
+    pub fn poll_connected(&mut self) -> Result<bool> {
+        if self.connected {
+            return Ok(true);
+        }
+        if let Some(e) = self
+            .stream
+            .take_error()
+            .map_err(|e| Error::io("reading socket state", e))?
+        {
+            return Err(Error::io(format!("connecting to {}", self.peer), e));
+        }
+        match self.stream.peer_addr() {
+            Ok(_) => {
+                self.connected = true;
+                Ok(true)
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotConnected => Ok(false),
+            Err(e) => Err(Error::io(format!("connecting to {}", self.peer), e)),
+        }
+    }
+
+    /// Queues a message; [`Channel::flush`] sends it.
+    pub fn queue(&mut self, kind: MsgKind, payload: &[u8]) {
+        debug_assert!(payload.len() <= MAX_PAYLOAD);
+        self.out.extend_from_slice(&encode_header(kind, payload.len()));
+        self.out.extend_from_slice(payload);
+    }
+
+    /// Writes queued bytes; true when nothing is left to send.
+    pub fn flush(&mut self) -> Result<bool> {
+        if !self.poll_connected()? {
+            return Ok(false);
+        }
+        while self.out_pos < self.out.len() {
+            match self.stream.write(&self.out[self.out_pos..]) {
+                Ok(0) => return Err(self.closed()),
+                Ok(n) => self.out_pos += n,
+                Err(e) if would_block(&e) => return Ok(false),
+                Err(e) => return Err(Error::io(format!("sending to {}", self.peer), e)),
+            }
+        }
+        self.out.clear();
+        self.out_pos = 0;
+        Ok(true)
+    }
+
+    fn closed(&self) -> Error {
+        Error::Remote(format!(
+            "{} closed the connection during the handshake",
+            self.peer
+        ))
+    }
+
+    /// Reads towards the next message; returns it once complete.
+    pub fn poll_recv(&mut self) -> Result<Option<Message>> {
+        if !self.poll_connected()? {
+            return Ok(None);
+        }
+        loop {
+            let (buf, filled) = match self.want {
+                None => (&mut self.hdr[self.hdr_len..], &mut self.hdr_len),
+                Some((_, len)) => {
+                    let have = self.payload.len();
+                    if have == len {
+                        let (kind, _) = self.want.take().expect("checked above");
+                        let payload = std::mem::take(&mut self.payload);
+                        return Ok(Some(Message { kind, payload }));
+                    }
+                    self.payload.resize(len, 0);
+                    let n = match self.stream.read(&mut self.payload[have..]) {
+                        Ok(0) => return Err(self.closed()),
+                        Ok(n) => n,
+                        Err(e) if would_block(&e) => {
+                            self.payload.truncate(have);
+                            return Ok(None);
+                        }
+                        Err(e) => {
+                            return Err(Error::io(format!("receiving from {}", self.peer), e))
+                        }
+                    };
+                    self.payload.truncate(have + n);
+                    continue;
+                }
+            };
+            match self.stream.read(buf) {
+                Ok(0) => return Err(self.closed()),
+                Ok(n) => {
+                    *filled += n;
+                    if self.hdr_len == MSG_HEADER {
+                        self.hdr_len = 0;
+                        let (kind, len) = decode_header(&self.hdr)?;
+                        self.want = Some((kind, len));
+                        self.payload.clear();
+                    }
+                }
+                Err(e) if would_block(&e) => return Ok(None),
+                Err(e) => return Err(Error::io(format!("receiving from {}", self.peer), e)),
+            }
+        }
+    }
+
+    /// Gives up the framing and returns the stream for the data path.
+    pub fn into_stream(self) -> TcpStream {
+        self.stream
+    }
+}
+
+/// What a connector says in its hello.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hello {
+    /// The listener's nonce, copied from the handle.
+    pub nonce: u64,
+    /// The connector's transport.
+    pub transport: TransportKind,
+    /// Transport-specific setup data.
+    pub payload: Vec<u8>,
+}
+
+impl Hello {
+    /// Serialises the hello payload.
+    pub fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(9 + self.payload.len());
+        v.extend_from_slice(&self.nonce.to_le_bytes());
+        v.push(self.transport as u8);
+        v.extend_from_slice(&self.payload);
+        v
+    }
+
+    /// Parses a hello payload.
+    pub fn decode(p: &[u8]) -> Result<Self> {
+        if p.len() < 9 {
+            return Err(Error::Remote(format!(
+                "hello of {} bytes is too short",
+                p.len()
+            )));
+        }
+        let mut nonce = [0u8; 8];
+        nonce.copy_from_slice(&p[..8]);
+        let transport = match p[8] {
+            1 => TransportKind::Tcp,
+            2 => TransportKind::Verbs,
+            t => return Err(Error::Remote(format!("hello names unknown transport {t}"))),
+        };
+        Ok(Hello {
+            nonce: u64::from_le_bytes(nonce),
+            transport,
+            payload: p[9..].to_vec(),
+        })
+    }
+}
+
+struct Pending {
+    chan: Channel,
+    since: Instant,
+}
+
+/// A bound bootstrap listener: one per NCCL `listen`, i.e. one per connection.
+pub struct Listener {
+    sock: TcpListener,
+    handle: Handle,
+    pending: Vec<Pending>,
+    timeout: Duration,
+}
+
+impl Listener {
+    /// Binds an ephemeral port on `ip` and describes it in a handle.
+    pub fn bind(ip: IpAddr, transport: TransportKind, timeout: Duration) -> Result<Self> {
+        let sock = TcpListener::bind(SocketAddr::new(ip, 0))
+            .map_err(|e| Error::io(format!("binding a bootstrap listener on {ip}"), e))?;
+        sock.set_nonblocking(true)
+            .map_err(|e| Error::io("making the listener non-blocking", e))?;
+        let addr = sock
+            .local_addr()
+            .map_err(|e| Error::io("reading the listener address", e))?;
+        let handle = Handle {
+            addr,
+            transport,
+            nonce: random_u64(),
+        };
+        Ok(Listener {
+            sock,
+            handle,
+            pending: Vec::new(),
+            timeout,
+        })
+    }
+
+    /// The handle the peer's `connect` needs.
+    pub fn handle(&self) -> &Handle {
+        &self.handle
+    }
+
+    /// Accepts and screens incoming connections; returns the first one whose hello carries
+    /// this listener's nonce. A matching peer speaking another transport is refused with a
+    /// reason it can report, and the error is returned here too.
+    pub fn poll_hello(&mut self) -> Result<Option<(Channel, Hello)>> {
+        loop {
+            match self.sock.accept() {
+                Ok((stream, peer)) => {
+                    stream
+                        .set_nonblocking(true)
+                        .map_err(|e| Error::io("making an accepted socket non-blocking", e))?;
+                    // Best effort: latency only.
+                    let _ = stream.set_nodelay(true);
+                    if self.pending.len() == MAX_PENDING {
+                        let old = self.pending.remove(0);
+                        tracing::warn!(
+                            "dropping unidentified bootstrap connection from {} \
+                             ({} connections waiting)",
+                            old.chan.peer(),
+                            MAX_PENDING
+                        );
+                    }
+                    self.pending.push(Pending {
+                        chan: Channel::new(stream, peer, true),
+                        since: Instant::now(),
+                    });
+                }
+                Err(e) if would_block(&e) => break,
+                Err(e) => return Err(Error::io("accepting a bootstrap connection", e)),
+            }
+        }
+        let mut i = 0;
+        while i < self.pending.len() {
+            let p = &mut self.pending[i];
+            let outcome = match p.chan.poll_recv() {
+                Ok(None) if p.since.elapsed() > self.timeout => Err(Error::Remote(format!(
+                    "no hello within {} ms",
+                    self.timeout.as_millis()
+                ))),
+                Ok(None) => {
+                    i += 1;
+                    continue;
+                }
+                Ok(Some(m)) if m.kind == MsgKind::Hello => Hello::decode(&m.payload),
+                Ok(Some(m)) => Err(Error::Remote(format!(
+                    "expected a hello, got message type {:?}",
+                    m.kind
+                ))),
+                Err(e) => Err(e),
+            };
+            let mut p = self.pending.remove(i);
+            match outcome {
+                Ok(hello) if hello.nonce != self.handle.nonce => tracing::warn!(
+                    "rejected bootstrap connection from {}: its hello is for another listener",
+                    p.chan.peer()
+                ),
+                Ok(hello) if hello.transport != self.handle.transport => {
+                    let reason = format!(
+                        "the listener uses transport {}, the connector {}: set the same \
+                         NCCL_ERDMA_TRANSPORT on every node",
+                        self.handle.transport.name(),
+                        hello.transport.name()
+                    );
+                    p.chan.queue(MsgKind::Reject, reason.as_bytes());
+                    let _ = p.chan.flush();
+                    return Err(Error::Remote(format!(
+                        "peer {} refused: {reason}",
+                        p.chan.peer()
+                    )));
+                }
+                Ok(hello) => return Ok(Some((p.chan, hello))),
+                Err(e) => tracing::warn!(
+                    "rejected bootstrap connection from {}: {e}",
+                    p.chan.peer()
+                ),
+            }
+        }
+        Ok(None)
+    }
+}
+
+/// A random 64-bit value from the kernel, without a dependency: good enough to tell our own
+/// peers from strangers (it is not a secret against an attacker on the path).
+pub fn random_u64() -> u64 {
+    let mut b = [0u8; 8];
+    if std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut b))
+        .is_ok()
+    {
+        return u64::from_le_bytes(b);
+    }
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0);
+    t ^ (u64::from(std::process::id()) << 32)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn header_round_trip_and_limits() {
+        let h = encode_header(MsgKind::Accept, 77);
+        assert_eq!(decode_header(&h).unwrap(), (MsgKind::Accept, 77));
+        let big = encode_header(MsgKind::Hello, MAX_PAYLOAD + 1);
+        assert!(decode_header(&big).unwrap_err().to_string().contains("limit"));
+        let mut bad = h;
+        bad[0] ^= 0xff;
+        assert!(decode_header(&bad).is_err());
+        let mut bad = h;
+        bad[6] = 99;
+        assert!(decode_header(&bad).is_err());
+    }
+
+    #[test]
+    fn hello_round_trip() {
+        let h = Hello {
+            nonce: 5,
+            transport: TransportKind::Tcp,
+            payload: vec![1, 2, 3],
+        };
+        assert_eq!(Hello::decode(&h.encode()).unwrap(), h);
+        assert!(Hello::decode(&[0; 4]).is_err());
+    }
+
+    #[test]
+    fn stranger_is_dropped_and_peer_gets_in() {
+        let mut l = Listener::bind(
+            "127.0.0.1".parse().unwrap(),
+            TransportKind::Tcp,
+            Duration::from_secs(5),
+        )
+        .unwrap();
+        let addr = l.handle().addr;
+        let mut stranger = TcpStream::connect(addr).unwrap();
+        stranger.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
+        let mut peer = Channel::connect(addr).unwrap();
+        let hello = Hello {
+            nonce: l.handle().nonce,
+            transport: TransportKind::Tcp,
+            payload: vec![],
+        };
+        peer.queue(MsgKind::Hello, &hello.encode());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        let got = loop {
+            let _ = peer.flush().unwrap();
+            if let Some((chan, h)) = l.poll_hello().unwrap() {
+                break (chan, h);
+            }
+            assert!(Instant::now() < deadline, "peer never accepted");
+        };
+        assert_eq!(got.1, hello);
+        // The stranger was dropped: its socket reads EOF.
+        stranger
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let mut b = [0u8; 1];
+        assert_eq!(stranger.read(&mut b).unwrap(), 0);
+    }
+}

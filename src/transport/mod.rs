@@ -1,0 +1,29 @@
+//! Transports behind the version-neutral core: `tcp` (sockets, for hosts without RDMA and
+//! for tests) and, later, `verbs`. Both honour the same request contract, defined here.
+
+pub mod tcp;
+
+/// Largest `n` of a grouped receive (`maxRecvs`).
+pub const MAX_RECVS: usize = 8;
+/// Requests in flight per comm NCCL may rely on (`NCCL_NET_MAX_REQUESTS`).
+pub const MAX_REQUESTS: usize = 32;
+/// Sends in flight per send comm: one per entry of every in-flight grouped receive.
+pub const MAX_SEND_REQUESTS: usize = MAX_REQUESTS * MAX_RECVS;
+
+/// What `test` reports for a finished request: the size of each of its `n` messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    /// Number of messages (1 for a send, `n` for a grouped receive, 0 for a flush).
+    pub n: usize,
+    /// Received (or sent) size of each message.
+    pub sizes: [usize; MAX_RECVS],
+}
+
+impl Completion {
+    /// A completion of one message of `size` bytes.
+    pub fn single(size: usize) -> Self {
+        let mut sizes = [0; MAX_RECVS];
+        sizes[0] = size;
+        Completion { n: 1, sizes }
+    }
+}

@@ -1,0 +1,722 @@
+//! TCP transport: NCCL's p2p contract over one socket per connection, without RDMA.
+//!
+//! Receiver-driven like the verbs data path: `irecv` sends the sender a clear-to-send (CTS)
+//! frame naming the sizes and tags of its `n` buffers; `isend` returns a NULL request until a
+//! CTS entry with its tag has arrived, then streams a data frame (16-byte header + payload,
+//! written straight from the user's buffer). So a send larger than its receive is caught by
+//! the sender, which fails and tells the receiver (a TRUNC frame), and neither side ever
+//! buffers unexpected data. Everything is non-blocking, preallocated at connection time and
+//! progressed by whichever of `isend`/`irecv`/`test` runs next; nothing waits for the peer,
+//! and `close` just closes the socket.
+
+use std::{
+    collections::VecDeque,
+    io::{self, IoSlice, Read},
+    net::SocketAddr,
+    time::{Duration, Instant},
+};
+
+use parking_lot::Mutex;
+use socket2::Socket;
+
+use crate::abi::buffer::UserBuffer;
+use crate::error::{Error, Result};
+use crate::oob::{Channel, Handle, Hello, Listener, MsgKind, TransportKind};
+use crate::transport::{Completion, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS};
+
+const FRAME_CTS: u8 = 1;
+const FRAME_DATA: u8 = 2;
+const FLAG_TRUNC: u8 = 1;
+const CTS_HEADER: usize = 8;
+const CTS_ENTRY: usize = 16;
+const CTS_MAX: usize = CTS_HEADER + MAX_RECVS * CTS_ENTRY;
+const DATA_HEADER: usize = 16;
+
+fn would_block(e: &io::Error) -> bool {
+    matches!(
+        e.kind(),
+        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
+    )
+}
+
+fn send_nosignal(sock: &Socket, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+    // MSG_NOSIGNAL: a peer that closed must be an error code, not a SIGPIPE that kills the
+    // training process.
+    sock.send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
+}
+
+fn into_data_socket(chan: Channel) -> Result<Socket> {
+    let sock = Socket::from(chan.into_stream());
+    sock.set_nonblocking(true)
+        .map_err(|e| Error::io("making the data socket non-blocking", e))?;
+    Ok(sock)
+}
+
+/// A sticky connection failure: once set, every call that needs the peer returns it.
+#[derive(Debug, Default)]
+struct Failure(Option<String>);
+
+impl Failure {
+    fn set(&mut self, msg: String) {
+        if self.0.is_none() {
+            tracing::warn!("{msg}");
+            self.0 = Some(msg);
+        }
+    }
+    fn check(&self) -> Result<()> {
+        match &self.0 {
+            Some(m) => Err(Error::Remote(m.clone())),
+            None => Ok(()),
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Connection setup
+
+/// The listening side of one connection.
+pub struct TcpListen {
+    listener: Listener,
+    accepted: Option<Channel>,
+}
+
+impl TcpListen {
+    /// Binds the bootstrap listener; its handle goes to the peer.
+    pub fn bind(ip: std::net::IpAddr, timeout: Duration) -> Result<Self> {
+        Ok(TcpListen {
+            listener: Listener::bind(ip, TransportKind::Tcp, timeout)?,
+            accepted: None,
+        })
+    }
+
+    /// The handle to publish.
+    pub fn handle(&self) -> &Handle {
+        self.listener.handle()
+    }
+
+    /// One non-blocking step of `accept`.
+    pub fn poll_accept(&mut self) -> Result<Option<TcpRecvComm>> {
+        if self.accepted.is_none() {
+            match self.listener.poll_hello()? {
+                Some((mut chan, _hello)) => {
+                    chan.queue(MsgKind::Accept, &[]);
+                    self.accepted = Some(chan);
+                }
+                None => return Ok(None),
+            }
+        }
+        let chan = self.accepted.as_mut().expect("set above");
+        if !chan.flush()? {
+            return Ok(None);
+        }
+        let chan = self.accepted.take().expect("set above");
+        let peer = chan.peer();
+        Ok(Some(TcpRecvComm::new(into_data_socket(chan)?, peer)))
+    }
+}
+
+/// The connecting side, between NCCL's repeated `connect` calls.
+pub struct TcpConnecting {
+    chan: Channel,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+impl TcpConnecting {
+    /// Starts connecting to the listener described by `handle`.
+    pub fn start(handle: &Handle, timeout: Duration) -> Result<Self> {
+        let mut chan = Channel::connect(handle.addr)?;
+        let hello = Hello {
+            nonce: handle.nonce,
+            transport: TransportKind::Tcp,
+            payload: Vec::new(),
+        };
+        chan.queue(MsgKind::Hello, &hello.encode());
+        Ok(TcpConnecting {
+            chan,
+            deadline: Instant::now() + timeout,
+            timeout,
+        })
+    }
+
+    /// One non-blocking step of `connect`.
+    pub fn poll(&mut self) -> Result<Option<()>> {
+        if Instant::now() > self.deadline {
+            return Err(Error::Remote(format!(
+                "connection to {} not established within {} ms \
+                 (NCCL_ERDMA_CONNECT_TIMEOUT_MS)",
+                self.chan.peer(),
+                self.timeout.as_millis()
+            )));
+        }
+        if !self.chan.flush()? {
+            return Ok(None);
+        }
+        match self.chan.poll_recv()? {
+            None => Ok(None),
+            Some(m) if m.kind == MsgKind::Accept => Ok(Some(())),
+            Some(m) if m.kind == MsgKind::Reject => Err(Error::Remote(format!(
+                "{} refused the connection: {}",
+                self.chan.peer(),
+                String::from_utf8_lossy(&m.payload)
+            ))),
+            Some(m) => Err(Error::Remote(format!(
+                "{} answered the hello with message type {:?}",
+                self.chan.peer(),
+                m.kind
+            ))),
+        }
+    }
+
+    /// Turns the finished handshake into a send comm.
+    pub fn finish(self) -> Result<TcpSendComm> {
+        let peer = self.chan.peer();
+        Ok(TcpSendComm::new(into_data_socket(self.chan)?, peer))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Receive side
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RecvState {
+    Free,
+    Active,
+    Done,
+}
+
+#[derive(Debug)]
+struct RecvRequest {
+    state: RecvState,
+    seq: u32,
+    n: usize,
+    bufs: [UserBuffer; MAX_RECVS],
+    sizes: [usize; MAX_RECVS],
+    arrived: u8,
+    truncated: Option<(usize, usize)>,
+}
+
+impl RecvRequest {
+    const FREE: RecvRequest = RecvRequest {
+        state: RecvState::Free,
+        seq: 0,
+        n: 0,
+        bufs: [UserBuffer::EMPTY; MAX_RECVS],
+        sizes: [0; MAX_RECVS],
+        arrived: 0,
+        truncated: None,
+    };
+}
+
+enum RecvRx {
+    Header { buf: [u8; DATA_HEADER], have: usize },
+    Payload { slot: usize, entry: usize, have: usize, size: usize },
+}
+
+struct RecvInner {
+    sock: Socket,
+    peer: SocketAddr,
+    reqs: [RecvRequest; MAX_REQUESTS],
+    /// Sequence number of the next `irecv`.
+    next_seq: u32,
+    /// Sequence number of the receive whose data arrives now.
+    fill_seq: u32,
+    cts_out: VecDeque<u8>,
+    rx: RecvRx,
+    failure: Failure,
+}
+
+/// A receive comm over TCP.
+pub struct TcpRecvComm {
+    inner: Mutex<RecvInner>,
+}
+
+impl TcpRecvComm {
+    fn new(sock: Socket, peer: SocketAddr) -> Self {
+        TcpRecvComm {
+            inner: Mutex::new(RecvInner {
+                sock,
+                peer,
+                reqs: [RecvRequest::FREE; MAX_REQUESTS],
+                next_seq: 0,
+                fill_seq: 0,
+                cts_out: VecDeque::with_capacity(MAX_REQUESTS * CTS_MAX),
+                rx: RecvRx::Header {
+                    buf: [0; DATA_HEADER],
+                    have: 0,
+                },
+                failure: Failure::default(),
+            }),
+        }
+    }
+
+    /// Posts a grouped receive; `Ok(None)` when 32 are already in flight.
+    pub fn irecv(&self, bufs: &[UserBuffer], tags: &[i32]) -> Result<Option<usize>> {
+        let mut s = self.inner.lock();
+        s.progress();
+        s.failure.check()?;
+        let slot = s.next_seq as usize % MAX_REQUESTS;
+        if s.reqs[slot].state != RecvState::Free {
+            return Ok(None);
+        }
+        let seq = s.next_seq;
+        let n = bufs.len();
+        let req = &mut s.reqs[slot];
+        req.state = RecvState::Active;
+        req.seq = seq;
+        req.n = n;
+        req.bufs[..n].copy_from_slice(bufs);
+        req.sizes = [0; MAX_RECVS];
+        req.arrived = 0;
+        req.truncated = None;
+        let mut frame = [0u8; CTS_MAX];
+        frame[0] = FRAME_CTS;
+        frame[1] = n as u8;
+        frame[4..8].copy_from_slice(&seq.to_le_bytes());
+        for (i, (b, tag)) in bufs.iter().zip(tags).enumerate() {
+            let e = &mut frame[CTS_HEADER + i * CTS_ENTRY..CTS_HEADER + (i + 1) * CTS_ENTRY];
+            e[0..8].copy_from_slice(&(b.len() as u64).to_le_bytes());
+            e[8..12].copy_from_slice(&tag.to_le_bytes());
+        }
+        let len = CTS_HEADER + n * CTS_ENTRY;
+        s.cts_out.extend(&frame[..len]);
+        s.next_seq = seq.wrapping_add(1);
+        s.progress();
+        Ok(Some(slot))
+    }
+
+    /// Tests a receive; `Ok(Some)` once every message of the group has arrived.
+    pub fn test(&self, slot: usize) -> Result<Option<Completion>> {
+        let mut s = self.inner.lock();
+        s.progress();
+        let req = s
+            .reqs
+            .get_mut(slot)
+            .ok_or_else(|| Error::Misuse(format!("unknown receive request {slot}")))?;
+        match req.state {
+            RecvState::Done => {
+                req.state = RecvState::Free;
+                if let Some((sent, posted)) = req.truncated {
+                    return Err(Error::Truncated(format!(
+                        "the peer sent {sent} bytes to a receive of {posted} bytes"
+                    )));
+                }
+                Ok(Some(Completion {
+                    n: req.n,
+                    sizes: req.sizes,
+                }))
+            }
+            RecvState::Active => {
+                s.failure.check()?;
+                Ok(None)
+            }
+            RecvState::Free => Err(Error::Misuse(format!(
+                "test on receive request {slot}, which is not in flight"
+            ))),
+        }
+    }
+}
+
+impl RecvInner {
+    /// Sends pending CTS frames and reads whatever data has arrived. Failures are recorded,
+    /// not returned, so requests that already completed can still be collected.
+    fn progress(&mut self) {
+        if self.failure.0.is_some() {
+            return;
+        }
+        if let Err(e) = self.flush_cts().and_then(|()| self.read_data()) {
+            let msg = format!("connection from {} failed: {e}", self.peer);
+            self.failure.set(msg);
+        }
+    }
+
+    fn flush_cts(&mut self) -> Result<()> {
+        while !self.cts_out.is_empty() {
+            let (a, b) = self.cts_out.as_slices();
+            match send_nosignal(&self.sock, &[IoSlice::new(a), IoSlice::new(b)]) {
+                Ok(n) => {
+                    self.cts_out.drain(..n);
+                }
+                Err(e) if would_block(&e) => return Ok(()),
+                Err(e) => return Err(Error::io("sending clear-to-send", e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn read_data(&mut self) -> Result<()> {
+        loop {
+            let n = match &mut self.rx {
+                RecvRx::Header { buf, have } => (&self.sock).read(&mut buf[*have..]),
+                RecvRx::Payload {
+                    slot,
+                    entry,
+                    have,
+                    size,
+                } => {
+                    let dst = self.reqs[*slot].bufs[*entry].bytes_mut(*have, *size);
+                    (&self.sock).read(dst)
+                }
+            };
+            let n = match n {
+                Ok(0) => {
+                    let busy = self.reqs.iter().any(|r| r.state == RecvState::Active);
+                    return if busy {
+                        Err(Error::Remote("the peer closed the connection".into()))
+                    } else {
+                        // A peer that finished and closed is not an error until we need it.
+                        self.failure
+                            .0
+                            .get_or_insert_with(|| "the peer closed the connection".into());
+                        Ok(())
+                    };
+                }
+                Ok(n) => n,
+                Err(e) if would_block(&e) => return Ok(()),
+                Err(e) => return Err(Error::io("receiving data", e)),
+            };
+            match &mut self.rx {
+                RecvRx::Header { buf, have } => {
+                    *have += n;
+                    if *have == DATA_HEADER {
+                        let hdr = *buf;
+                        self.start_message(&hdr)?;
+                    }
+                }
+                RecvRx::Payload {
+                    slot,
+                    entry,
+                    have,
+                    size,
+                } => {
+                    *have += n;
+                    if *have == *size {
+                        let (slot, entry, size) = (*slot, *entry, *size);
+                        self.finish_message(slot, entry, size);
+                    }
+                }
+            }
+        }
+    }
+
+    fn start_message(&mut self, h: &[u8; DATA_HEADER]) -> Result<()> {
+        let entry = h[1] as usize;
+        let flags = h[2];
+        let seq = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+        let mut size_b = [0u8; 8];
+        size_b.copy_from_slice(&h[8..16]);
+        let size = u64::from_le_bytes(size_b) as usize;
+        let slot = seq as usize % MAX_REQUESTS;
+        let req = &mut self.reqs[slot];
+        let valid = h[0] == FRAME_DATA
+            && seq == self.fill_seq
+            && req.state == RecvState::Active
+            && req.seq == seq
+            && entry < req.n
+            && req.arrived & (1 << entry) == 0;
+        if !valid {
+            return Err(Error::Remote(format!(
+                "protocol error: unexpected data frame (type {}, receive {seq}, entry {entry}; \
+                 expected receive {})",
+                h[0], self.fill_seq
+            )));
+        }
+        let capacity = req.bufs[entry].len();
+        if flags & FLAG_TRUNC != 0 {
+            req.truncated = Some((size, capacity));
+            self.finish_message(slot, entry, 0);
+            return Ok(());
+        }
+        if size > capacity {
+            return Err(Error::Remote(format!(
+                "protocol error: {size} bytes sent to a {capacity}-byte receive"
+            )));
+        }
+        if size == 0 {
+            self.finish_message(slot, entry, 0);
+        } else {
+            self.rx = RecvRx::Payload {
+                slot,
+                entry,
+                have: 0,
+                size,
+            };
+        }
+        Ok(())
+    }
+
+    fn finish_message(&mut self, slot: usize, entry: usize, size: usize) {
+        let req = &mut self.reqs[slot];
+        req.sizes[entry] = size;
+        req.arrived |= 1 << entry;
+        if req.arrived.count_ones() as usize == req.n {
+            req.state = RecvState::Done;
+            self.fill_seq = self.fill_seq.wrapping_add(1);
+        }
+        self.rx = RecvRx::Header {
+            buf: [0; DATA_HEADER],
+            have: 0,
+        };
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Send side
+
+#[derive(Debug, Clone, Copy)]
+struct CtsGroup {
+    n: usize,
+    seq: u32,
+    sizes: [usize; MAX_RECVS],
+    tags: [i32; MAX_RECVS],
+    matched: u8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SendState {
+    Free,
+    Queued,
+    Written,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SendRequest {
+    state: SendState,
+    header: [u8; DATA_HEADER],
+    buf: UserBuffer,
+    size: usize,
+    written: usize,
+    /// A TRUNC notice nobody will test: freed as soon as it is written.
+    orphan: bool,
+}
+
+impl SendRequest {
+    const FREE: SendRequest = SendRequest {
+        state: SendState::Free,
+        header: [0; DATA_HEADER],
+        buf: UserBuffer::EMPTY,
+        size: 0,
+        written: 0,
+        orphan: false,
+    };
+}
+
+struct SendInner {
+    sock: Socket,
+    peer: SocketAddr,
+    cts: [CtsGroup; MAX_REQUESTS],
+    /// CTS groups received so far / fully matched so far.
+    cts_received: u32,
+    cts_matched: u32,
+    rx: [u8; MAX_REQUESTS * CTS_MAX],
+    rx_len: usize,
+    reqs: Box<[SendRequest; MAX_SEND_REQUESTS]>,
+    /// Sequence numbers of the next `isend` and of the send being written.
+    next_seq: u32,
+    tx_seq: u32,
+    failure: Failure,
+}
+
+/// A send comm over TCP.
+pub struct TcpSendComm {
+    inner: Mutex<SendInner>,
+}
+
+impl TcpSendComm {
+    fn new(sock: Socket, peer: SocketAddr) -> Self {
+        TcpSendComm {
+            inner: Mutex::new(SendInner {
+                sock,
+                peer,
+                cts: [CtsGroup {
+                    n: 0,
+                    seq: 0,
+                    sizes: [0; MAX_RECVS],
+                    tags: [0; MAX_RECVS],
+                    matched: 0,
+                }; MAX_REQUESTS],
+                cts_received: 0,
+                cts_matched: 0,
+                rx: [0; MAX_REQUESTS * CTS_MAX],
+                rx_len: 0,
+                reqs: Box::new([SendRequest::FREE; MAX_SEND_REQUESTS]),
+                next_seq: 0,
+                tx_seq: 0,
+                failure: Failure::default(),
+            }),
+        }
+    }
+
+    /// Posts a send; `Ok(None)` until the receiver has posted a matching receive.
+    pub fn isend(&self, buf: UserBuffer, tag: i32) -> Result<Option<usize>> {
+        let mut s = self.inner.lock();
+        s.progress();
+        s.failure.check()?;
+        let slot = s.next_seq as usize % MAX_SEND_REQUESTS;
+        if s.reqs[slot].state != SendState::Free || s.cts_matched == s.cts_received {
+            return Ok(None);
+        }
+        let g = s.cts_matched as usize % MAX_REQUESTS;
+        let group = &mut s.cts[g];
+        let Some(entry) = (0..group.n).find(|&e| group.matched & (1 << e) == 0 && group.tags[e] == tag)
+        else {
+            return Ok(None);
+        };
+        group.matched |= 1 << entry;
+        let (group_seq, posted) = (group.seq, group.sizes[entry]);
+        if group.matched.count_ones() as usize == group.n {
+            s.cts_matched = s.cts_matched.wrapping_add(1);
+        }
+        let truncated = buf.len() > posted;
+        let mut header = [0u8; DATA_HEADER];
+        header[0] = FRAME_DATA;
+        header[1] = entry as u8;
+        header[2] = if truncated { FLAG_TRUNC } else { 0 };
+        header[4..8].copy_from_slice(&group_seq.to_le_bytes());
+        header[8..16].copy_from_slice(&(buf.len() as u64).to_le_bytes());
+        s.reqs[slot] = SendRequest {
+            state: SendState::Queued,
+            header,
+            buf: if truncated { UserBuffer::EMPTY } else { buf },
+            size: buf.len(),
+            written: 0,
+            orphan: truncated,
+        };
+        s.next_seq = s.next_seq.wrapping_add(1);
+        s.progress();
+        if truncated {
+            return Err(Error::Truncated(format!(
+                "send of {} bytes (tag {tag}) to {} is larger than the {posted}-byte receive \
+                 posted for it",
+                buf.len(),
+                s.peer
+            )));
+        }
+        Ok(Some(slot))
+    }
+
+    /// Tests a send; done once all of its bytes are in the socket.
+    pub fn test(&self, slot: usize) -> Result<Option<Completion>> {
+        let mut s = self.inner.lock();
+        s.progress();
+        let req = s
+            .reqs
+            .get_mut(slot)
+            .ok_or_else(|| Error::Misuse(format!("unknown send request {slot}")))?;
+        match req.state {
+            SendState::Written => {
+                req.state = SendState::Free;
+                Ok(Some(Completion::single(req.size)))
+            }
+            SendState::Queued => {
+                s.failure.check()?;
+                Ok(None)
+            }
+            SendState::Free => Err(Error::Misuse(format!(
+                "test on send request {slot}, which is not in flight"
+            ))),
+        }
+    }
+}
+
+impl SendInner {
+    fn progress(&mut self) {
+        if self.failure.0.is_some() {
+            return;
+        }
+        if let Err(e) = self.read_cts().and_then(|()| self.write_data()) {
+            let msg = format!("connection to {} failed: {e}", self.peer);
+            self.failure.set(msg);
+        }
+    }
+
+    fn read_cts(&mut self) -> Result<()> {
+        loop {
+            let n = match (&self.sock).read(&mut self.rx[self.rx_len..]) {
+                Ok(0) => {
+                    let busy = self.tx_seq != self.next_seq
+                        || self.reqs.iter().any(|r| r.state == SendState::Queued);
+                    if busy {
+                        return Err(Error::Remote("the peer closed the connection".into()));
+                    }
+                    self.failure
+                        .0
+                        .get_or_insert_with(|| "the peer closed the connection".into());
+                    return Ok(());
+                }
+                Ok(n) => n,
+                Err(e) if would_block(&e) => return Ok(()),
+                Err(e) => return Err(Error::io("receiving clear-to-send", e)),
+            };
+            self.rx_len += n;
+            let mut at = 0;
+            while self.rx_len - at >= CTS_HEADER {
+                let f = &self.rx[at..self.rx_len];
+                let count = f[1] as usize;
+                let seq = u32::from_le_bytes([f[4], f[5], f[6], f[7]]);
+                if f[0] != FRAME_CTS
+                    || count == 0
+                    || count > MAX_RECVS
+                    || seq != self.cts_received
+                    || self.cts_received.wrapping_sub(self.cts_matched) as usize >= MAX_REQUESTS
+                {
+                    return Err(Error::Remote(format!(
+                        "protocol error: bad clear-to-send frame (type {}, n {count}, \
+                         receive {seq}, expected {})",
+                        f[0], self.cts_received
+                    )));
+                }
+                let len = CTS_HEADER + count * CTS_ENTRY;
+                if f.len() < len {
+                    break;
+                }
+                let mut group = CtsGroup {
+                    n: count,
+                    seq,
+                    sizes: [0; MAX_RECVS],
+                    tags: [0; MAX_RECVS],
+                    matched: 0,
+                };
+                for i in 0..count {
+                    let e = &f[CTS_HEADER + i * CTS_ENTRY..];
+                    let mut size = [0u8; 8];
+                    size.copy_from_slice(&e[0..8]);
+                    group.sizes[i] = u64::from_le_bytes(size) as usize;
+                    group.tags[i] = i32::from_le_bytes([e[8], e[9], e[10], e[11]]);
+                }
+                self.cts[seq as usize % MAX_REQUESTS] = group;
+                self.cts_received = self.cts_received.wrapping_add(1);
+                at += len;
+            }
+            self.rx.copy_within(at..self.rx_len, 0);
+            self.rx_len -= at;
+        }
+    }
+
+    fn write_data(&mut self) -> Result<()> {
+        while self.tx_seq != self.next_seq {
+            let slot = self.tx_seq as usize % MAX_SEND_REQUESTS;
+            let req = &mut self.reqs[slot];
+            let total = DATA_HEADER + req.buf.len();
+            while req.written < total {
+                let (h, p) = if req.written < DATA_HEADER {
+                    (&req.header[req.written..], req.buf.bytes_from(0))
+                } else {
+                    (&[][..], req.buf.bytes_from(req.written - DATA_HEADER))
+                };
+                match send_nosignal(&self.sock, &[IoSlice::new(h), IoSlice::new(p)]) {
+                    Ok(n) => req.written += n,
+                    Err(e) if would_block(&e) => return Ok(()),
+                    Err(e) => return Err(Error::io("sending data", e)),
+                }
+            }
+            req.state = if req.orphan {
+                SendState::Free
+            } else {
+                SendState::Written
+            };
+            self.tx_seq = self.tx_seq.wrapping_add(1);
+        }
+        Ok(())
+    }
+}
