@@ -18,7 +18,7 @@ pub const VERSIONS: [u32; 6] = [6, 7, 8, 9, 10, 11];
 pub type Code = ncclResult_t;
 
 /// An opaque pointer the plugin returned (comm, request or memory handle).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Opaque(pub *mut c_void);
 
 // SAFETY: these are plugin objects whose thread-safety the plugin's contract defines (comms

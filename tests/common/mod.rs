@@ -1,0 +1,197 @@
+//! Shared helpers of the conformance suite: load the built plugin through its C ABI (as
+//! NCCL does), connect loopback pairs by polling connect/accept alternately, move verified
+//! data, and re-run single tests in child processes (fresh plugin state, own environment,
+//! optionally an own network namespace).
+
+#![allow(dead_code)]
+
+use std::{
+    path::PathBuf,
+    process::{Command, Output},
+    sync::Once,
+    time::{Duration, Instant},
+};
+
+pub use nccl_net_erdma::abi::client::{self, Net, Opaque, VERSIONS};
+pub use nccl_net_erdma::abi::ffi::ncclResult_t;
+
+/// `NCCL_PTR_HOST`.
+pub const HOST: i32 = 1;
+/// Generous bound for anything that should complete at once on loopback.
+pub const DEADLINE: Duration = Duration::from_secs(30);
+
+/// Environment every in-process test runs with: the tcp transport on loopback only.
+pub fn setup() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        std::env::set_var("NCCL_ERDMA_TRANSPORT", "tcp");
+        std::env::set_var("NCCL_SOCKET_IFNAME", "lo");
+    });
+}
+
+/// The plugin under test.
+pub fn lib() -> PathBuf {
+    client::default_library()
+}
+
+/// Opens and initialises version `v`.
+pub fn open(v: u32) -> Net {
+    setup();
+    let mut net = Net::open(&lib(), v).unwrap_or_else(|e| panic!("{e}"));
+    net.init().expect("init");
+    net
+}
+
+/// Polls `f` until it returns a non-NULL pointer or the deadline passes.
+pub fn poll_until(what: &str, mut f: impl FnMut() -> Opaque) -> Opaque {
+    let start = Instant::now();
+    loop {
+        let p = f();
+        if !p.is_null() {
+            return p;
+        }
+        assert!(start.elapsed() < DEADLINE, "{what} did not complete");
+        std::hint::spin_loop();
+    }
+}
+
+/// A connected loopback pair on device 0: (send comm, recv comm).
+pub fn connect_pair(net: &Net) -> (Opaque, Opaque) {
+    let mut handle = [0u8; 128];
+    let listen = net.listen(0, &mut handle).expect("listen");
+    let (mut send, mut recv) = (Opaque::NULL, Opaque::NULL);
+    let start = Instant::now();
+    // NCCL polls connect and accept from one thread: neither may block.
+    while send.is_null() || recv.is_null() {
+        if send.is_null() {
+            send = net.connect(0, &mut handle).expect("connect");
+        }
+        if recv.is_null() {
+            recv = net.accept(listen).expect("accept");
+        }
+        assert!(start.elapsed() < DEADLINE, "connect/accept did not complete");
+    }
+    net.close_listen(listen).expect("closeListen");
+    (send, recv)
+}
+
+/// Deterministic bytes for message `seed`.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// A buffer registered on `comm`.
+pub struct Reg {
+    pub buf: Vec<u8>,
+    pub mh: Opaque,
+}
+
+pub fn reg(net: &Net, comm: Opaque, buf: Vec<u8>) -> Reg {
+    let mut buf = buf;
+    // Registering 0 bytes is fine, but give the buffer an address.
+    buf.reserve(1);
+    let mh = net
+        .reg_mr(comm, buf.as_mut_ptr(), buf.len(), HOST)
+        .expect("regMr");
+    Reg { buf, mh }
+}
+
+pub fn dereg(net: &Net, comm: Opaque, r: Reg) {
+    net.dereg_mr(comm, r.mh).expect("deregMr");
+}
+
+/// Tests `req` until done; returns the sizes it reports (`n` of them).
+pub fn wait(net: &Net, req: Opaque, n: usize) -> Vec<i32> {
+    let mut sizes = [-7i32; 64];
+    let start = Instant::now();
+    while !net.test(req, Some(&mut sizes)).expect("test") {
+        assert!(start.elapsed() < DEADLINE, "request did not complete");
+    }
+    sizes[..n].to_vec()
+}
+
+/// Sends `send_len` bytes into a receive of `recv_len` and checks every byte and both
+/// reported sizes.
+pub fn transfer(net: &Net, s: Opaque, r: Opaque, send_len: usize, recv_len: usize, seed: u64) {
+    let mut src = reg(net, s, pattern(seed, send_len));
+    let mut dst = reg(net, r, vec![0u8; recv_len]);
+    let rreq = poll_until("irecv", || {
+        net.irecv(r, &[(dst.buf.as_mut_ptr(), recv_len)], &[seed as i32], &[dst.mh], false)
+            .expect("irecv")
+    });
+    let sreq = poll_until("isend", || {
+        net.isend(s, src.buf.as_mut_ptr(), send_len, seed as i32, src.mh)
+            .expect("isend")
+    });
+    let (mut sdone, mut rdone) = (false, false);
+    let (mut ssize, mut rsize) = ([0i32; 1], [0i32; 64]);
+    let start = Instant::now();
+    while !(sdone && rdone) {
+        if !sdone {
+            sdone = net.test(sreq, Some(&mut ssize)).expect("test send");
+        }
+        if !rdone {
+            rdone = net.test(rreq, Some(&mut rsize)).expect("test recv");
+        }
+        assert!(start.elapsed() < DEADLINE, "transfer of {send_len} bytes hung");
+    }
+    assert_eq!(ssize[0] as usize, send_len, "send size");
+    assert_eq!(rsize[0] as usize, send_len, "received size is the real size");
+    assert!(
+        dst.buf[..send_len] == src.buf[..],
+        "payload of {send_len} bytes differs"
+    );
+    assert!(dst.buf[send_len..].iter().all(|b| *b == 0), "bytes past the message touched");
+    dereg(net, s, src);
+    dereg(net, r, dst);
+}
+
+/// True in a child started by [`run_child`].
+pub fn is_child() -> bool {
+    std::env::var_os("CONFORMANCE_CHILD").is_some()
+}
+
+/// Runs test `name` of this binary in a fresh process with `env` (and `unset` removed).
+pub fn run_child(name: &str, env: &[(&str, &str)], unset: &[&str], netns: bool) -> Output {
+    let exe = std::env::current_exe().expect("current_exe");
+    let args = [name, "--exact", "--ignored", "--nocapture", "--test-threads=1"];
+    let mut cmd = if netns {
+        // Garbage handles and addresses never reach a real network: a private namespace
+        // whose only interface is loopback.
+        let mut c = Command::new("unshare");
+        c.args(["-n", "sh", "-c", "ip link set lo up && exec \"$0\" \"$@\""])
+            .arg(&exe)
+            .args(args);
+        c
+    } else {
+        let mut c = Command::new(&exe);
+        c.args(args);
+        c
+    };
+    cmd.env("CONFORMANCE_CHILD", "1")
+        .env("NCCL_ERDMA_PLUGIN_LIB", lib())
+        .env("NCCL_SOCKET_IFNAME", "lo");
+    for k in unset {
+        cmd.env_remove(k);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = cmd.output().expect("spawning the child test");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("1 passed"),
+        "child {name} did not pass:\n{}\n{}",
+        text,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}

@@ -1,0 +1,670 @@
+//! Conformance suite: dlopens the built plugin (RTLD_NOW | RTLD_LOCAL), resolves each
+//! exported `ncclNetPlugin_vN` and drives it the way NCCL's proxy threads do, asserting real
+//! outcomes: bytes compared, sizes reported, error codes returned.
+//!
+//! In-process tests use the tcp transport on loopback. Tests that need a fresh plugin (a
+//! different environment, a failing init) run themselves again in a child process.
+
+mod common;
+
+use std::{
+    collections::HashSet,
+    io::{BufRead, BufReader, Write},
+    process::{Command, Stdio},
+    sync::{
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+        Arc,
+    },
+    thread,
+    time::{Duration, Instant},
+};
+
+use common::*;
+
+#[test]
+fn every_version_is_exported_with_name_and_null_optional_slots() {
+    for v in VERSIONS {
+        let net = Net::open(&lib(), v).unwrap();
+        assert_eq!(net.name(), "erdma", "v{v}");
+        assert!(net.optional_slots_null(), "v{v}: optional slots must be NULL");
+    }
+    assert!(Net::open(&lib(), 12).is_err(), "v12 is not exported");
+}
+
+#[test]
+fn properties_follow_each_version_rules() {
+    for v in VERSIONS {
+        let mut net = open(v);
+        let n = net.devices().unwrap();
+        assert!(n >= 1, "v{v}: devices {n}");
+        let p = net.properties(0).unwrap();
+        assert!(p.name.starts_with("erdma-tcp-lo"), "v{v}: name {}", p.name);
+        assert_eq!(p.ptr_support, HOST, "v{v}");
+        assert!(p.speed > 0 && p.port >= 1 && p.max_comms > 0, "v{v}: {p:?}");
+        assert_eq!(p.max_recvs, 8, "v{v}");
+        assert_eq!(p.latency, 0.0, "v{v}");
+        if v >= 7 {
+            assert_eq!(p.net_device, Some((0, 0)), "v{v}: netDeviceType HOST, version 0");
+        }
+        if v >= 8 {
+            assert_eq!(p.reg_is_global, Some(1), "v{v}");
+        }
+        if v >= 9 {
+            assert_eq!(p.force_flush, Some(0), "v{v}");
+            assert_eq!(p.vprops, Some((1, [0, 0, 0, 0])), "v{v}");
+            let (p2p, coll) = p.max_bytes.unwrap();
+            assert!(p2p > 0 && p2p <= 1 << 40, "v{v}: maxP2pBytes {p2p}");
+            assert!(coll > 0 && coll <= 1 << 40, "v{v}: maxCollBytes {coll}");
+        }
+        if v >= 11 {
+            assert_eq!(p.max_multi_request_size, Some(1));
+        }
+        assert_eq!(
+            net.properties(n).unwrap_err(),
+            ncclResult_t::ncclInvalidArgument
+        );
+        assert_eq!(
+            net.properties(-1).unwrap_err(),
+            ncclResult_t::ncclInvalidArgument
+        );
+        net.finalize().unwrap();
+    }
+}
+
+#[test]
+fn logger_gets_percent_s_and_a_warn_names_the_problem() {
+    let mut net = open(8);
+    assert!(net.properties(77).is_err());
+    let lines = client::logged_lines();
+    assert!(!lines.is_empty());
+    assert!(lines.iter().all(|l| l.fmt == "%s"), "format is always %s");
+    assert!(lines.iter().all(|l| l.text.starts_with("NET/erdma ")));
+    assert!(
+        lines
+            .iter()
+            .any(|l| l.level == 2 && l.text.contains("getProperties") && l.text.contains("77")),
+        "a WARN (level 2) names the call and the device: {lines:?}"
+    );
+    net.finalize().unwrap();
+}
+
+#[test]
+fn loopback_one_thread_all_sizes_every_version() {
+    for v in VERSIONS {
+        let mut net = open(v);
+        let (s, r) = connect_pair(&net);
+        for (i, &size) in [0usize, 1, 7, 4093, 65536, 4 << 20, (5 << 20) + 3]
+            .iter()
+            .enumerate()
+        {
+            transfer(&net, s, r, size, size, i as u64);
+        }
+        // A receive larger than the send reports the real size.
+        transfer(&net, s, r, 1000, 8192, 99);
+        transfer(&net, s, r, 0, 64, 100);
+        net.close_send(s).unwrap();
+        net.close_recv(r).unwrap();
+        net.finalize().unwrap();
+    }
+}
+
+#[test]
+fn grouped_receive_with_mixed_tags_fills_every_size() {
+    for v in [6, 8, 11] {
+        let mut net = open(v);
+        let (s, r) = connect_pair(&net);
+        let n = 8;
+        let recv_len = 3000;
+        let mut dst: Vec<Reg> = (0..n).map(|_| reg(&net, r, vec![0u8; recv_len])).collect();
+        let tags: Vec<i32> = (0..n as i32).map(|i| 100 + (i * 5) % 8).collect();
+        let bufs: Vec<(*mut u8, usize)> =
+            dst.iter_mut().map(|d| (d.buf.as_mut_ptr(), recv_len)).collect();
+        let mhs: Vec<Opaque> = dst.iter().map(|d| d.mh).collect();
+        let rreq = poll_until("irecv", || net.irecv(r, &bufs, &tags, &mhs, false).unwrap());
+        // Send in another tag order, each message a different size.
+        let order = [3usize, 0, 7, 5, 1, 6, 2, 4];
+        let mut srcs = Vec::new();
+        let mut sreqs = Vec::new();
+        for &i in &order {
+            let len = 100 * i + 1;
+            let mut src = reg(&net, s, pattern(i as u64, len));
+            let req = poll_until("isend", || {
+                net.isend(s, src.buf.as_mut_ptr(), len, tags[i], src.mh).unwrap()
+            });
+            sreqs.push(req);
+            srcs.push((i, src));
+        }
+        let sizes = wait(&net, rreq, n);
+        for req in sreqs {
+            wait(&net, req, 1);
+        }
+        for (i, src) in srcs {
+            let len = 100 * i + 1;
+            assert_eq!(sizes[i] as usize, len, "v{v}: size of entry {i} (tag {})", tags[i]);
+            assert!(dst[i].buf[..len] == src.buf[..], "v{v}: entry {i} payload");
+            dereg(&net, s, src);
+        }
+        for d in dst {
+            dereg(&net, r, d);
+        }
+        net.close_send(s).unwrap();
+        net.close_recv(r).unwrap();
+        net.finalize().unwrap();
+    }
+}
+
+#[test]
+fn requests_are_null_when_they_cannot_be_posted_and_32_by_8_fit() {
+    let mut net = open(9);
+    let (s, r) = connect_pair(&net);
+    let mut src = reg(&net, s, pattern(1, 64));
+    // No receive posted: isend cannot be posted now.
+    for _ in 0..100 {
+        let req = net.isend(s, src.buf.as_mut_ptr(), 64, 1, src.mh).unwrap();
+        assert!(req.is_null(), "isend without a matching receive must return NULL");
+    }
+    // 32 grouped receives of 8 fit; the 33rd is NULL.
+    let mut dst: Vec<Reg> = (0..8).map(|_| reg(&net, r, vec![0u8; 64])).collect();
+    let bufs: Vec<(*mut u8, usize)> = dst.iter_mut().map(|d| (d.buf.as_mut_ptr(), 64)).collect();
+    let mhs: Vec<Opaque> = dst.iter().map(|d| d.mh).collect();
+    let tags = [1i32; 8];
+    let mut rreqs = Vec::new();
+    for _ in 0..32 {
+        let req = net.irecv(r, &bufs, &tags, &mhs, false).unwrap();
+        assert!(!req.is_null(), "32 receives in flight must be accepted");
+        rreqs.push(req);
+    }
+    assert!(net.irecv(r, &bufs, &tags, &mhs, false).unwrap().is_null());
+    // 32 x 8 = 256 sends in flight on the send comm.
+    let mut sreqs = Vec::new();
+    for _ in 0..256 {
+        sreqs.push(poll_until("isend", || {
+            net.isend(s, src.buf.as_mut_ptr(), 64, 1, src.mh).unwrap()
+        }));
+    }
+    assert_eq!(sreqs.iter().collect::<HashSet<_>>().len(), 256, "distinct requests");
+    for req in sreqs {
+        assert_eq!(wait(&net, req, 1), vec![64]);
+    }
+    for req in rreqs {
+        assert_eq!(wait(&net, req, 8), vec![64; 8]);
+    }
+    assert!(dst[7].buf == src.buf);
+    src.buf.clear();
+    dereg(&net, s, src);
+    for d in dst {
+        dereg(&net, r, d);
+    }
+    net.close_send(s).unwrap();
+    net.close_recv(r).unwrap();
+    net.finalize().unwrap();
+}
+
+#[test]
+fn send_larger_than_receive_is_an_error_on_both_sides() {
+    let mut net = open(11);
+    let (s, r) = connect_pair(&net);
+    let mut src = reg(&net, s, pattern(3, 100));
+    let mut dst = reg(&net, r, vec![0u8; 50]);
+    let rreq = poll_until("irecv", || {
+        net.irecv(r, &[(dst.buf.as_mut_ptr(), 50)], &[5], &[dst.mh], false)
+            .unwrap()
+    });
+    let start = Instant::now();
+    let err = loop {
+        match net.isend(s, src.buf.as_mut_ptr(), 100, 5, src.mh) {
+            Ok(req) if req.is_null() => assert!(start.elapsed() < DEADLINE),
+            Ok(_) => panic!("a send larger than its receive was accepted"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err, ncclResult_t::ncclInvalidUsage);
+    let start = Instant::now();
+    let err = loop {
+        match net.test(rreq, None) {
+            Ok(false) => assert!(start.elapsed() < DEADLINE, "receiver never saw the error"),
+            Ok(true) => panic!("the truncated receive completed"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err, ncclResult_t::ncclInvalidUsage);
+    assert!(dst.buf.iter().all(|b| *b == 0), "nothing was written");
+    src.buf.truncate(0);
+    dst.buf.truncate(0);
+    net.close_send(s).unwrap();
+    net.close_recv(r).unwrap();
+    net.finalize().unwrap();
+}
+
+#[test]
+fn optional_receive_hint_is_always_overwritten() {
+    for v in [9, 10, 11] {
+        let mut net = open(v);
+        let (s, r) = connect_pair(&net);
+        let mut dst = reg(&net, r, vec![0u8; 16]);
+        let mut src = reg(&net, s, pattern(9, 16));
+        let req = net
+            .irecv(r, &[(dst.buf.as_mut_ptr(), 16)], &[0], &[dst.mh], true)
+            .unwrap();
+        assert_ne!(req.0 as usize, 1, "v{v}: the 0x1 hint was left in *request");
+        assert!(!req.is_null());
+        let sreq = poll_until("isend", || {
+            net.isend(s, src.buf.as_mut_ptr(), 16, 0, src.mh).unwrap()
+        });
+        assert_eq!(wait(&net, req, 1), vec![16]);
+        wait(&net, sreq, 1);
+        assert_eq!(dst.buf, src.buf);
+        dereg(&net, r, dst);
+        dereg(&net, s, src);
+        net.close_send(s).unwrap();
+        net.close_recv(r).unwrap();
+        net.finalize().unwrap();
+    }
+}
+
+#[test]
+fn iflush_returns_no_request_and_dereg_accepts_null() {
+    let mut net = open(8);
+    let (s, r) = connect_pair(&net);
+    let mut dst = reg(&net, r, vec![0u8; 64]);
+    let req = net
+        .iflush(r, &[(dst.buf.as_mut_ptr(), 64)], &[dst.mh])
+        .unwrap();
+    assert!(req.is_null(), "host memory needs no flush");
+    net.dereg_mr(r, Opaque::NULL).unwrap();
+    let mh = dst.mh;
+    dereg(&net, r, dst);
+    assert_eq!(
+        net.dereg_mr(r, mh).unwrap_err(),
+        ncclResult_t::ncclInternalError,
+        "double deregistration is reported"
+    );
+    net.close_send(s).unwrap();
+    net.close_recv(r).unwrap();
+    net.finalize().unwrap();
+}
+
+#[test]
+fn bad_arguments_are_error_codes() {
+    let mut net = open(8);
+    let (s, r) = connect_pair(&net);
+    let mut buf = vec![0u8; 64];
+    let p = buf.as_mut_ptr();
+    let mh = net.reg_mr(s, p, 64, HOST).unwrap();
+    let inval = ncclResult_t::ncclInvalidArgument;
+    let internal = ncclResult_t::ncclInternalError;
+    assert_eq!(net.isend(Opaque::NULL, p, 8, 0, mh).unwrap_err(), inval);
+    assert_eq!(net.isend(r, p, 8, 0, mh).unwrap_err(), internal, "a recv comm as send comm");
+    assert_eq!(net.isend(s, p, 8, 0, Opaque(0xdead as _)).unwrap_err(), internal);
+    assert_eq!(net.isend(s, p, 65, 0, mh).unwrap_err(), inval, "outside the registration");
+    assert_eq!(net.irecv(r, &[], &[], &[], false).unwrap_err(), inval, "n = 0");
+    let nine = vec![(p, 1usize); 9];
+    assert_eq!(
+        net.irecv(r, &nine, &[0; 9], &[mh; 9], false).unwrap_err(),
+        inval,
+        "n = 9 > maxRecvs"
+    );
+    let mut data = [p as *mut std::ffi::c_void];
+    let mut sizes = [-5i32];
+    let mut tags = [0i32];
+    let mut mhs = [mh.0];
+    let neg = net.irecv_raw(
+        r,
+        1,
+        data.as_mut_ptr(),
+        sizes.as_mut_ptr(),
+        std::ptr::null_mut(),
+        tags.as_mut_ptr(),
+        mhs.as_mut_ptr(),
+        false,
+    );
+    assert_eq!(neg.unwrap_err(), inval, "negative size");
+    let mut done = 0;
+    assert_eq!(net.test_raw(Opaque::NULL, &mut done, std::ptr::null_mut()), inval);
+    assert_eq!(
+        net.reg_mr(s, p, 64, 2).unwrap_err(),
+        inval,
+        "CUDA memory on the tcp transport"
+    );
+    assert_eq!(net.close_send(Opaque::NULL).unwrap_err(), inval);
+    assert_eq!(net.close_recv(s).unwrap_err(), internal, "a send comm as recv comm");
+    net.dereg_mr(s, mh).unwrap();
+    net.close_send(s).unwrap();
+    net.close_recv(r).unwrap();
+    net.finalize().unwrap();
+}
+
+#[test]
+fn sixty_four_comms_at_once() {
+    let mut net = open(11);
+    let pairs: Vec<(Opaque, Opaque)> = (0..64).map(|_| connect_pair(&net)).collect();
+    for (i, (s, r)) in pairs.iter().enumerate() {
+        transfer(&net, *s, *r, 1000 + i, 2048, i as u64);
+    }
+    for (s, r) in pairs {
+        net.close_send(s).unwrap();
+        net.close_recv(r).unwrap();
+    }
+    net.finalize().unwrap();
+}
+
+#[test]
+fn close_listen_never_accepted_and_connect_to_it_fails_in_bounded_time() {
+    let mut net = open(10);
+    // A listener nobody connects to (NCCL's shared-comm case).
+    let mut handle = [0u8; 128];
+    let l = net.listen(0, &mut handle).unwrap();
+    net.close_listen(l).unwrap();
+    // Connecting to a closed listener fails, it does not hang.
+    let start = Instant::now();
+    let err = loop {
+        match net.connect(0, &mut handle) {
+            Ok(c) if c.is_null() => assert!(start.elapsed() < DEADLINE, "connect hung"),
+            Ok(_) => panic!("connected to a closed listener"),
+            Err(e) => break e,
+        }
+    };
+    assert_eq!(err, ncclResult_t::ncclRemoteError);
+    net.finalize().unwrap();
+}
+
+#[test]
+fn init_twice_and_v11_contexts() {
+    let mut a = open(11);
+    let mut b = open(11);
+    a.init().unwrap();
+    a.finalize().unwrap();
+    b.finalize().unwrap();
+    b.finalize_ctx(Opaque::NULL).unwrap();
+    assert_eq!(
+        b.finalize_ctx(Opaque(0x1234 as _)).unwrap_err(),
+        ncclResult_t::ncclInternalError
+    );
+    let mut c = open(6);
+    c.init().unwrap();
+}
+
+#[test]
+fn service_thread_and_progress_thread_run_together() {
+    let net = Arc::new(open(11));
+    let (s, r) = connect_pair(&net);
+    let stop = Arc::new(AtomicBool::new(false));
+    let setups = Arc::new(AtomicUsize::new(0));
+    let service = {
+        let (net, stop, setups) = (Arc::clone(&net), Arc::clone(&stop), Arc::clone(&setups));
+        thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                let (s2, r2) = connect_pair(&net);
+                let mut b = vec![0u8; 4096];
+                let mh = net.reg_mr(s2, b.as_mut_ptr(), b.len(), HOST).unwrap();
+                net.dereg_mr(r2, mh).unwrap();
+                net.close_send(s2).unwrap();
+                net.close_recv(r2).unwrap();
+                setups.fetch_add(1, Ordering::Relaxed);
+            }
+        })
+    };
+    let start = Instant::now();
+    let mut moved = 0;
+    while start.elapsed() < Duration::from_millis(1500) || setups.load(Ordering::Relaxed) < 3 {
+        transfer(&net, s, r, 777 + moved % 5000, 8192, moved as u64);
+        moved += 1;
+        assert!(start.elapsed() < DEADLINE);
+    }
+    stop.store(true, Ordering::Relaxed);
+    service.join().unwrap();
+    assert!(moved > 10, "progress thread moved {moved} messages");
+    net.close_send(s).unwrap();
+    net.close_recv(r).unwrap();
+}
+
+#[test]
+fn dlclose_dlopen_cycles_with_traffic() {
+    setup();
+    for cycle in 0..20 {
+        let v = VERSIONS[cycle % VERSIONS.len()];
+        let mut net = open(v);
+        let (s, r) = connect_pair(&net);
+        transfer(&net, s, r, 4096 + cycle, 8192, cycle as u64);
+        net.close_send(s).unwrap();
+        net.close_recv(r).unwrap();
+        net.finalize().unwrap();
+        net.close();
+    }
+}
+
+#[test]
+fn library_needs_no_rdma_libraries_and_exports_only_the_tables() {
+    let so = lib();
+    let out = Command::new("readelf").arg("-d").arg(&so).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success() && text.contains("NEEDED"), "{text}");
+    assert!(!text.contains("libibverbs") && !text.contains("librdmacm"), "{text}");
+    let out = Command::new("nm")
+        .args(["-D", "--defined-only"])
+        .arg(&so)
+        .output()
+        .unwrap();
+    let syms: Vec<String> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_whitespace().nth(2).map(str::to_string))
+        .collect();
+    let want: Vec<String> = VERSIONS.iter().map(|v| format!("ncclNetPlugin_v{v}")).collect();
+    let mut got = syms.clone();
+    got.sort();
+    let mut want_sorted = want.clone();
+    want_sorted.sort();
+    assert_eq!(got, want_sorted, "exported symbols");
+}
+
+// ---------------------------------------------------------------------------------------
+// Tests that need their own process (fresh plugin state and environment).
+
+#[test]
+fn bad_settings_fail_init_with_a_warn_naming_them() {
+    for (var, value) in [
+        ("NCCL_ERDMA_TRANSPORT", "foo"),
+        ("NCCL_IB_QPS_PER_CONNECTION", "0"),
+        ("NCCL_IB_QPS_PER_CONNECTION", "abc"),
+    ] {
+        run_child(
+            "child_init_fails_invalid_usage",
+            &[("CHILD_VAR", var), ("CHILD_VALUE", value), (var, value)],
+            &[],
+            false,
+        );
+    }
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_init_fails_invalid_usage() {
+    if !is_child() {
+        return;
+    }
+    let (var, value) = (
+        std::env::var("CHILD_VAR").unwrap(),
+        std::env::var("CHILD_VALUE").unwrap(),
+    );
+    for v in [8, 11] {
+        let mut net = Net::open(&lib(), v).unwrap();
+        assert_eq!(net.init().unwrap_err(), ncclResult_t::ncclInvalidUsage);
+        net.finalize().unwrap();
+    }
+    let warn = client::logged_lines()
+        .into_iter()
+        .find(|l| l.level == 2)
+        .expect("a WARN line");
+    assert!(
+        warn.text.contains(&var) && warn.text.contains(&value) && warn.text.contains("not valid"),
+        "{warn:?}"
+    );
+}
+
+#[test]
+fn default_verbs_fails_init_cleanly_without_rdma_and_auto_falls_back_to_tcp() {
+    if std::path::Path::new("/sys/class/infiniband").exists() {
+        eprintln!("skipped: this host has RDMA devices (runs on hosts without RDMA)");
+        return;
+    }
+    run_child("child_default_transport_fails", &[], &["NCCL_ERDMA_TRANSPORT"], false);
+    run_child(
+        "child_auto_transport_uses_tcp",
+        &[("NCCL_ERDMA_TRANSPORT", "auto")],
+        &[],
+        false,
+    );
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_default_transport_fails() {
+    if !is_child() {
+        return;
+    }
+    let mut net = Net::open(&lib(), 11).unwrap();
+    assert_eq!(net.init().unwrap_err(), ncclResult_t::ncclSystemError);
+    // NCCL 2.28 calls finalize after a failed init with a NULL context.
+    net.finalize().unwrap();
+    assert_eq!(net.devices().unwrap(), 0, "devices() after a failed init reports 0");
+    let warns: Vec<_> = client::logged_lines()
+        .into_iter()
+        .filter(|l| l.level == 2)
+        .collect();
+    assert_eq!(warns.len(), 1, "exactly one WARN line: {warns:?}");
+    assert!(warns[0].text.contains("verbs transport unavailable"), "{warns:?}");
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_auto_transport_uses_tcp() {
+    if !is_child() {
+        return;
+    }
+    let mut net = Net::open(&lib(), 11).unwrap();
+    net.init().unwrap();
+    assert!(net.properties(0).unwrap().name.starts_with("erdma-tcp-"));
+    let (s, r) = connect_pair(&net);
+    transfer(&net, s, r, 12345, 12345, 1);
+    net.close_send(s).unwrap();
+    net.close_recv(r).unwrap();
+    net.finalize().unwrap();
+}
+
+#[test]
+fn garbage_handles_are_rejected_without_connecting() {
+    run_child("child_garbage_handles", &[], &[], true);
+}
+
+#[test]
+#[ignore = "entry point of a child process (in its own network namespace)"]
+fn child_garbage_handles() {
+    if !is_child() {
+        return;
+    }
+    let mut net = open(11);
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for _ in 0..200 {
+        let mut handle = [0u8; 128];
+        for b in handle.iter_mut() {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            *b = x as u8;
+        }
+        assert_eq!(
+            net.connect(0, &mut handle).unwrap_err(),
+            ncclResult_t::ncclInvalidArgument
+        );
+    }
+    // A valid-looking handle with a corrupted stage area is refused, not dereferenced.
+    let mut handle = [0u8; 128];
+    let l = net.listen(0, &mut handle).unwrap();
+    handle[40] = 0x42;
+    assert_eq!(
+        net.connect(0, &mut handle).unwrap_err(),
+        ncclResult_t::ncclInvalidArgument
+    );
+    net.close_listen(l).unwrap();
+    net.finalize().unwrap();
+}
+
+#[test]
+fn two_processes_every_version() {
+    setup();
+    for v in VERSIONS {
+        let mut net = open(v);
+        let mut handle = [0u8; 128];
+        let listen = net.listen(0, &mut handle).unwrap();
+        let exe = std::env::current_exe().unwrap();
+        let mut child = Command::new(exe)
+            .args(["child_sender", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            .env("CONFORMANCE_CHILD", "1")
+            .env("CHILD_VERSION", v.to_string())
+            .env("CHILD_HANDLE", hex(&handle))
+            .env("NCCL_ERDMA_PLUGIN_LIB", lib())
+            .env("NCCL_ERDMA_TRANSPORT", "tcp")
+            .env("NCCL_SOCKET_IFNAME", "lo")
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let r = poll_until("accept", || net.accept(listen).unwrap());
+        net.close_listen(listen).unwrap();
+        let sizes = [0usize, 1, 4099, 1 << 20, (4 << 20) + 1];
+        for (i, &size) in sizes.iter().enumerate() {
+            let mut dst = reg(&net, r, vec![0u8; size + 16]);
+            let req = poll_until("irecv", || {
+                net.irecv(r, &[(dst.buf.as_mut_ptr(), size + 16)], &[7], &[dst.mh], false)
+                    .unwrap()
+            });
+            assert_eq!(wait(&net, req, 1), vec![size as i32], "v{v} size");
+            assert!(dst.buf[..size] == pattern(i as u64, size)[..], "v{v}: {size} bytes");
+            dereg(&net, r, dst);
+        }
+        let mut out = String::new();
+        for line in BufReader::new(child.stdout.take().unwrap()).lines() {
+            out.push_str(&line.unwrap());
+            out.push('\n');
+        }
+        assert!(child.wait().unwrap().success(), "v{v} child failed:\n{out}");
+        assert!(out.contains("1 passed"), "{out}");
+        net.close_recv(r).unwrap();
+        net.finalize().unwrap();
+    }
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_sender() {
+    if !is_child() {
+        return;
+    }
+    let v: u32 = std::env::var("CHILD_VERSION").unwrap().parse().unwrap();
+    let mut handle = unhex(&std::env::var("CHILD_HANDLE").unwrap());
+    let mut net = open(v);
+    let s = poll_until("connect", || net.connect(0, &mut handle).unwrap());
+    let sizes = [0usize, 1, 4099, 1 << 20, (4 << 20) + 1];
+    for (i, &size) in sizes.iter().enumerate() {
+        let mut src = reg(&net, s, pattern(i as u64, size));
+        let req = poll_until("isend", || {
+            net.isend(s, src.buf.as_mut_ptr(), size, 7, src.mh).unwrap()
+        });
+        assert_eq!(wait(&net, req, 1), vec![size as i32]);
+        dereg(&net, s, src);
+    }
+    net.close_send(s).unwrap();
+    net.finalize().unwrap();
+    std::io::stdout().flush().unwrap();
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> [u8; 128] {
+    let mut out = [0u8; 128];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap();
+    }
+    out
+}
