@@ -92,8 +92,9 @@ impl NameFilter {
                 return Err(Error::Config {
                     var,
                     value: raw.to_string(),
-                    accepted: "a comma-separated list of names, optionally starting with ^ and/or ="
-                        .into(),
+                    accepted:
+                        "a comma-separated list of names, optionally starting with ^ and/or ="
+                            .into(),
                 });
             }
             entries.push(NameEntry {
@@ -295,7 +296,9 @@ impl Config {
             ib_tc: read(get("NCCL_IB_TC"), -1, |raw| {
                 int_in("NCCL_IB_TC", raw, -1, 255)
             })?,
-            ib_sl: read(get("NCCL_IB_SL"), -1, |raw| int_in("NCCL_IB_SL", raw, -1, 15))?,
+            ib_sl: read(get("NCCL_IB_SL"), -1, |raw| {
+                int_in("NCCL_IB_SL", raw, -1, 15)
+            })?,
             ib_pkey: read(get("NCCL_IB_PKEY"), 0, |raw| {
                 int_in("NCCL_IB_PKEY", raw, 0, 65535)
             })?,
@@ -324,7 +327,11 @@ impl Config {
             format!(
                 "NCCL_ERDMA_TRANSPORT = {} ({})",
                 self.transport.value,
-                if self.transport.from_env { "env" } else { "default" }
+                if self.transport.from_env {
+                    "env"
+                } else {
+                    "default"
+                }
             ),
             line("NCCL_SOCKET_IFNAME", &self.socket_ifname),
             line("NCCL_SOCKET_FAMILY", &self.socket_family),

@@ -40,7 +40,10 @@ fn property_structs_have_nccl_sizes_and_offsets() {
     assert_eq!(offset_of!(ncclNetProperties_v9_t, vProps), 64);
     assert_eq!(offset_of!(ncclNetProperties_v9_t, maxP2pBytes), 88);
     assert_eq!(offset_of!(ncclNetProperties_v9_t, maxCollBytes), 96);
-    assert_eq!(offset_of!(ncclNetProperties_v11_t, maxMultiRequestSize), 104);
+    assert_eq!(
+        offset_of!(ncclNetProperties_v11_t, maxMultiRequestSize),
+        104
+    );
 }
 
 #[test]

@@ -26,7 +26,10 @@ fn every_version_is_exported_with_name_and_null_optional_slots() {
     for v in VERSIONS {
         let net = Net::open(&lib(), v).unwrap();
         assert_eq!(net.name(), "erdma", "v{v}");
-        assert!(net.optional_slots_null(), "v{v}: optional slots must be NULL");
+        assert!(
+            net.optional_slots_null(),
+            "v{v}: optional slots must be NULL"
+        );
     }
     assert!(Net::open(&lib(), 12).is_err(), "v12 is not exported");
 }
@@ -44,7 +47,11 @@ fn properties_follow_each_version_rules() {
         assert_eq!(p.max_recvs, 8, "v{v}");
         assert_eq!(p.latency, 0.0, "v{v}");
         if v >= 7 {
-            assert_eq!(p.net_device, Some((0, 0)), "v{v}: netDeviceType HOST, version 0");
+            assert_eq!(
+                p.net_device,
+                Some((0, 0)),
+                "v{v}: netDeviceType HOST, version 0"
+            );
         }
         if v >= 8 {
             assert_eq!(p.reg_is_global, Some(1), "v{v}");
@@ -117,8 +124,10 @@ fn grouped_receive_with_mixed_tags_fills_every_size() {
         let recv_len = 3000;
         let mut dst: Vec<Reg> = (0..n).map(|_| reg(&net, r, vec![0u8; recv_len])).collect();
         let tags: Vec<i32> = (0..n as i32).map(|i| 100 + (i * 5) % 8).collect();
-        let bufs: Vec<(*mut u8, usize)> =
-            dst.iter_mut().map(|d| (d.buf.as_mut_ptr(), recv_len)).collect();
+        let bufs: Vec<(*mut u8, usize)> = dst
+            .iter_mut()
+            .map(|d| (d.buf.as_mut_ptr(), recv_len))
+            .collect();
         let mhs: Vec<Opaque> = dst.iter().map(|d| d.mh).collect();
         let rreq = poll_until("irecv", || net.irecv(r, &bufs, &tags, &mhs, false).unwrap());
         // Send in another tag order, each message a different size.
@@ -129,7 +138,8 @@ fn grouped_receive_with_mixed_tags_fills_every_size() {
             let len = 100 * i + 1;
             let mut src = reg(&net, s, pattern(i as u64, len));
             let req = poll_until("isend", || {
-                net.isend(s, src.buf.as_mut_ptr(), len, tags[i], src.mh).unwrap()
+                net.isend(s, src.buf.as_mut_ptr(), len, tags[i], src.mh)
+                    .unwrap()
             });
             sreqs.push(req);
             srcs.push((i, src));
@@ -140,7 +150,11 @@ fn grouped_receive_with_mixed_tags_fills_every_size() {
         }
         for (i, src) in srcs {
             let len = 100 * i + 1;
-            assert_eq!(sizes[i] as usize, len, "v{v}: size of entry {i} (tag {})", tags[i]);
+            assert_eq!(
+                sizes[i] as usize, len,
+                "v{v}: size of entry {i} (tag {})",
+                tags[i]
+            );
             assert!(dst[i].buf[..len] == src.buf[..], "v{v}: entry {i} payload");
             dereg(&net, s, src);
         }
@@ -161,7 +175,10 @@ fn requests_are_null_when_they_cannot_be_posted_and_32_by_8_fit() {
     // No receive posted: isend cannot be posted now.
     for _ in 0..100 {
         let req = net.isend(s, src.buf.as_mut_ptr(), 64, 1, src.mh).unwrap();
-        assert!(req.is_null(), "isend without a matching receive must return NULL");
+        assert!(
+            req.is_null(),
+            "isend without a matching receive must return NULL"
+        );
     }
     // 32 grouped receives of 8 fit; the 33rd is NULL.
     let mut dst: Vec<Reg> = (0..8).map(|_| reg(&net, r, vec![0u8; 64])).collect();
@@ -182,7 +199,11 @@ fn requests_are_null_when_they_cannot_be_posted_and_32_by_8_fit() {
             net.isend(s, src.buf.as_mut_ptr(), 64, 1, src.mh).unwrap()
         }));
     }
-    assert_eq!(sreqs.iter().collect::<HashSet<_>>().len(), 256, "distinct requests");
+    assert_eq!(
+        sreqs.iter().collect::<HashSet<_>>().len(),
+        256,
+        "distinct requests"
+    );
     for req in sreqs {
         assert_eq!(wait(&net, req, 1), vec![64]);
     }
@@ -294,40 +315,46 @@ fn bad_arguments_are_error_codes() {
     let inval = ncclResult_t::ncclInvalidArgument;
     let internal = ncclResult_t::ncclInternalError;
     assert_eq!(net.isend(Opaque::NULL, p, 8, 0, mh).unwrap_err(), inval);
-    assert_eq!(net.isend(r, p, 8, 0, mh).unwrap_err(), internal, "a recv comm as send comm");
-    assert_eq!(net.isend(s, p, 8, 0, Opaque(0xdead as _)).unwrap_err(), internal);
-    assert_eq!(net.isend(s, p, 65, 0, mh).unwrap_err(), inval, "outside the registration");
-    assert_eq!(net.irecv(r, &[], &[], &[], false).unwrap_err(), inval, "n = 0");
+    assert_eq!(
+        net.isend(r, p, 8, 0, mh).unwrap_err(),
+        internal,
+        "a recv comm as send comm"
+    );
+    assert_eq!(
+        net.isend(s, p, 8, 0, Opaque(0xdead as _)).unwrap_err(),
+        internal
+    );
+    assert_eq!(
+        net.isend(s, p, 65, 0, mh).unwrap_err(),
+        inval,
+        "outside the registration"
+    );
+    assert_eq!(
+        net.irecv(r, &[], &[], &[], false).unwrap_err(),
+        inval,
+        "n = 0"
+    );
     let nine = vec![(p, 1usize); 9];
     assert_eq!(
         net.irecv(r, &nine, &[0; 9], &[mh; 9], false).unwrap_err(),
         inval,
         "n = 9 > maxRecvs"
     );
-    let mut data = [p as *mut std::ffi::c_void];
-    let mut sizes = [-5i32];
-    let mut tags = [0i32];
-    let mut mhs = [mh.0];
-    let neg = net.irecv_raw(
-        r,
-        1,
-        data.as_mut_ptr(),
-        sizes.as_mut_ptr(),
-        std::ptr::null_mut(),
-        tags.as_mut_ptr(),
-        mhs.as_mut_ptr(),
-        false,
-    );
+    let neg = net.irecv_signed(r, &[(p, -5)], &[0], &[mh], false);
     assert_eq!(neg.unwrap_err(), inval, "negative size");
     let mut done = 0;
-    assert_eq!(net.test_raw(Opaque::NULL, &mut done, std::ptr::null_mut()), inval);
+    assert_eq!(net.test_code(Opaque::NULL, Some(&mut done)), inval);
     assert_eq!(
         net.reg_mr(s, p, 64, 2).unwrap_err(),
         inval,
         "CUDA memory on the tcp transport"
     );
     assert_eq!(net.close_send(Opaque::NULL).unwrap_err(), inval);
-    assert_eq!(net.close_recv(s).unwrap_err(), internal, "a send comm as recv comm");
+    assert_eq!(
+        net.close_recv(s).unwrap_err(),
+        internal,
+        "a send comm as recv comm"
+    );
     net.dereg_mr(s, mh).unwrap();
     net.close_send(s).unwrap();
     net.close_recv(r).unwrap();
@@ -439,7 +466,10 @@ fn library_needs_no_rdma_libraries_and_exports_only_the_tables() {
     let out = Command::new("readelf").arg("-d").arg(&so).output().unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success() && text.contains("NEEDED"), "{text}");
-    assert!(!text.contains("libibverbs") && !text.contains("librdmacm"), "{text}");
+    assert!(
+        !text.contains("libibverbs") && !text.contains("librdmacm"),
+        "{text}"
+    );
     let out = Command::new("nm")
         .args(["-D", "--defined-only"])
         .arg(&so)
@@ -449,7 +479,10 @@ fn library_needs_no_rdma_libraries_and_exports_only_the_tables() {
         .lines()
         .filter_map(|l| l.split_whitespace().nth(2).map(str::to_string))
         .collect();
-    let want: Vec<String> = VERSIONS.iter().map(|v| format!("ncclNetPlugin_v{v}")).collect();
+    let want: Vec<String> = VERSIONS
+        .iter()
+        .map(|v| format!("ncclNetPlugin_v{v}"))
+        .collect();
     let mut got = syms.clone();
     got.sort();
     let mut want_sorted = want.clone();
@@ -507,7 +540,12 @@ fn default_verbs_fails_init_cleanly_without_rdma_and_auto_falls_back_to_tcp() {
         eprintln!("skipped: this host has RDMA devices (runs on hosts without RDMA)");
         return;
     }
-    run_child("child_default_transport_fails", &[], &["NCCL_ERDMA_TRANSPORT"], false);
+    run_child(
+        "child_default_transport_fails",
+        &[],
+        &["NCCL_ERDMA_TRANSPORT"],
+        false,
+    );
     run_child(
         "child_auto_transport_uses_tcp",
         &[("NCCL_ERDMA_TRANSPORT", "auto")],
@@ -526,13 +564,20 @@ fn child_default_transport_fails() {
     assert_eq!(net.init().unwrap_err(), ncclResult_t::ncclSystemError);
     // NCCL 2.28 calls finalize after a failed init with a NULL context.
     net.finalize().unwrap();
-    assert_eq!(net.devices().unwrap(), 0, "devices() after a failed init reports 0");
+    assert_eq!(
+        net.devices().unwrap(),
+        0,
+        "devices() after a failed init reports 0"
+    );
     let warns: Vec<_> = client::logged_lines()
         .into_iter()
         .filter(|l| l.level == 2)
         .collect();
     assert_eq!(warns.len(), 1, "exactly one WARN line: {warns:?}");
-    assert!(warns[0].text.contains("verbs transport unavailable"), "{warns:?}");
+    assert!(
+        warns[0].text.contains("verbs transport unavailable"),
+        "{warns:?}"
+    );
 }
 
 #[test]
@@ -598,7 +643,13 @@ fn two_processes_every_version() {
         let listen = net.listen(0, &mut handle).unwrap();
         let exe = std::env::current_exe().unwrap();
         let mut child = Command::new(exe)
-            .args(["child_sender", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            .args([
+                "child_sender",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
             .env("CONFORMANCE_CHILD", "1")
             .env("CHILD_VERSION", v.to_string())
             .env("CHILD_HANDLE", hex(&handle))
@@ -614,11 +665,20 @@ fn two_processes_every_version() {
         for (i, &size) in sizes.iter().enumerate() {
             let mut dst = reg(&net, r, vec![0u8; size + 16]);
             let req = poll_until("irecv", || {
-                net.irecv(r, &[(dst.buf.as_mut_ptr(), size + 16)], &[7], &[dst.mh], false)
-                    .unwrap()
+                net.irecv(
+                    r,
+                    &[(dst.buf.as_mut_ptr(), size + 16)],
+                    &[7],
+                    &[dst.mh],
+                    false,
+                )
+                .unwrap()
             });
             assert_eq!(wait(&net, req, 1), vec![size as i32], "v{v} size");
-            assert!(dst.buf[..size] == pattern(i as u64, size)[..], "v{v}: {size} bytes");
+            assert!(
+                dst.buf[..size] == pattern(i as u64, size)[..],
+                "v{v}: {size} bytes"
+            );
             dereg(&net, r, dst);
         }
         let mut out = String::new();

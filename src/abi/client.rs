@@ -77,7 +77,7 @@ pub struct LoggedLine {
     /// `ncclDebugLogLevel`.
     pub level: u32,
     /// Subsystem flags.
-    pub flags: u64,
+    pub flags: c_ulong,
     /// The format string the plugin passed.
     pub fmt: String,
     /// The formatted text.
@@ -115,7 +115,7 @@ extern "C" fn test_logger(
     if let Ok(mut l) = LOGGED.lock() {
         l.push(LoggedLine {
             level,
-            flags: flags as u64,
+            flags,
             fmt,
             text,
         });
@@ -123,13 +123,32 @@ extern "C" fn test_logger(
 }
 
 fn logger() -> ncclDebugLogger_t {
-    type Fixed = extern "C" fn(ncclDebugLogLevel, c_ulong, *const c_char, c_int, *const c_char, *const c_char);
+    type Fixed = extern "C" fn(
+        ncclDebugLogLevel,
+        c_ulong,
+        *const c_char,
+        c_int,
+        *const c_char,
+        *const c_char,
+    );
     let f: Fixed = test_logger;
     // SAFETY: on the SysV x86_64 and AAPCS64 (Linux) ABIs, a variadic call whose variadic
     // arguments are all pointers passes them exactly like a fixed-argument call, so a
     // function with one extra fixed `*const c_char` receives the plugin's single "%s"
     // argument correctly. Stable Rust cannot define a C-variadic function itself.
-    Some(unsafe { std::mem::transmute::<Fixed, unsafe extern "C" fn(ncclDebugLogLevel, c_ulong, *const c_char, c_int, *const c_char, ...)>(f) })
+    Some(unsafe {
+        std::mem::transmute::<
+            Fixed,
+            unsafe extern "C" fn(
+                ncclDebugLogLevel,
+                c_ulong,
+                *const c_char,
+                c_int,
+                *const c_char,
+                ...
+            ),
+        >(f)
+    })
 }
 
 #[derive(Clone, Copy)]
@@ -173,12 +192,30 @@ macro_rules! call {
         // stays loaded while `self` lives; its slots have this version's signatures.
         unsafe {
             match $self.table {
-                Table::V6(p) => { let $t = &*p; $body }
-                Table::V7(p) => { let $t = &*p; $body }
-                Table::V8(p) => { let $t = &*p; $body }
-                Table::V9(p) => { let $t = &*p; $body }
-                Table::V10(p) => { let $t = &*p; $body }
-                Table::V11(p) => { let $t = &*p; $body }
+                Table::V6(p) => {
+                    let $t = &*p;
+                    $body
+                }
+                Table::V7(p) => {
+                    let $t = &*p;
+                    $body
+                }
+                Table::V8(p) => {
+                    let $t = &*p;
+                    $body
+                }
+                Table::V9(p) => {
+                    let $t = &*p;
+                    $body
+                }
+                Table::V10(p) => {
+                    let $t = &*p;
+                    $body
+                }
+                Table::V11(p) => {
+                    let $t = &*p;
+                    $body
+                }
             }
         }
     }};
@@ -211,7 +248,11 @@ impl Net {
         if p.is_null() {
             // SAFETY: lib came from dlopen above and is closed once.
             unsafe { libc::dlclose(lib) };
-            return Err(format!("{} exports no {}", path.display(), sym.to_string_lossy()));
+            return Err(format!(
+                "{} exports no {}",
+                path.display(),
+                sym.to_string_lossy()
+            ));
         }
         let table = match version {
             6 => Table::V6(p as _),
@@ -423,7 +464,13 @@ impl Net {
     }
 
     /// `regMr` (v6/v7 take an `int` size; larger sizes are refused here).
-    pub fn reg_mr(&self, comm: Opaque, data: *mut u8, size: usize, ptr_type: i32) -> Result<Opaque, Code> {
+    pub fn reg_mr(
+        &self,
+        comm: Opaque,
+        data: *mut u8,
+        size: usize,
+        ptr_type: i32,
+    ) -> Result<Opaque, Code> {
         let mut mh = std::ptr::null_mut();
         let d = data as *mut c_void;
         let int = || i32::try_from(size).map_err(|_| ncclResult_t::ncclInvalidArgument);
@@ -448,7 +495,14 @@ impl Net {
     }
 
     /// `isend`; `Ok(NULL)` means "not now".
-    pub fn isend(&self, comm: Opaque, data: *mut u8, size: usize, tag: i32, mhandle: Opaque) -> Result<Opaque, Code> {
+    pub fn isend(
+        &self,
+        comm: Opaque,
+        data: *mut u8,
+        size: usize,
+        tag: i32,
+        mhandle: Opaque,
+    ) -> Result<Opaque, Code> {
         let mut req = std::ptr::null_mut();
         let d = data as *mut c_void;
         let int = || i32::try_from(size).map_err(|_| ncclResult_t::ncclInvalidArgument);
@@ -460,8 +514,12 @@ impl Net {
                 Table::V7(p) => (*p).isend.unwrap()(comm.0, d, int()?, tag, mhandle.0, &mut req),
                 Table::V8(p) => (*p).isend.unwrap()(comm.0, d, int()?, tag, mhandle.0, &mut req),
                 Table::V9(p) => (*p).isend.unwrap()(comm.0, d, size, tag, mhandle.0, &mut req),
-                Table::V10(p) => (*p).isend.unwrap()(comm.0, d, size, tag, mhandle.0, null, &mut req),
-                Table::V11(p) => (*p).isend.unwrap()(comm.0, d, size, tag, mhandle.0, null, &mut req),
+                Table::V10(p) => {
+                    (*p).isend.unwrap()(comm.0, d, size, tag, mhandle.0, null, &mut req)
+                }
+                Table::V11(p) => {
+                    (*p).isend.unwrap()(comm.0, d, size, tag, mhandle.0, null, &mut req)
+                }
             }
         };
         check(r)?;
@@ -470,33 +528,66 @@ impl Net {
 
     /// `irecv` of `bufs` (pointer, size); `Ok(NULL)` means "not now". For v9+ the request
     /// slot is preset to NCCL's optional-completion hint (0x1) when `optional_hint` is set.
-    pub fn irecv(&self, comm: Opaque, bufs: &[(*mut u8, usize)], tags: &[i32], mhandles: &[Opaque], optional_hint: bool) -> Result<Opaque, Code> {
-        let n = bufs.len().min(tags.len()).min(mhandles.len());
-        let mut data: Vec<*mut c_void> = bufs[..n].iter().map(|b| b.0 as *mut c_void).collect();
-        let mut sizes_z: Vec<usize> = bufs[..n].iter().map(|b| b.1).collect();
-        let mut sizes_i = Vec::with_capacity(n);
-        for s in &sizes_z {
-            sizes_i.push(i32::try_from(*s).map_err(|_| ncclResult_t::ncclInvalidArgument)?);
+    pub fn irecv(
+        &self,
+        comm: Opaque,
+        bufs: &[(*mut u8, usize)],
+        tags: &[i32],
+        mhandles: &[Opaque],
+        optional_hint: bool,
+    ) -> Result<Opaque, Code> {
+        let mut signed = Vec::with_capacity(bufs.len());
+        for (p, size) in bufs {
+            signed.push((
+                *p,
+                i64::try_from(*size).map_err(|_| ncclResult_t::ncclInvalidArgument)?,
+            ));
         }
-        let mut tags: Vec<c_int> = tags[..n].to_vec();
-        let mut mh: Vec<*mut c_void> = mhandles[..n].iter().map(|m| m.0).collect();
-        self.irecv_raw(comm, bufs.len() as i32, data.as_mut_ptr(), sizes_i.as_mut_ptr(), sizes_z.as_mut_ptr(), tags.as_mut_ptr(), mh.as_mut_ptr(), optional_hint)
+        self.irecv_signed(comm, &signed, tags, mhandles, optional_hint)
     }
 
-    /// `irecv` with raw arrays, for tests of bad arguments.
-    #[allow(clippy::too_many_arguments)]
-    pub fn irecv_raw(&self, comm: Opaque, n: i32, data: *mut *mut c_void, sizes_i: *mut c_int, sizes_z: *mut usize, tags: *mut c_int, mh: *mut *mut c_void, optional_hint: bool) -> Result<Opaque, Code> {
-        let mut req: *mut c_void = if optional_hint && self.version >= 9 { 1 as *mut c_void } else { std::ptr::null_mut() };
+    /// `irecv` with signed sizes, so tests can pass the negative sizes an `int` ABI allows.
+    /// `n` is `bufs.len()`; `tags` and `mhandles` must be at least as long.
+    pub fn irecv_signed(
+        &self,
+        comm: Opaque,
+        bufs: &[(*mut u8, i64)],
+        tags: &[i32],
+        mhandles: &[Opaque],
+        optional_hint: bool,
+    ) -> Result<Opaque, Code> {
+        let n = bufs.len();
+        if tags.len() < n || mhandles.len() < n {
+            return Err(ncclResult_t::ncclInvalidArgument);
+        }
+        let mut data: Vec<*mut c_void> = bufs.iter().map(|b| b.0 as *mut c_void).collect();
+        let mut sizes_z: Vec<usize> = bufs.iter().map(|b| b.1 as usize).collect();
+        let mut sizes_i: Vec<c_int> = bufs.iter().map(|b| b.1 as c_int).collect();
+        let mut tags: Vec<c_int> = tags[..n].to_vec();
+        let mut mh: Vec<*mut c_void> = mhandles[..n].iter().map(|m| m.0).collect();
+        let (d, si, sz, t, m) = (
+            data.as_mut_ptr(),
+            sizes_i.as_mut_ptr(),
+            sizes_z.as_mut_ptr(),
+            tags.as_mut_ptr(),
+            mh.as_mut_ptr(),
+        );
+        let n = n as c_int;
+        let mut req: *mut c_void = if optional_hint && self.version >= 9 {
+            NCCL_NET_OPTIONAL_RECV_COMPLETION as usize as *mut c_void
+        } else {
+            std::ptr::null_mut()
+        };
         let null = std::ptr::null_mut();
-        // SAFETY: as in `call!`; the arrays are the caller's.
+        // SAFETY: as in `call!`; every array holds n elements and lives across the call.
         let r = unsafe {
             match self.table {
-                Table::V6(p) => (*p).irecv.unwrap()(comm.0, n, data, sizes_i, tags, mh, &mut req),
-                Table::V7(p) => (*p).irecv.unwrap()(comm.0, n, data, sizes_i, tags, mh, &mut req),
-                Table::V8(p) => (*p).irecv.unwrap()(comm.0, n, data, sizes_i, tags, mh, &mut req),
-                Table::V9(p) => (*p).irecv.unwrap()(comm.0, n, data, sizes_z, tags, mh, &mut req),
-                Table::V10(p) => (*p).irecv.unwrap()(comm.0, n, data, sizes_z, tags, mh, null, &mut req),
-                Table::V11(p) => (*p).irecv.unwrap()(comm.0, n, data, sizes_z, tags, mh, null, &mut req),
+                Table::V6(p) => (*p).irecv.unwrap()(comm.0, n, d, si, t, m, &mut req),
+                Table::V7(p) => (*p).irecv.unwrap()(comm.0, n, d, si, t, m, &mut req),
+                Table::V8(p) => (*p).irecv.unwrap()(comm.0, n, d, si, t, m, &mut req),
+                Table::V9(p) => (*p).irecv.unwrap()(comm.0, n, d, sz, t, m, &mut req),
+                Table::V10(p) => (*p).irecv.unwrap()(comm.0, n, d, sz, t, m, null, &mut req),
+                Table::V11(p) => (*p).irecv.unwrap()(comm.0, n, d, sz, t, m, null, &mut req),
             }
         };
         check(r)?;
@@ -504,13 +595,20 @@ impl Net {
     }
 
     /// `iflush` of `bufs`; `Ok(NULL)` means nothing to wait for.
-    pub fn iflush(&self, comm: Opaque, bufs: &[(*mut u8, usize)], mhandles: &[Opaque]) -> Result<Opaque, Code> {
+    pub fn iflush(
+        &self,
+        comm: Opaque,
+        bufs: &[(*mut u8, usize)],
+        mhandles: &[Opaque],
+    ) -> Result<Opaque, Code> {
         let mut data: Vec<*mut c_void> = bufs.iter().map(|b| b.0 as *mut c_void).collect();
         let mut sizes: Vec<c_int> = bufs.iter().map(|b| b.1 as c_int).collect();
         let mut mh: Vec<*mut c_void> = mhandles.iter().map(|m| m.0).collect();
         let mut req = std::ptr::null_mut();
         let n = bufs.len() as c_int;
-        check(call!(self, t => t.iflush.unwrap()(comm.0, n, data.as_mut_ptr(), sizes.as_mut_ptr(), mh.as_mut_ptr(), &mut req)))?;
+        check(
+            call!(self, t => t.iflush.unwrap()(comm.0, n, data.as_mut_ptr(), sizes.as_mut_ptr(), mh.as_mut_ptr(), &mut req)),
+        )?;
         Ok(Opaque(req))
     }
 
@@ -522,9 +620,10 @@ impl Net {
         Ok(done != 0)
     }
 
-    /// `test` with raw pointers, for tests of bad arguments.
-    pub fn test_raw(&self, request: Opaque, done: *mut c_int, sizes: *mut c_int) -> Code {
-        call!(self, t => t.test.unwrap()(request.0, done, sizes))
+    /// `test` with an optional `done` flag, for tests of bad arguments (NULL `done`).
+    pub fn test_code(&self, request: Opaque, done: Option<&mut i32>) -> Code {
+        let d = done.map_or(std::ptr::null_mut(), |d| d as *mut c_int);
+        call!(self, t => t.test.unwrap()(request.0, d, std::ptr::null_mut()))
     }
 
     /// `closeSend`.
@@ -551,9 +650,23 @@ impl Net {
                 Table::V6(_) => true,
                 Table::V7(p) => (*p).getDeviceMr.is_none() && (*p).irecvConsumed.is_none(),
                 Table::V8(p) => (*p).getDeviceMr.is_none() && (*p).irecvConsumed.is_none(),
-                Table::V9(p) => (*p).getDeviceMr.is_none() && (*p).irecvConsumed.is_none() && (*p).makeVDevice.is_none(),
-                Table::V10(p) => (*p).getDeviceMr.is_none() && (*p).irecvConsumed.is_none() && (*p).makeVDevice.is_none(),
-                Table::V11(p) => (*p).getDeviceMr.is_none() && (*p).irecvConsumed.is_none() && (*p).makeVDevice.is_none() && (*p).setNetAttr.is_none() && (*p).finalize.is_some(),
+                Table::V9(p) => {
+                    (*p).getDeviceMr.is_none()
+                        && (*p).irecvConsumed.is_none()
+                        && (*p).makeVDevice.is_none()
+                }
+                Table::V10(p) => {
+                    (*p).getDeviceMr.is_none()
+                        && (*p).irecvConsumed.is_none()
+                        && (*p).makeVDevice.is_none()
+                }
+                Table::V11(p) => {
+                    (*p).getDeviceMr.is_none()
+                        && (*p).irecvConsumed.is_none()
+                        && (*p).makeVDevice.is_none()
+                        && (*p).setNetAttr.is_none()
+                        && (*p).finalize.is_some()
+                }
             }
         }
     }
@@ -595,12 +708,16 @@ fn v9_props(v: ncclNetProperties_v9_t) -> Properties {
 ///
 /// # Safety
 /// Only for those tables (all have the same `listen` signature).
-fn listen_slot<T: ListenSlot>(t: &T) -> unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> ncclResult_t {
+fn listen_slot<T: ListenSlot>(
+    t: &T,
+) -> unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> ncclResult_t {
     t.listen_fn()
 }
 
 trait ListenSlot {
-    fn listen_fn(&self) -> unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> ncclResult_t;
+    fn listen_fn(
+        &self,
+    ) -> unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> ncclResult_t;
 }
 
 macro_rules! listen_slot {
@@ -612,10 +729,18 @@ macro_rules! listen_slot {
         }
     )*};
 }
-listen_slot!(ncclNet_v6_t, ncclNet_v7_t, ncclNet_v8_t, ncclNet_v9_t, ncclNet_v10_t);
+listen_slot!(
+    ncclNet_v6_t,
+    ncclNet_v7_t,
+    ncclNet_v8_t,
+    ncclNet_v9_t,
+    ncclNet_v10_t
+);
 
 impl ListenSlot for ncclNet_v11_t {
-    fn listen_fn(&self) -> unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> ncclResult_t {
+    fn listen_fn(
+        &self,
+    ) -> unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> ncclResult_t {
         unreachable!("v11 listen takes a context and is called directly")
     }
 }

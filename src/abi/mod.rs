@@ -130,7 +130,9 @@ unsafe fn comm_magic(comm: *const c_void) -> Result<u64> {
 pub(crate) unsafe fn send_comm<'a>(comm: *mut c_void) -> Result<&'a SendComm> {
     // SAFETY: forwarded contract.
     if unsafe { comm_magic(comm)? } != SEND_MAGIC {
-        return Err(Error::Misuse("the pointer passed as a send comm is not one".into()));
+        return Err(Error::Misuse(
+            "the pointer passed as a send comm is not one".into(),
+        ));
     }
     // SAFETY: the magic says it is a live SendComm allocated by us.
     Ok(unsafe { &*(comm as *const SendComm) })

@@ -131,7 +131,11 @@ fn listen_with(
     })
 }
 
-extern "C" fn listen(dev: c_int, handle: *mut c_void, listen_comm: *mut *mut c_void) -> ncclResult_t {
+extern "C" fn listen(
+    dev: c_int,
+    handle: *mut c_void,
+    listen_comm: *mut *mut c_void,
+) -> ncclResult_t {
     listen_with(plugin::get(), dev, handle, listen_comm)
 }
 
@@ -153,7 +157,11 @@ fn connect_with(
     })
 }
 
-extern "C" fn connect_v6(dev: c_int, handle: *mut c_void, send_comm: *mut *mut c_void) -> ncclResult_t {
+extern "C" fn connect_v6(
+    dev: c_int,
+    handle: *mut c_void,
+    send_comm: *mut *mut c_void,
+) -> ncclResult_t {
     connect_with(plugin::get(), dev, handle, send_comm)
 }
 
@@ -202,7 +210,13 @@ extern "C" fn accept_v7(
     accept_v6(listen_comm, recv_comm)
 }
 
-fn reg_mr(comm: *mut c_void, data: *mut c_void, size: Result<usize>, ptr_type: c_int, mhandle: *mut *mut c_void) -> ncclResult_t {
+fn reg_mr(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: Result<usize>,
+    ptr_type: c_int,
+    mhandle: *mut *mut c_void,
+) -> ncclResult_t {
     boundary("regMr", || {
         non_null(mhandle, "mhandle")?;
         // SAFETY: NCCL passes back a comm we returned (checked by magic).
@@ -218,11 +232,23 @@ fn int_size(size: c_int) -> Result<usize> {
     usize::try_from(size).map_err(|_| Error::InvalidArgument(format!("negative size {size}")))
 }
 
-extern "C" fn reg_mr_int(comm: *mut c_void, data: *mut c_void, size: c_int, ptr_type: c_int, mhandle: *mut *mut c_void) -> ncclResult_t {
+extern "C" fn reg_mr_int(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: c_int,
+    ptr_type: c_int,
+    mhandle: *mut *mut c_void,
+) -> ncclResult_t {
     reg_mr(comm, data, int_size(size), ptr_type, mhandle)
 }
 
-extern "C" fn reg_mr_size_t(comm: *mut c_void, data: *mut c_void, size: usize, ptr_type: c_int, mhandle: *mut *mut c_void) -> ncclResult_t {
+extern "C" fn reg_mr_size_t(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    ptr_type: c_int,
+    mhandle: *mut *mut c_void,
+) -> ncclResult_t {
     reg_mr(comm, data, Ok(size), ptr_type, mhandle)
 }
 
@@ -266,7 +292,14 @@ fn user_buffer(data: *mut c_void, size: usize) -> Result<UserBuffer> {
     Ok(unsafe { UserBuffer::new(data as *mut u8, size) })
 }
 
-fn isend(comm: *mut c_void, data: *mut c_void, size: Result<usize>, tag: c_int, mhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t {
+fn isend(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: Result<usize>,
+    tag: c_int,
+    mhandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
     boundary("isend", || {
         non_null(request, "request")?;
         // SAFETY: checked non-NULL; writable pointer slot. NULL means "not now".
@@ -282,11 +315,25 @@ fn isend(comm: *mut c_void, data: *mut c_void, size: Result<usize>, tag: c_int, 
     })
 }
 
-extern "C" fn isend_int(comm: *mut c_void, data: *mut c_void, size: c_int, tag: c_int, mhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t {
+extern "C" fn isend_int(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: c_int,
+    tag: c_int,
+    mhandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
     isend(comm, data, int_size(size), tag, mhandle, request)
 }
 
-extern "C" fn isend_size_t(comm: *mut c_void, data: *mut c_void, size: usize, tag: c_int, mhandle: *mut c_void, request: *mut *mut c_void) -> ncclResult_t {
+extern "C" fn isend_size_t(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    tag: c_int,
+    mhandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
     isend(comm, data, Ok(size), tag, mhandle, request)
 }
 
@@ -323,7 +370,9 @@ fn irecv(
             .ok()
             .filter(|n| (1..=MAX_RECVS).contains(n))
             .ok_or_else(|| {
-                Error::InvalidArgument(format!("irecv of {n} buffers; 1 to {MAX_RECVS} are allowed"))
+                Error::InvalidArgument(format!(
+                    "irecv of {n} buffers; 1 to {MAX_RECVS} are allowed"
+                ))
             })?;
         non_null(data, "data")?;
         non_null(tags, "tags")?;
@@ -346,7 +395,15 @@ fn irecv(
     })
 }
 
-extern "C" fn irecv_int(comm: *mut c_void, n: c_int, data: *mut *mut c_void, sizes: *mut c_int, tags: *mut c_int, mhandles: *mut *mut c_void, request: *mut *mut c_void) -> ncclResult_t {
+extern "C" fn irecv_int(
+    comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut c_int,
+    tags: *mut c_int,
+    mhandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
     irecv(
         comm,
         n,
@@ -362,7 +419,15 @@ extern "C" fn irecv_int(comm: *mut c_void, n: c_int, data: *mut *mut c_void, siz
     )
 }
 
-extern "C" fn irecv_size_t(comm: *mut c_void, n: c_int, data: *mut *mut c_void, sizes: *mut usize, tags: *mut c_int, mhandles: *mut *mut c_void, request: *mut *mut c_void) -> ncclResult_t {
+extern "C" fn irecv_size_t(
+    comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut usize,
+    tags: *mut c_int,
+    mhandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
     irecv(
         comm,
         n,
@@ -417,7 +482,9 @@ extern "C" fn iflush(
 extern "C" fn test(request: *mut c_void, done: *mut c_int, sizes: *mut c_int) -> ncclResult_t {
     // SAFETY: NCCL passes back a request we returned, a writable done flag and a sizes array
     // with room for every message of the request (or NULL).
-    boundary("test", || unsafe { super::test_request(request, done, sizes) })
+    boundary("test", || unsafe {
+        super::test_request(request, done, sizes)
+    })
 }
 
 extern "C" fn close_send(comm: *mut c_void) -> ncclResult_t {
@@ -461,7 +528,10 @@ extern "C" fn init_v6(logger: ncclDebugLogger_t) -> ncclResult_t {
     boundary("init", || init_common(logger).map(|_| ()))
 }
 
-extern "C" fn init_v10(logger: ncclDebugLogger_t, _profiler: ncclProfilerCallback_t) -> ncclResult_t {
+extern "C" fn init_v10(
+    logger: ncclDebugLogger_t,
+    _profiler: ncclProfilerCallback_t,
+) -> ncclResult_t {
     boundary("init", || init_common(logger).map(|_| ()))
 }
 
@@ -558,7 +628,12 @@ extern "C" fn finalize_v11(ctx: *mut c_void) -> ncclResult_t {
     })
 }
 
-extern "C" fn listen_v11(ctx: *mut c_void, dev: c_int, handle: *mut c_void, listen_comm: *mut *mut c_void) -> ncclResult_t {
+extern "C" fn listen_v11(
+    ctx: *mut c_void,
+    dev: c_int,
+    handle: *mut c_void,
+    listen_comm: *mut *mut c_void,
+) -> ncclResult_t {
     listen_with(context(ctx), dev, handle, listen_comm)
 }
 

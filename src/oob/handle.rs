@@ -201,10 +201,16 @@ mod tests {
         sample().encode(&mut buf);
         let mut bad = buf;
         bad[0] ^= 1;
-        assert!(Handle::decode(&bad).unwrap_err().to_string().contains("magic"));
+        assert!(Handle::decode(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("magic"));
         let mut bad = buf;
         bad[OFF_VERSION] = 9;
-        assert!(Handle::decode(&bad).unwrap_err().to_string().contains("version"));
+        assert!(Handle::decode(&bad)
+            .unwrap_err()
+            .to_string()
+            .contains("version"));
         let mut bad = buf;
         bad[OFF_PORT] = 0;
         bad[OFF_PORT + 1] = 0;

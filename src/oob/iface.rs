@@ -73,8 +73,10 @@ pub fn pick_from(
 /// Picks the bootstrap address from this host's interfaces.
 pub fn pick(filter: Option<&NameFilter>, family: Option<AddrFamily>) -> Result<LocalAddr> {
     let ifaces = if_addrs::get_if_addrs().map_err(|e| Error::io("listing interfaces", e))?;
-    let candidates: Vec<(String, IpAddr)> =
-        ifaces.into_iter().map(|i| (i.name.clone(), i.ip())).collect();
+    let candidates: Vec<(String, IpAddr)> = ifaces
+        .into_iter()
+        .map(|i| (i.name.clone(), i.ip()))
+        .collect();
     pick_from(&candidates, filter, family)
 }
 
@@ -117,7 +119,11 @@ mod tests {
         let got = pick_from(&all, Some(&lo), Some(AddrFamily::Inet6)).unwrap();
         assert_eq!(got.ip, "::1".parse::<IpAddr>().unwrap());
         let got = pick_from(&all, None, Some(AddrFamily::Inet6)).unwrap();
-        assert_eq!(got.ip, "fd00::2".parse::<IpAddr>().unwrap(), "link-local skipped");
+        assert_eq!(
+            got.ip,
+            "fd00::2".parse::<IpAddr>().unwrap(),
+            "link-local skipped"
+        );
         let none = NameFilter::parse("NCCL_SOCKET_IFNAME", "=bond", false).unwrap();
         let err = pick_from(&all, Some(&none), None).unwrap_err();
         assert!(err.to_string().contains("eth0"));

@@ -185,7 +185,8 @@ impl Channel {
     /// Queues a message; [`Channel::flush`] sends it.
     pub fn queue(&mut self, kind: MsgKind, payload: &[u8]) {
         debug_assert!(payload.len() <= MAX_PAYLOAD);
-        self.out.extend_from_slice(&encode_header(kind, payload.len()));
+        self.out
+            .extend_from_slice(&encode_header(kind, payload.len()));
         self.out.extend_from_slice(payload);
     }
 
@@ -423,10 +424,9 @@ impl Listener {
                     )));
                 }
                 Ok(hello) => return Ok(Some((p.chan, hello))),
-                Err(e) => tracing::warn!(
-                    "rejected bootstrap connection from {}: {e}",
-                    p.chan.peer()
-                ),
+                Err(e) => {
+                    tracing::warn!("rejected bootstrap connection from {}: {e}", p.chan.peer())
+                }
             }
         }
         Ok(None)
@@ -459,7 +459,10 @@ mod tests {
         let h = encode_header(MsgKind::Accept, 77);
         assert_eq!(decode_header(&h).unwrap(), (MsgKind::Accept, 77));
         let big = encode_header(MsgKind::Hello, MAX_PAYLOAD + 1);
-        assert!(decode_header(&big).unwrap_err().to_string().contains("limit"));
+        assert!(decode_header(&big)
+            .unwrap_err()
+            .to_string()
+            .contains("limit"));
         let mut bad = h;
         bad[0] ^= 0xff;
         assert!(decode_header(&bad).is_err());

@@ -92,7 +92,12 @@ impl MrTable {
 
     /// Number of live registrations.
     pub fn len(&self) -> usize {
-        self.slots.read().0.iter().filter(|s| s.reg.is_some()).count()
+        self.slots
+            .read()
+            .0
+            .iter()
+            .filter(|s| s.reg.is_some())
+            .count()
     }
 
     /// True when nothing is registered.

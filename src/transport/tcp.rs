@@ -209,8 +209,16 @@ impl RecvRequest {
 }
 
 enum RecvRx {
-    Header { buf: [u8; DATA_HEADER], have: usize },
-    Payload { slot: usize, entry: usize, have: usize, size: usize },
+    Header {
+        buf: [u8; DATA_HEADER],
+        have: usize,
+    },
+    Payload {
+        slot: usize,
+        entry: usize,
+        have: usize,
+        size: usize,
+    },
 }
 
 struct RecvInner {
@@ -558,7 +566,8 @@ impl TcpSendComm {
         }
         let g = s.cts_matched as usize % MAX_REQUESTS;
         let group = &mut s.cts[g];
-        let Some(entry) = (0..group.n).find(|&e| group.matched & (1 << e) == 0 && group.tags[e] == tag)
+        let Some(entry) =
+            (0..group.n).find(|&e| group.matched & (1 << e) == 0 && group.tags[e] == tag)
         else {
             return Ok(None);
         };

@@ -120,7 +120,11 @@ impl VerbsLib {
             let name = unsafe { (self.get_device_name)(dev) };
             if !name.is_null() {
                 // SAFETY: non-NULL, NUL-terminated (see above).
-                names.push(unsafe { CStr::from_ptr(name) }.to_string_lossy().into_owned());
+                names.push(
+                    unsafe { CStr::from_ptr(name) }
+                        .to_string_lossy()
+                        .into_owned(),
+                );
             }
         }
         // SAFETY: list came from ibv_get_device_list and is freed exactly once.

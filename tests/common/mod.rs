@@ -69,7 +69,10 @@ pub fn connect_pair(net: &Net) -> (Opaque, Opaque) {
         if recv.is_null() {
             recv = net.accept(listen).expect("accept");
         }
-        assert!(start.elapsed() < DEADLINE, "connect/accept did not complete");
+        assert!(
+            start.elapsed() < DEADLINE,
+            "connect/accept did not complete"
+        );
     }
     net.close_listen(listen).expect("closeListen");
     (send, recv)
@@ -124,8 +127,14 @@ pub fn transfer(net: &Net, s: Opaque, r: Opaque, send_len: usize, recv_len: usiz
     let mut src = reg(net, s, pattern(seed, send_len));
     let mut dst = reg(net, r, vec![0u8; recv_len]);
     let rreq = poll_until("irecv", || {
-        net.irecv(r, &[(dst.buf.as_mut_ptr(), recv_len)], &[seed as i32], &[dst.mh], false)
-            .expect("irecv")
+        net.irecv(
+            r,
+            &[(dst.buf.as_mut_ptr(), recv_len)],
+            &[seed as i32],
+            &[dst.mh],
+            false,
+        )
+        .expect("irecv")
     });
     let sreq = poll_until("isend", || {
         net.isend(s, src.buf.as_mut_ptr(), send_len, seed as i32, src.mh)
@@ -141,15 +150,24 @@ pub fn transfer(net: &Net, s: Opaque, r: Opaque, send_len: usize, recv_len: usiz
         if !rdone {
             rdone = net.test(rreq, Some(&mut rsize)).expect("test recv");
         }
-        assert!(start.elapsed() < DEADLINE, "transfer of {send_len} bytes hung");
+        assert!(
+            start.elapsed() < DEADLINE,
+            "transfer of {send_len} bytes hung"
+        );
     }
     assert_eq!(ssize[0] as usize, send_len, "send size");
-    assert_eq!(rsize[0] as usize, send_len, "received size is the real size");
+    assert_eq!(
+        rsize[0] as usize, send_len,
+        "received size is the real size"
+    );
     assert!(
         dst.buf[..send_len] == src.buf[..],
         "payload of {send_len} bytes differs"
     );
-    assert!(dst.buf[send_len..].iter().all(|b| *b == 0), "bytes past the message touched");
+    assert!(
+        dst.buf[send_len..].iter().all(|b| *b == 0),
+        "bytes past the message touched"
+    );
     dereg(net, s, src);
     dereg(net, r, dst);
 }
@@ -162,7 +180,13 @@ pub fn is_child() -> bool {
 /// Runs test `name` of this binary in a fresh process with `env` (and `unset` removed).
 pub fn run_child(name: &str, env: &[(&str, &str)], unset: &[&str], netns: bool) -> Output {
     let exe = std::env::current_exe().expect("current_exe");
-    let args = [name, "--exact", "--ignored", "--nocapture", "--test-threads=1"];
+    let args = [
+        name,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ];
     let mut cmd = if netns {
         // Garbage handles and addresses never reach a real network: a private namespace
         // whose only interface is loopback.
