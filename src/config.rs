@@ -196,6 +196,9 @@ pub struct Config {
     pub connect_timeout_ms: Setting<u64>,
     /// `NCCL_ERDMA_STATS_INTERVAL`: seconds between traffic statistics lines, 0 = off.
     pub stats_interval_s: Setting<u64>,
+    /// `NCCL_ERDMA_FORCE_FLUSH`: create the flush QP and flush after every receive that
+    /// NCCL asks to flush, even without GPUDirect (diagnostics and tests).
+    pub force_flush: Setting<bool>,
 }
 
 fn int_in<T>(var: &'static str, raw: &str, min: i64, max: i64) -> Result<T>
@@ -314,6 +317,9 @@ impl Config {
             stats_interval_s: read(get("NCCL_ERDMA_STATS_INTERVAL"), 0, |raw| {
                 int_in("NCCL_ERDMA_STATS_INTERVAL", raw, 0, 86_400)
             })?,
+            force_flush: read(get("NCCL_ERDMA_FORCE_FLUSH"), false, |raw| {
+                int_in::<u8>("NCCL_ERDMA_FORCE_FLUSH", raw, 0, 1).map(|v| v == 1)
+            })?,
         })
     }
 
@@ -351,6 +357,7 @@ impl Config {
             line("NCCL_ERDMA_SPEED_MBPS", &self.speed_mbps),
             line("NCCL_ERDMA_CONNECT_TIMEOUT_MS", &self.connect_timeout_ms),
             line("NCCL_ERDMA_STATS_INTERVAL", &self.stats_interval_s),
+            line("NCCL_ERDMA_FORCE_FLUSH", &self.force_flush),
         ]
     }
 }

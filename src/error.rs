@@ -55,6 +55,9 @@ pub enum Error {
     /// unsupported memory type for the transport).
     #[error("{0}")]
     Usage(String),
+    /// The device or a queue pair failed (a fatal asynchronous event).
+    #[error("{0}")]
+    Device(String),
     /// A message was larger than the receive posted for it.
     #[error("{0}")]
     Truncated(String),
@@ -85,7 +88,7 @@ impl Error {
         match self {
             Error::Config { .. } | Error::Usage(_) | Error::Truncated(_) => ErrorKind::InvalidUsage,
             Error::Os { source, .. } if is_peer_loss(source) => ErrorKind::Remote,
-            Error::Os { .. } | Error::NoDevice(_) => ErrorKind::System,
+            Error::Os { .. } | Error::NoDevice(_) | Error::Device(_) => ErrorKind::System,
             Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
             Error::Misuse(_) => ErrorKind::Internal,
             Error::Remote(_) => ErrorKind::Remote,

@@ -31,7 +31,9 @@ use std::{
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::log::{LogLevel, LogLine, Subsys};
-use crate::plugin::{RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC, SEND_MAGIC};
+use crate::plugin::{
+    Plugin, RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC, SEND_MAGIC,
+};
 use ffi::ncclResult_t;
 
 /// The one mapping from our errors to NCCL's result codes.
@@ -153,14 +155,23 @@ pub(crate) unsafe fn recv_comm<'a>(comm: *mut c_void) -> Result<&'a RecvComm> {
     Ok(unsafe { &*(comm as *const RecvComm) })
 }
 
-/// Either kind of data comm (`regMr` may get either).
+/// The plugin and device of either kind of data comm (`regMr` may get either).
 ///
 /// # Safety
 /// As [`send_comm`].
-pub(crate) unsafe fn any_data_comm(comm: *mut c_void) -> Result<()> {
+pub(crate) unsafe fn data_comm_owner(comm: *mut c_void) -> Result<(Arc<Plugin>, usize)> {
     // SAFETY: forwarded contract.
     match unsafe { comm_magic(comm)? } {
-        SEND_MAGIC | RECV_MAGIC => Ok(()),
+        // SAFETY: forwarded contract; the magic was just checked.
+        SEND_MAGIC => unsafe { send_comm(comm) }.map(|c| {
+            let (p, d) = c.owner();
+            (Arc::clone(p), d)
+        }),
+        // SAFETY: as above.
+        RECV_MAGIC => unsafe { recv_comm(comm) }.map(|c| {
+            let (p, d) = c.owner();
+            (Arc::clone(p), d)
+        }),
         _ => Err(Error::Misuse(
             "the pointer passed as a comm is neither a send nor a receive comm".into(),
         )),

@@ -17,7 +17,7 @@ use parking_lot::Mutex;
 
 use super::buffer::UserBuffer;
 use super::ffi::*;
-use super::{any_data_comm, boundary, install_logging, non_null, recv_comm, send_comm};
+use super::{boundary, data_comm_owner, install_logging, non_null, recv_comm, send_comm};
 use crate::error::{Error, Result};
 use crate::oob::HANDLE_SIZE;
 use crate::plugin::{self, Device, ListenComm, Plugin, RecvComm, SendComm, MAX_COLL_BYTES};
@@ -83,7 +83,7 @@ macro_rules! fill_v9 {
     ($p:expr, $d:expr, $dev:expr) => {{
         fill_v7!($p, $d);
         $p.regIsGlobal = 1;
-        $p.forceFlush = 0;
+        $p.forceFlush = c_int::from($d.force_flush);
         $p.vProps.ndevs = 1;
         $p.vProps.devs[0] = $dev;
         $p.maxP2pBytes = MAX_P2P_BYTES;
@@ -144,12 +144,13 @@ fn connect_with(
     dev: c_int,
     handle: *mut c_void,
     send_comm: *mut *mut c_void,
+    traffic_class: Option<i32>,
 ) -> ncclResult_t {
     boundary("connect", || {
         non_null(send_comm, "sendComm")?;
         // SAFETY: checked non-NULL; writable pointer slot. NULL means "not yet".
         unsafe { *send_comm = std::ptr::null_mut() };
-        if let Some(comm) = plugin?.connect(dev, handle_buf(handle)?)? {
+        if let Some(comm) = plugin?.connect(dev, handle_buf(handle)?, traffic_class)? {
             // SAFETY: as above.
             unsafe { *send_comm = Box::into_raw(comm) as *mut c_void };
         }
@@ -162,7 +163,7 @@ extern "C" fn connect_v6(
     handle: *mut c_void,
     send_comm: *mut *mut c_void,
 ) -> ncclResult_t {
-    connect_with(plugin::get(), dev, handle, send_comm)
+    connect_with(plugin::get(), dev, handle, send_comm, None)
 }
 
 extern "C" fn connect_v7(
@@ -171,17 +172,19 @@ extern "C" fn connect_v7(
     send_comm: *mut *mut c_void,
     _dev_comm: *mut *mut ncclNetDeviceHandle_v7_t,
 ) -> ncclResult_t {
-    connect_with(plugin::get(), dev, handle, send_comm)
+    connect_with(plugin::get(), dev, handle, send_comm, None)
 }
 
 extern "C" fn connect_v10(
     dev: c_int,
-    _config: *mut ncclNetCommConfig_v10_t,
+    config: *mut ncclNetCommConfig_v10_t,
     handle: *mut c_void,
     send_comm: *mut *mut c_void,
     _dev_comm: *mut *mut ncclNetDeviceHandle_v10_t,
 ) -> ncclResult_t {
-    connect_with(plugin::get(), dev, handle, send_comm)
+    // SAFETY: NCCL passes NULL or a valid config for the duration of the call.
+    let tc = (!config.is_null()).then(|| unsafe { (*config).trafficClass });
+    connect_with(plugin::get(), dev, handle, send_comm, tc)
 }
 
 extern "C" fn accept_v6(listen_comm: *mut c_void, recv_comm: *mut *mut c_void) -> ncclResult_t {
@@ -220,12 +223,23 @@ fn reg_mr(
     boundary("regMr", || {
         non_null(mhandle, "mhandle")?;
         // SAFETY: NCCL passes back a comm we returned (checked by magic).
-        unsafe { any_data_comm(comm)? };
-        let h = plugin::get()?.reg_mr(data as usize, size?, ptr_type)?;
+        let (plugin, dev) = unsafe { data_comm_owner(comm)? };
+        let h = plugin.reg_mr(dev, data as usize, size?, ptr_type)?;
         // SAFETY: checked non-NULL; writable pointer slot.
         unsafe { *mhandle = h as usize as *mut c_void };
         Ok(())
     })
+}
+
+fn buffer_count(n: c_int, call: &str) -> Result<usize> {
+    usize::try_from(n)
+        .ok()
+        .filter(|n| (1..=MAX_RECVS).contains(n))
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{call} of {n} buffers; 1 to {MAX_RECVS} are allowed"
+            ))
+        })
 }
 
 fn int_size(size: c_int) -> Result<usize> {
@@ -254,18 +268,18 @@ extern "C" fn reg_mr_size_t(
 
 extern "C" fn reg_mr_dmabuf(
     comm: *mut c_void,
-    _data: *mut c_void,
-    _size: usize,
-    _ptr_type: c_int,
-    _offset: u64,
-    _fd: c_int,
+    data: *mut c_void,
+    size: usize,
+    ptr_type: c_int,
+    offset: u64,
+    fd: c_int,
     mhandle: *mut *mut c_void,
 ) -> ncclResult_t {
     boundary("regMrDmaBuf", || {
         non_null(mhandle, "mhandle")?;
         // SAFETY: NCCL passes back a comm we returned (checked by magic).
-        unsafe { any_data_comm(comm)? };
-        let h = plugin::get()?.reg_mr_dmabuf()?;
+        let (plugin, dev) = unsafe { data_comm_owner(comm)? };
+        let h = plugin.reg_mr_dmabuf(dev, data as usize, size, ptr_type, offset, fd)?;
         // SAFETY: checked non-NULL; writable pointer slot.
         unsafe { *mhandle = h as usize as *mut c_void };
         Ok(())
@@ -275,8 +289,8 @@ extern "C" fn reg_mr_dmabuf(
 extern "C" fn dereg_mr(comm: *mut c_void, mhandle: *mut c_void) -> ncclResult_t {
     boundary("deregMr", || {
         // SAFETY: NCCL passes back a comm we returned (checked by magic).
-        unsafe { any_data_comm(comm)? };
-        plugin::get()?.dereg_mr(mhandle as usize as u64)
+        let (plugin, _) = unsafe { data_comm_owner(comm)? };
+        plugin.dereg_mr(mhandle as usize as u64)
     })
 }
 
@@ -459,9 +473,9 @@ extern "C" fn irecv_v10(
 extern "C" fn iflush(
     comm: *mut c_void,
     n: c_int,
-    _data: *mut *mut c_void,
-    _sizes: *mut c_int,
-    _mhandles: *mut *mut c_void,
+    data: *mut *mut c_void,
+    sizes: *mut c_int,
+    mhandles: *mut *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
     boundary("iflush", || {
@@ -470,8 +484,19 @@ extern "C" fn iflush(
         unsafe { *request = std::ptr::null_mut() };
         // SAFETY: NCCL passes back a receive comm we returned (checked by magic).
         let comm = unsafe { recv_comm(comm)? };
-        let n = usize::try_from(n).unwrap_or(0);
-        if let Some(token) = comm.iflush(n)? {
+        let n = buffer_count(n, "iflush")?;
+        non_null(data, "data")?;
+        non_null(sizes, "sizes")?;
+        non_null(mhandles, "mhandles")?;
+        let mut bufs = [UserBuffer::EMPTY; MAX_RECVS];
+        let mut mh_v = [0u64; MAX_RECVS];
+        for i in 0..n {
+            // SAFETY: NCCL's arrays hold n (checked 1..=8) elements each.
+            let (d, s, m) = unsafe { (*data.add(i), *sizes.add(i), *mhandles.add(i)) };
+            bufs[i] = user_buffer(d, int_size(s)?)?;
+            mh_v[i] = m as usize as u64;
+        }
+        if let Some(token) = comm.iflush(&bufs[..n], &mh_v[..n])? {
             // SAFETY: as above.
             unsafe { *request = token as *const _ as *mut c_void };
         }
@@ -567,6 +592,7 @@ extern "C" fn get_properties_v11(dev: c_int, props: *mut ncclNetProperties_v11_t
 /// What `init` hands NCCL as `ctx` in v11.
 struct NetContext {
     plugin: Arc<Plugin>,
+    traffic_class: i32,
 }
 
 /// Live contexts, so `finalize`/`listen`/`connect` can refuse a pointer that is not one.
@@ -587,17 +613,32 @@ fn context(ctx: *mut c_void) -> Result<Arc<Plugin>> {
     Ok(Arc::clone(&unsafe { &*(ctx as *const NetContext) }.plugin))
 }
 
+fn context_traffic_class(ctx: *mut c_void) -> Option<i32> {
+    // SAFETY: only called after `context` accepted ctx as a live registered NetContext.
+    let tc = unsafe { (*(ctx as *const NetContext)).traffic_class };
+    (tc >= 0).then_some(tc)
+}
+
 extern "C" fn init_v11(
     ctx: *mut *mut c_void,
     _comm_id: u64,
-    _config: *mut ncclNetCommConfig_v11_t,
+    config: *mut ncclNetCommConfig_v11_t,
     logger: ncclDebugLogger_t,
     _profiler: ncclProfilerCallback_t,
 ) -> ncclResult_t {
     boundary("init", || {
         non_null(ctx, "ctx")?;
         let plugin = init_common(logger)?;
-        let raw = Box::into_raw(Box::new(NetContext { plugin })) as *mut c_void;
+        let traffic_class = if config.is_null() {
+            -1
+        } else {
+            // SAFETY: NCCL passes NULL or a valid config for the duration of the call.
+            unsafe { (*config).trafficClass }
+        };
+        let raw = Box::into_raw(Box::new(NetContext {
+            plugin,
+            traffic_class,
+        })) as *mut c_void;
         CONTEXTS
             .lock()
             .get_or_insert_with(HashSet::new)
@@ -644,7 +685,8 @@ extern "C" fn connect_v11(
     send_comm: *mut *mut c_void,
     _dev_comm: *mut *mut ncclNetDeviceHandle_v11_t,
 ) -> ncclResult_t {
-    connect_with(context(ctx), dev, handle, send_comm)
+    let traffic_class = context(ctx).ok().and(context_traffic_class(ctx));
+    connect_with(context(ctx), dev, handle, send_comm, traffic_class)
 }
 
 // ---------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@
 //! registration. Globals are behind locks; each comm's data path state is behind its own
 //! (uncontended) lock.
 
+pub mod comm;
 pub mod mr;
 
 use std::{
@@ -24,15 +25,20 @@ use std::{
 
 use parking_lot::Mutex;
 
-use crate::abi::buffer::UserBuffer;
-use crate::config::{Config, TransportChoice};
+use crate::config::{Config, Setting, TransportChoice};
 use crate::error::{Error, Result};
 use crate::log::INIT;
 use crate::oob::{handle, iface, Handle, TransportKind, HANDLE_SIZE};
-use crate::transport::tcp::{TcpConnecting, TcpListen, TcpRecvComm, TcpSendComm};
-use crate::transport::{Completion, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS};
+use crate::transport::tcp::{TcpConnecting, TcpListen};
+use crate::transport::verbs::{MrCache, VerbsConnecting, VerbsListen, VerbsParams};
+use crate::transport::MAX_RECVS;
+use crate::verbs::device::{self as vdev, VerbsDevice};
 use crate::verbs::VerbsLib;
 
+pub use comm::{
+    ListenComm, RecvComm, RequestOwner, RequestToken, SendComm, LISTEN_MAGIC, RECV_MAGIC,
+    REQUEST_MAGIC, SEND_MAGIC,
+};
 pub use mr::{MrTable, Registration};
 
 /// The plugin's name in every table (`NCCL_NET=erdma` selects it).
@@ -41,11 +47,16 @@ pub const NAME: &str = "erdma";
 pub const PTR_HOST: i32 = 1;
 /// `NCCL_PTR_CUDA`.
 pub const PTR_CUDA: i32 = 2;
+/// `NCCL_PTR_DMABUF`.
+pub const PTR_DMABUF: i32 = 4;
 /// Largest message per request we advertise (`maxP2pBytes`): what `test` can report in an
 /// `int`, rounded to 1 GiB as NCCL's shims do for older plugins.
 pub const MAX_P2P_BYTES: usize = 1 << 30;
 /// `maxCollBytes`: NCCL's CollNet default.
 pub const MAX_COLL_BYTES: usize = 512 << 20;
+/// QPs per connection on eRDMA when the user set none: Alibaba's published preset for
+/// NCCL on eRDMA (PAI "eRDMA" guide: `NCCL_IB_QPS_PER_CONNECTION=8`).
+pub const ERDMA_DEFAULT_QPS: u32 = 8;
 
 /// One network device as NCCL sees it.
 #[derive(Debug)]
@@ -64,10 +75,12 @@ pub struct Device {
     pub max_comms: i32,
     /// `maxRecvs`.
     pub max_recvs: i32,
+    /// `forceFlush` (v9+).
+    pub force_flush: bool,
 }
 
 impl Device {
-    /// Unique device name; the string lives as long as the plugin.
+    /// Unique device name.
     pub fn name(&self) -> &str {
         self.name.to_str().unwrap_or("?")
     }
@@ -83,18 +96,36 @@ impl Device {
     }
 }
 
+/// What carries the data, with its per-device state.
+enum Backend {
+    Tcp,
+    Verbs {
+        devices: Vec<Arc<VerbsDevice>>,
+        caches: Vec<Arc<MrCache>>,
+    },
+}
+
+/// A connect in progress.
+// Each lives inside a boxed comm made once per connection: size differences cost nothing.
+#[allow(clippy::large_enum_variant)]
+enum Connecting {
+    Tcp(TcpConnecting),
+    Verbs(VerbsConnecting),
+}
+
 /// The initialised plugin: configuration, devices and registrations.
 pub struct Plugin {
-    /// Settings read at `init`.
+    /// Settings read at `init` (with the eRDMA profile applied).
     pub config: Config,
     /// Transport carrying the data.
     pub transport: TransportKind,
     /// Where bootstrap listeners bind.
     pub bootstrap_ip: IpAddr,
     devices: Vec<Device>,
+    backend: Backend,
     /// Live memory registrations.
     pub mrs: MrTable,
-    connecting: Mutex<HashMap<u64, TcpConnecting>>,
+    connecting: Mutex<HashMap<u64, Connecting>>,
     next_stage: AtomicU64,
 }
 
@@ -127,54 +158,120 @@ fn sysfs_string(path: &str) -> Option<String> {
         .map(|s| s.trim().to_string())
 }
 
+/// Finds the verbs devices, or says why there are none.
+pub fn discover_verbs(config: &Config) -> Result<Vec<VerbsDevice>> {
+    let lib = VerbsLib::get(config.ibverbs_lib.value.as_deref())?;
+    vdev::discover(lib, config)
+}
+
 impl Plugin {
     /// Builds the plugin from a validated configuration.
-    pub fn from_config(config: Config) -> Result<Self> {
-        for line in config.describe() {
-            tracing::info!(target: INIT, "{line}");
-        }
+    pub fn from_config(mut config: Config) -> Result<Self> {
         let bootstrap = iface::pick(
             config.socket_ifname.value.as_ref(),
             config.socket_family.value,
         )?;
+        let verbs = match config.transport.value {
+            TransportChoice::Tcp => None,
+            TransportChoice::Verbs => Some(discover_verbs(&config).map_err(|e| {
+                Error::NoDevice(format!(
+                    "verbs transport unavailable: {e}. NCCL falls back to its own \
+                     transports; set NCCL_ERDMA_TRANSPORT=tcp (or auto) to use this plugin \
+                     over TCP"
+                ))
+            })?),
+            TransportChoice::Auto => match discover_verbs(&config) {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    tracing::info!(target: INIT, "verbs transport unavailable ({e}); using tcp");
+                    None
+                }
+            },
+        };
+        if let Some(devs) = &verbs {
+            if devs.iter().any(VerbsDevice::is_erdma) && !config.qps_per_connection.from_env {
+                config.qps_per_connection = Setting {
+                    value: ERDMA_DEFAULT_QPS,
+                    from_env: false,
+                };
+                tracing::info!(
+                    target: INIT,
+                    "eRDMA device found: NCCL_IB_QPS_PER_CONNECTION defaults to \
+                     {ERDMA_DEFAULT_QPS} (Alibaba Cloud's eRDMA preset)"
+                );
+            }
+        }
+        for line in config.describe() {
+            tracing::info!(target: INIT, "{line}");
+        }
         tracing::info!(
             target: INIT,
             "bootstrap interface {} address {}",
             bootstrap.ifname,
             bootstrap.ip
         );
-        let transport = match config.transport.value {
-            TransportChoice::Tcp => TransportKind::Tcp,
-            TransportChoice::Verbs => {
-                let why = verbs_unavailable(&config);
-                return Err(Error::NoDevice(format!(
-                    "verbs transport unavailable: {why}. NCCL falls back to its own \
-                     transports; set NCCL_ERDMA_TRANSPORT=tcp (or auto) to use this plugin \
-                     over TCP"
-                )));
-            }
-            TransportChoice::Auto => {
-                let why = verbs_unavailable(&config);
-                tracing::info!(target: INIT, "verbs transport unavailable ({why}); using tcp");
-                TransportKind::Tcp
+        let (transport, devices, backend) = match verbs {
+            None => (
+                TransportKind::Tcp,
+                vec![tcp_device(&bootstrap.ifname, &config)],
+                Backend::Tcp,
+            ),
+            Some(devs) => {
+                let lib = VerbsLib::get(config.ibverbs_lib.value.as_deref())?;
+                // Before the first registration, or it fails (rdma-core makes it a no-op on
+                // kernels with copy-on-fork for pinned memory).
+                if let Err(e) = lib.fork_init() {
+                    tracing::info!(target: INIT, "ibv_fork_init: {e}");
+                }
+                let devices = devs.iter().map(|d| verbs_device(d, &config)).collect();
+                let devs: Vec<Arc<VerbsDevice>> = devs.into_iter().map(Arc::new).collect();
+                let caches = devs
+                    .iter()
+                    .map(|d| MrCache::new(Arc::clone(&d.pd)))
+                    .collect();
+                (
+                    TransportKind::Verbs,
+                    devices,
+                    Backend::Verbs {
+                        devices: devs,
+                        caches,
+                    },
+                )
             }
         };
-        let devices = vec![tcp_device(&bootstrap.ifname, &config)];
         for (i, d) in devices.iter().enumerate() {
             tracing::info!(
                 target: INIT,
-                "device {i}: {} transport {} speed {} Mbps pci {:?}",
+                "device {i}: {} transport {} speed {} Mbps ptrSupport {:#x} pci {:?}",
                 d.name(),
                 transport.name(),
                 d.speed_mbps,
+                d.ptr_support,
                 d.pci_path
             );
+        }
+        if let Backend::Verbs { devices: devs, .. } = &backend {
+            for d in devs {
+                tracing::info!(
+                    target: INIT,
+                    "{}: port {} {} GID index {} MTU {} vendor {:#x} peermem {} dmabuf {}",
+                    d.name,
+                    d.port,
+                    if d.link_layer == vdev::LINK_LAYER_ETHERNET { "RoCE" } else { "IB" },
+                    d.gid_index,
+                    128u32 << d.active_mtu.min(5),
+                    d.vendor_id,
+                    d.peermem,
+                    d.dmabuf
+                );
+            }
         }
         Ok(Plugin {
             config,
             transport,
             bootstrap_ip: bootstrap.ip,
             devices,
+            backend,
             mrs: MrTable::default(),
             connecting: Mutex::new(HashMap::new()),
             next_stage: AtomicU64::new(1),
@@ -199,27 +296,81 @@ impl Plugin {
             })
     }
 
+    /// Registration cache statistics per device: (hits, misses, live MRs).
+    pub fn mr_cache_stats(&self) -> Vec<(u64, u64, usize)> {
+        match &self.backend {
+            Backend::Tcp => Vec::new(),
+            Backend::Verbs { caches, .. } => caches
+                .iter()
+                .map(|c| {
+                    (
+                        c.hits.load(Ordering::Relaxed),
+                        c.misses.load(Ordering::Relaxed),
+                        c.len(),
+                    )
+                })
+                .collect(),
+        }
+    }
+
     fn timeout(&self) -> Duration {
         Duration::from_millis(self.config.connect_timeout_ms.value)
+    }
+
+    fn verbs_params(&self, dev: &VerbsDevice, traffic_class: Option<i32>) -> VerbsParams {
+        let c = &self.config;
+        let tc = if c.ib_tc.value >= 0 {
+            c.ib_tc.value
+        } else {
+            traffic_class.filter(|t| *t >= 0).unwrap_or(0)
+        };
+        let sl = if c.ib_sl.value >= 0 { c.ib_sl.value } else { 0 };
+        VerbsParams {
+            qps_per_connection: c.qps_per_connection.value,
+            split_data: c.split_data_on_qps.value,
+            timeout: c.ib_timeout.value as u8,
+            retry_cnt: c.ib_retry_cnt.value as u8,
+            traffic_class: tc.clamp(0, 255) as u8,
+            sl: sl.clamp(0, 15) as u8,
+            pkey_index: c.ib_pkey.value as u16,
+            flush: c.force_flush.value || dev.peermem || dev.dmabuf,
+            connect_timeout: self.timeout(),
+        }
+    }
+
+    fn verbs_device(&self, dev: usize) -> Result<(&Arc<VerbsDevice>, &Arc<MrCache>)> {
+        match &self.backend {
+            Backend::Verbs { devices, caches } => devices
+                .get(dev)
+                .zip(caches.get(dev))
+                .ok_or_else(|| Error::InvalidArgument(format!("device {dev} does not exist"))),
+            Backend::Tcp => Err(Error::Misuse("not a verbs device".into())),
+        }
     }
 
     /// `listen`: binds a bootstrap listener and writes the handle for the peer.
     pub fn listen(&self, dev: i32, out: &mut [u8; HANDLE_SIZE]) -> Result<Box<ListenComm>> {
         self.device(dev)?;
-        let listen = TcpListen::bind(self.bootstrap_ip, self.timeout())?;
+        let listen = match &self.backend {
+            Backend::Tcp => comm::Listen::Tcp(TcpListen::bind(self.bootstrap_ip, self.timeout())?),
+            Backend::Verbs { .. } => {
+                let (d, _) = self.verbs_device(dev as usize)?;
+                let params = self.verbs_params(d, None);
+                comm::Listen::Verbs(VerbsListen::bind(self.bootstrap_ip, d, params)?)
+            }
+        };
         listen.handle().encode(out);
-        Ok(Box::new(ListenComm {
-            magic: LISTEN_MAGIC,
-            inner: listen,
-        }))
+        Ok(ListenComm::new(listen, dev as usize))
     }
 
     /// `connect`: one non-blocking step; `Ok(None)` until the connection is up. The stage is
     /// kept in a registry keyed by an id stored in the handle NCCL passes back each time.
+    /// `traffic_class` is the communicator's (v10+), used when `NCCL_IB_TC` is unset.
     pub fn connect(
         self: &Arc<Self>,
         dev: i32,
         buf: &mut [u8; HANDLE_SIZE],
+        traffic_class: Option<i32>,
     ) -> Result<Option<Box<SendComm>>> {
         self.device(dev)?;
         let handle = Handle::decode(buf)?;
@@ -236,7 +387,15 @@ impl Plugin {
             Some(id) => id,
             None => {
                 let id = self.next_stage.fetch_add(1, Ordering::Relaxed);
-                connecting.insert(id, TcpConnecting::start(&handle, self.timeout())?);
+                let stage = match &self.backend {
+                    Backend::Tcp => Connecting::Tcp(TcpConnecting::start(&handle, self.timeout())?),
+                    Backend::Verbs { .. } => {
+                        let (d, _) = self.verbs_device(dev as usize)?;
+                        let params = self.verbs_params(d, traffic_class);
+                        Connecting::Verbs(VerbsConnecting::start(d, &handle, params)?)
+                    }
+                };
+                connecting.insert(id, stage);
                 handle::set_stage_id(buf, id);
                 id
             }
@@ -247,54 +406,103 @@ impl Plugin {
                  or failed"
             ))
         })?;
-        match stage.poll() {
-            Ok(None) => Ok(None),
-            Ok(Some(())) => {
+        let step = match stage {
+            Connecting::Tcp(t) => t.poll().map(|done| done.map(|()| None)),
+            Connecting::Verbs(v) => v.poll().map(|done| done.map(Some)),
+        };
+        let comm = match step {
+            Ok(None) => return Ok(None),
+            Ok(Some(verbs)) => {
                 let stage = connecting.remove(&id).expect("present above");
-                Ok(Some(SendComm::new(Arc::clone(self), stage.finish()?)))
+                match (stage, verbs) {
+                    (Connecting::Tcp(t), _) => comm::Send::Tcp(t.finish()?),
+                    (Connecting::Verbs(_), Some(v)) => comm::Send::Verbs(v),
+                    (Connecting::Verbs(_), None) => unreachable!("verbs stages finish with a comm"),
+                }
             }
             Err(e) => {
                 connecting.remove(&id);
-                Err(e)
+                return Err(e);
             }
-        }
+        };
+        Ok(Some(SendComm::new(Arc::clone(self), comm, dev as usize)))
     }
 
     /// `accept`: one non-blocking step; `Ok(None)` until the peer has connected.
     pub fn accept(self: &Arc<Self>, listen: &mut ListenComm) -> Result<Option<Box<RecvComm>>> {
-        Ok(listen
-            .inner
-            .poll_accept()?
-            .map(|comm| RecvComm::new(Arc::clone(self), comm)))
+        let dev = listen.dev;
+        let comm = match &mut listen.inner {
+            comm::Listen::Tcp(t) => t.poll_accept()?.map(comm::Recv::Tcp),
+            comm::Listen::Verbs(v) => v.poll_accept()?.map(comm::Recv::Verbs),
+        };
+        Ok(comm.map(|c| RecvComm::new(Arc::clone(self), c, dev)))
     }
 
-    /// `regMr`: records a host registration (the tcp transport needs no pinning).
-    pub fn reg_mr(&self, addr: usize, len: usize, ptr_type: i32) -> Result<u64> {
-        if ptr_type != PTR_HOST {
-            return Err(Error::InvalidArgument(format!(
-                "memory type {ptr_type} is not supported by the {} transport (host memory \
-                 only)",
-                self.transport.name()
-            )));
-        }
+    /// `regMr` on device `dev`.
+    pub fn reg_mr(&self, dev: usize, addr: usize, len: usize, ptr_type: i32) -> Result<u64> {
         if addr == 0 && len > 0 {
             return Err(Error::InvalidArgument(
                 "regMr of a NULL address".to_string(),
             ));
         }
-        Ok(self.mrs.insert(Registration {
+        let supported = self.devices.get(dev).map_or(0, |d| d.ptr_support);
+        if ptr_type != PTR_HOST && (ptr_type != PTR_CUDA || supported & PTR_CUDA == 0) {
+            return Err(Error::InvalidArgument(format!(
+                "memory type {ptr_type} is not supported by the {} transport on this host \
+                 (ptrSupport {supported:#x})",
+                self.transport.name()
+            )));
+        }
+        let mut reg = Registration {
             addr,
             len,
             ptr_type,
-        }))
+            dev,
+            lkey: 0,
+            rkey: 0,
+        };
+        let hold: Option<mr::Hold> = match &self.backend {
+            Backend::Tcp => None,
+            Backend::Verbs { .. } => {
+                let (_, cache) = self.verbs_device(dev)?;
+                let held = cache.register(addr, len)?;
+                reg.lkey = held.lkey();
+                reg.rkey = held.rkey();
+                Some(Box::new(held))
+            }
+        };
+        Ok(self.mrs.insert(reg, hold))
     }
 
-    /// `regMrDmaBuf`: needs the verbs transport.
-    pub fn reg_mr_dmabuf(&self) -> Result<u64> {
-        Err(Error::Usage(format!(
-            "DMA-BUF registration needs the verbs transport; this process uses {}",
-            self.transport.name()
-        )))
+    /// `regMrDmaBuf` on device `dev` (verbs devices that support DMA-BUF).
+    pub fn reg_mr_dmabuf(
+        &self,
+        dev: usize,
+        addr: usize,
+        len: usize,
+        ptr_type: i32,
+        offset: u64,
+        fd: i32,
+    ) -> Result<u64> {
+        if self.devices.get(dev).map_or(0, |d| d.ptr_support) & PTR_DMABUF == 0 {
+            return Err(Error::Usage(format!(
+                "DMA-BUF registration is not supported here (transport {}); NCCL should not \
+                 have asked",
+                self.transport.name()
+            )));
+        }
+        let (d, _) = self.verbs_device(dev)?;
+        let mr =
+            d.pd.reg_dmabuf_mr(offset, len, addr as u64, fd, crate::verbs::dma::ACCESS_RDMA)?;
+        let reg = Registration {
+            addr,
+            len,
+            ptr_type,
+            dev,
+            lkey: mr.lkey(),
+            rkey: mr.rkey(),
+        };
+        Ok(self.mrs.insert(reg, Some(Box::new(mr))))
     }
 
     /// `deregMr`; a NULL handle (0) is accepted, as NCCL may pass one.
@@ -305,29 +513,52 @@ impl Plugin {
         self.mrs.remove(handle).map(|_| ())
     }
 
-    fn check_buffer(&self, mhandle: u64, buf: &UserBuffer) -> Result<()> {
+    /// The registration behind `mhandle`, checked to cover `addr..addr+len` on `dev`.
+    pub fn registration(
+        &self,
+        mhandle: u64,
+        dev: usize,
+        addr: usize,
+        len: usize,
+    ) -> Result<Registration> {
         let reg = self.mrs.get(mhandle)?;
-        if !reg.covers(buf.addr(), buf.len()) {
+        if !reg.covers(addr, len) {
             return Err(Error::InvalidArgument(format!(
-                "buffer {:#x}+{} lies outside its registration {:#x}+{}",
-                buf.addr(),
-                buf.len(),
-                reg.addr,
-                reg.len
+                "buffer {addr:#x}+{len} lies outside its registration {:#x}+{}",
+                reg.addr, reg.len
             )));
         }
-        Ok(())
+        if reg.dev != dev && self.transport == TransportKind::Verbs {
+            return Err(Error::InvalidArgument(format!(
+                "buffer registered on device {} used on device {dev}",
+                reg.dev
+            )));
+        }
+        Ok(reg)
     }
 }
 
-fn verbs_unavailable(config: &Config) -> String {
-    match VerbsLib::open(config.ibverbs_lib.value.as_deref()).and_then(|l| l.device_names()) {
-        Err(e) => e.to_string(),
-        Ok(names) if names.is_empty() => "no RDMA devices found".into(),
-        Ok(names) => format!(
-            "found RDMA device(s) {} but this build's verbs transport is not implemented yet",
-            names.join(", ")
-        ),
+fn verbs_device(d: &VerbsDevice, config: &Config) -> Device {
+    let mut ptr_support = PTR_HOST;
+    if d.peermem {
+        ptr_support |= PTR_CUDA;
+    }
+    if d.dmabuf {
+        ptr_support |= PTR_DMABUF;
+    }
+    Device {
+        name: CString::new(d.name.clone()).unwrap_or_default(),
+        pci_path: d
+            .pci_path
+            .as_ref()
+            .and_then(|p| CString::new(p.clone()).ok()),
+        guid: d.guid,
+        ptr_support,
+        speed_mbps: d.speed_mbps,
+        port: i32::from(d.port),
+        max_comms: d.max_qp.max(1),
+        max_recvs: MAX_RECVS as i32,
+        force_flush: config.force_flush.value,
     }
 }
 
@@ -355,214 +586,6 @@ fn tcp_device(ifname: &str, config: &Config) -> Device {
         port: 1,
         max_comms: 65536,
         max_recvs: MAX_RECVS as i32,
-    }
-}
-
-// ---------------------------------------------------------------------------------------
-// Comms and requests. Each starts with a magic number so the boundary can tell a send comm
-// from a receive comm (regMr gets either) and reject a pointer of the wrong kind.
-
-/// Magic of a [`ListenComm`].
-pub const LISTEN_MAGIC: u64 = 0x4c49_5354_454e_4552;
-/// Magic of a [`SendComm`].
-pub const SEND_MAGIC: u64 = 0x5345_4e44_434f_4d4d;
-/// Magic of a [`RecvComm`].
-pub const RECV_MAGIC: u64 = 0x5245_4356_434f_4d4d;
-/// Magic of a [`RequestToken`].
-pub const REQUEST_MAGIC: u64 = 0x5245_5155_4553_5421;
-
-/// The listening side of one future connection.
-#[repr(C)]
-pub struct ListenComm {
-    magic: u64,
-    inner: TcpListen,
-}
-
-impl ListenComm {
-    /// Errors unless this is a live listen comm.
-    pub fn check(&self) -> Result<()> {
-        check_magic(self.magic, LISTEN_MAGIC, "listen")
-    }
-}
-
-fn check_magic(have: u64, want: u64, what: &str) -> Result<()> {
-    if have == want {
-        Ok(())
-    } else {
-        Err(Error::Misuse(format!(
-            "the pointer passed as a {what} comm is not one"
-        )))
-    }
-}
-
-/// Which comm a request belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RequestOwner {
-    /// A [`SendComm`] at this address.
-    Send(usize),
-    /// A [`RecvComm`] at this address.
-    Recv(usize),
-}
-
-/// What NCCL holds as a request: a slot of its comm's fixed request table.
-#[repr(C)]
-#[derive(Debug)]
-pub struct RequestToken {
-    magic: u64,
-    /// The comm that owns the request.
-    pub owner: RequestOwner,
-    /// Slot in the comm's table.
-    pub slot: usize,
-}
-
-impl RequestToken {
-    /// Errors unless this is a request token.
-    pub fn check(&self) -> Result<()> {
-        check_magic(self.magic, REQUEST_MAGIC, "request")
-            .map_err(|_| Error::Misuse("the pointer passed as a request is not one".into()))
-    }
-}
-
-fn tokens(owner: impl Fn() -> RequestOwner, n: usize) -> Box<[RequestToken]> {
-    (0..n)
-        .map(|slot| RequestToken {
-            magic: REQUEST_MAGIC,
-            owner: owner(),
-            slot,
-        })
-        .collect()
-}
-
-/// A connected send comm.
-#[repr(C)]
-pub struct SendComm {
-    magic: u64,
-    plugin: Arc<Plugin>,
-    inner: TcpSendComm,
-    tokens: Box<[RequestToken]>,
-}
-
-impl SendComm {
-    fn new(plugin: Arc<Plugin>, inner: TcpSendComm) -> Box<Self> {
-        let mut comm = Box::new(SendComm {
-            magic: SEND_MAGIC,
-            plugin,
-            inner,
-            tokens: Box::new([]),
-        });
-        let addr = &*comm as *const SendComm as usize;
-        comm.tokens = tokens(|| RequestOwner::Send(addr), MAX_SEND_REQUESTS);
-        comm
-    }
-
-    /// Errors unless this is a live send comm.
-    pub fn check(&self) -> Result<()> {
-        check_magic(self.magic, SEND_MAGIC, "send")
-    }
-
-    /// The plugin this comm belongs to.
-    pub fn plugin(&self) -> &Arc<Plugin> {
-        &self.plugin
-    }
-
-    /// `isend`: `Ok(None)` when it cannot be posted yet.
-    pub fn isend(&self, buf: UserBuffer, tag: i32, mhandle: u64) -> Result<Option<&RequestToken>> {
-        if buf.len() > MAX_P2P_BYTES {
-            return Err(Error::InvalidArgument(format!(
-                "send of {} bytes exceeds maxP2pBytes ({MAX_P2P_BYTES})",
-                buf.len()
-            )));
-        }
-        self.plugin.check_buffer(mhandle, &buf)?;
-        Ok(self.inner.isend(buf, tag)?.map(|slot| &self.tokens[slot]))
-    }
-
-    /// `test` of one of this comm's requests.
-    pub fn test(&self, slot: usize) -> Result<Option<Completion>> {
-        self.inner.test(slot)
-    }
-
-    /// Marks the comm dead before it is dropped, so a stale pointer fails the magic check.
-    pub fn retire(&mut self) {
-        self.magic = 0;
-    }
-}
-
-/// A connected receive comm.
-#[repr(C)]
-pub struct RecvComm {
-    magic: u64,
-    plugin: Arc<Plugin>,
-    inner: TcpRecvComm,
-    tokens: Box<[RequestToken]>,
-}
-
-impl RecvComm {
-    fn new(plugin: Arc<Plugin>, inner: TcpRecvComm) -> Box<Self> {
-        let mut comm = Box::new(RecvComm {
-            magic: RECV_MAGIC,
-            plugin,
-            inner,
-            tokens: Box::new([]),
-        });
-        let addr = &*comm as *const RecvComm as usize;
-        comm.tokens = tokens(|| RequestOwner::Recv(addr), MAX_REQUESTS);
-        comm
-    }
-
-    /// Errors unless this is a live receive comm.
-    pub fn check(&self) -> Result<()> {
-        check_magic(self.magic, RECV_MAGIC, "receive")
-    }
-
-    /// The plugin this comm belongs to.
-    pub fn plugin(&self) -> &Arc<Plugin> {
-        &self.plugin
-    }
-
-    /// `irecv` of `bufs.len()` (1..=8) buffers: `Ok(None)` when 32 receives are in flight.
-    pub fn irecv(
-        &self,
-        bufs: &[UserBuffer],
-        tags: &[i32],
-        mhandles: &[u64],
-    ) -> Result<Option<&RequestToken>> {
-        if bufs.is_empty() || bufs.len() > MAX_RECVS {
-            return Err(Error::InvalidArgument(format!(
-                "irecv of {} buffers; 1 to {MAX_RECVS} are allowed",
-                bufs.len()
-            )));
-        }
-        for (buf, mh) in bufs.iter().zip(mhandles) {
-            self.plugin.check_buffer(*mh, buf)?;
-        }
-        Ok(self.inner.irecv(bufs, tags)?.map(|slot| &self.tokens[slot]))
-    }
-
-    /// `iflush`: nothing to flush for host memory, so never a request.
-    pub fn iflush(&self, n: usize) -> Result<Option<&RequestToken>> {
-        if n == 0 || n > MAX_RECVS {
-            return Err(Error::InvalidArgument(format!(
-                "iflush of {n} buffers; 1 to {MAX_RECVS} are allowed"
-            )));
-        }
-        Ok(None)
-    }
-
-    /// `test` of one of this comm's requests.
-    pub fn test(&self, slot: usize) -> Result<Option<Completion>> {
-        self.inner.test(slot)
-    }
-
-    /// Marks the comm dead before it is dropped, so a stale pointer fails the magic check.
-    pub fn retire(&mut self) {
-        self.magic = 0;
-    }
-}
-
-impl ListenComm {
-    /// Marks the comm dead before it is dropped.
-    pub fn retire(&mut self) {
-        self.magic = 0;
+        force_flush: false,
     }
 }

@@ -17,6 +17,12 @@ pub struct Registration {
     pub len: usize,
     /// `NCCL_PTR_HOST` or `NCCL_PTR_CUDA`.
     pub ptr_type: i32,
+    /// Device index the registration belongs to.
+    pub dev: usize,
+    /// Local and remote keys (verbs transport).
+    pub lkey: u32,
+    /// Remote key (verbs transport).
+    pub rkey: u32,
 }
 
 impl Registration {
@@ -26,14 +32,18 @@ impl Registration {
     }
 }
 
-#[derive(Debug, Default)]
+/// What keeps a registration's verbs MR alive; dropped at deregistration.
+pub type Hold = Box<dyn std::any::Any + Send + Sync>;
+
+#[derive(Default)]
 struct Slot {
     generation: u32,
     reg: Option<Registration>,
+    hold: Option<Hold>,
 }
 
 /// All live registrations of the process.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub struct MrTable {
     slots: RwLock<(Vec<Slot>, Vec<u32>)>,
 }
@@ -46,7 +56,7 @@ fn split(handle: u64) -> Option<(usize, u32)> {
 
 impl MrTable {
     /// Records a registration and returns its handle (never 0).
-    pub fn insert(&self, reg: Registration) -> u64 {
+    pub fn insert(&self, reg: Registration, hold: Option<Hold>) -> u64 {
         let mut guard = self.slots.write();
         let (slots, free) = &mut *guard;
         let index = match free.pop() {
@@ -58,6 +68,7 @@ impl MrTable {
         };
         let slot = &mut slots[index];
         slot.reg = Some(reg);
+        slot.hold = hold;
         (u64::from(slot.generation) << 32) | (index as u64 + 1)
     }
 
@@ -85,6 +96,9 @@ impl MrTable {
             .filter(|s| s.generation == generation && s.reg.is_some())
             .ok_or_else(|| unknown(handle))?;
         let reg = slot.reg.take().expect("checked above");
+        // Dropping the hold deregisters (or releases the cache entry) outside no lock but
+        // ours; the verbs cache takes its own lock, never this one.
+        drop(slot.hold.take());
         slot.generation = slot.generation.wrapping_add(1);
         free.push(i as u32);
         Ok(reg)
@@ -123,8 +137,11 @@ mod tests {
             addr: 4096,
             len: 100,
             ptr_type: 1,
+            dev: 0,
+            lkey: 0,
+            rkey: 0,
         };
-        let h = t.insert(r);
+        let h = t.insert(r, None);
         assert_ne!(h, 0);
         assert_eq!(t.get(h).unwrap(), r);
         assert!(t.get(h + 1).is_err());
@@ -132,7 +149,7 @@ mod tests {
         assert_eq!(t.remove(h).unwrap(), r);
         assert!(t.get(h).is_err(), "released");
         assert!(t.remove(h).is_err(), "double release");
-        let h2 = t.insert(r);
+        let h2 = t.insert(r, None);
         assert_ne!(h, h2, "slot reused with a new generation");
         assert!(t.get(h).is_err());
         assert_eq!(t.len(), 1);

@@ -2,6 +2,9 @@
 //! for tests) and, later, `verbs`. Both honour the same request contract, defined here.
 
 pub mod tcp;
+pub mod verbs;
+
+use crate::error::{Error, Result};
 
 /// Largest `n` of a grouped receive (`maxRecvs`).
 pub const MAX_RECVS: usize = 8;
@@ -25,5 +28,24 @@ impl Completion {
         let mut sizes = [0; MAX_RECVS];
         sizes[0] = size;
         Completion { n: 1, sizes }
+    }
+}
+
+/// A sticky connection failure: once set, every call that needs the peer returns it.
+#[derive(Debug, Default)]
+pub(crate) struct Failure(pub(crate) Option<String>);
+
+impl Failure {
+    pub(crate) fn set(&mut self, msg: String) {
+        if self.0.is_none() {
+            tracing::warn!("{msg}");
+            self.0 = Some(msg);
+        }
+    }
+    pub(crate) fn check(&self) -> Result<()> {
+        match &self.0 {
+            Some(m) => Err(Error::Remote(m.clone())),
+            None => Ok(()),
+        }
     }
 }

@@ -22,7 +22,7 @@ use socket2::Socket;
 use crate::abi::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::{Channel, Handle, Hello, Listener, MsgKind, TransportKind};
-use crate::transport::{Completion, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS};
+use crate::transport::{Completion, Failure, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS};
 
 const FRAME_CTS: u8 = 1;
 const FRAME_DATA: u8 = 2;
@@ -50,25 +50,6 @@ fn into_data_socket(chan: Channel) -> Result<Socket> {
     sock.set_nonblocking(true)
         .map_err(|e| Error::io("making the data socket non-blocking", e))?;
     Ok(sock)
-}
-
-/// A sticky connection failure: once set, every call that needs the peer returns it.
-#[derive(Debug, Default)]
-struct Failure(Option<String>);
-
-impl Failure {
-    fn set(&mut self, msg: String) {
-        if self.0.is_none() {
-            tracing::warn!("{msg}");
-            self.0 = Some(msg);
-        }
-    }
-    fn check(&self) -> Result<()> {
-        match &self.0 {
-            Some(m) => Err(Error::Remote(m.clone())),
-            None => Ok(()),
-        }
-    }
 }
 
 // ---------------------------------------------------------------------------------------

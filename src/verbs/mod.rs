@@ -1,59 +1,117 @@
-//! libibverbs, loaded with `dlopen` so the plugin loads on any host; the only place that
+//! libibverbs, loaded with `dlopen` so the plugin loads on any host, and the only place that
 //! calls `ibv_*`.
 //!
-//! This first layer answers one question for `init`: is there a usable RDMA device? The
-//! verbs transport (device properties, QPs, MRs, the data path) builds on it.
+//! [`VerbsLib`] resolves the exported functions by symbol version (`IBVERBS_1.1`, optional
+//! ones by their own versions, turned into capability flags), exactly as NCCL does; rdma-sys
+//! supplies the types and the inline data-path helpers, which go through the provider's ops
+//! table (each slot checked before the call). [`resources`] wraps contexts, PDs, CQs, QPs and
+//! MRs in RAII types, [`device`] finds and describes devices.
+
+pub mod device;
+pub mod dma;
+pub mod resources;
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
+
+use once_cell::sync::OnceCell;
+use rdma_sys::*;
 
 use crate::error::{Error, Result};
 
 /// Libraries tried when `NCCL_IBVERBS_LIB` is unset, as NCCL does.
 const DEFAULT_LIBS: [&str; 2] = ["libibverbs.so", "libibverbs.so.1"];
 
-type GetDeviceList = unsafe extern "C" fn(num_devices: *mut c_int) -> *mut *mut c_void;
-type FreeDeviceList = unsafe extern "C" fn(list: *mut *mut c_void);
-type GetDeviceName = unsafe extern "C" fn(device: *mut c_void) -> *const c_char;
-
-/// An open libibverbs. Never closed: provider libraries it loads keep references into it,
-/// and the plugin itself stays mapped for the life of the process.
+/// The libibverbs entry points the plugin uses.
+#[allow(missing_docs)]
 pub struct VerbsLib {
-    get_device_list: GetDeviceList,
-    free_device_list: FreeDeviceList,
-    get_device_name: GetDeviceName,
-    /// The library name that was opened.
+    /// The library that was opened.
     pub name: String,
+    pub get_device_list: unsafe extern "C" fn(*mut c_int) -> *mut *mut ibv_device,
+    pub free_device_list: unsafe extern "C" fn(*mut *mut ibv_device),
+    pub get_device_name: unsafe extern "C" fn(*mut ibv_device) -> *const c_char,
+    pub open_device: unsafe extern "C" fn(*mut ibv_device) -> *mut ibv_context,
+    pub close_device: unsafe extern "C" fn(*mut ibv_context) -> c_int,
+    pub query_device: unsafe extern "C" fn(*mut ibv_context, *mut ibv_device_attr) -> c_int,
+    pub query_port: unsafe extern "C" fn(*mut ibv_context, u8, *mut ibv_port_attr) -> c_int,
+    pub query_gid: unsafe extern "C" fn(*mut ibv_context, u8, c_int, *mut ibv_gid) -> c_int,
+    pub alloc_pd: unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_pd,
+    pub dealloc_pd: unsafe extern "C" fn(*mut ibv_pd) -> c_int,
+    pub reg_mr: unsafe extern "C" fn(*mut ibv_pd, *mut c_void, usize, c_int) -> *mut ibv_mr,
+    pub dereg_mr: unsafe extern "C" fn(*mut ibv_mr) -> c_int,
+    pub create_cq: unsafe extern "C" fn(
+        *mut ibv_context,
+        c_int,
+        *mut c_void,
+        *mut ibv_comp_channel,
+        c_int,
+    ) -> *mut ibv_cq,
+    pub destroy_cq: unsafe extern "C" fn(*mut ibv_cq) -> c_int,
+    pub create_qp: unsafe extern "C" fn(*mut ibv_pd, *mut ibv_qp_init_attr) -> *mut ibv_qp,
+    pub modify_qp: unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int,
+    pub destroy_qp: unsafe extern "C" fn(*mut ibv_qp) -> c_int,
+    pub fork_init: unsafe extern "C" fn() -> c_int,
+    pub get_async_event: unsafe extern "C" fn(*mut ibv_context, *mut ibv_async_event) -> c_int,
+    pub ack_async_event: unsafe extern "C" fn(*mut ibv_async_event),
+    pub wc_status_str: unsafe extern "C" fn(ibv_wc_status::Type) -> *const c_char,
+    /// `ibv_reg_dmabuf_mr` (IBVERBS_1.12), when the library has it.
+    pub reg_dmabuf_mr:
+        Option<unsafe extern "C" fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ibv_mr>,
 }
 
 fn dl_error() -> String {
     // SAFETY: dlerror returns NULL or a NUL-terminated string valid until the next dl* call
-    // on this thread; we copy it at once.
+    // on this thread; it is copied at once.
     let p = unsafe { libc::dlerror() };
     if p.is_null() {
         "unknown dlopen error".into()
     } else {
-        // SAFETY: non-NULL, NUL-terminated (see above).
+        // SAFETY: non-NULL and NUL-terminated (see above).
         unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
     }
 }
 
-fn symbol(lib: *mut c_void, name: &CStr, version: &CStr) -> Result<*mut c_void> {
-    // SAFETY: `lib` is a live handle from dlopen; name and version are NUL-terminated.
-    let p = unsafe { libc::dlvsym(lib, name.as_ptr(), version.as_ptr()) };
-    if p.is_null() {
-        return Err(Error::NoDevice(format!(
-            "libibverbs lacks {}@{}: {}",
-            name.to_string_lossy(),
-            version.to_string_lossy(),
-            dl_error()
-        )));
-    }
-    Ok(p)
+fn lookup(lib: *mut c_void, name: &str, version: &CStr) -> Option<*mut c_void> {
+    let cname = CString::new(name).ok()?;
+    // SAFETY: lib is a live dlopen handle; both strings are NUL-terminated.
+    let p = unsafe { libc::dlvsym(lib, cname.as_ptr(), version.as_ptr()) };
+    (!p.is_null()).then_some(p)
 }
 
+/// Casts a resolved symbol to the function pointer type `F`.
+///
+/// # Safety
+/// `p` must be a function whose C signature is `F`.
+unsafe fn fn_ptr<F: Copy>(p: *mut c_void) -> F {
+    assert_eq!(std::mem::size_of::<F>(), std::mem::size_of::<*mut c_void>());
+    // SAFETY: same size (checked), and the caller guarantees the signature.
+    unsafe { std::mem::transmute_copy::<*mut c_void, F>(&p) }
+}
+
+/// Resolves a required symbol and casts it to the field's function type.
+macro_rules! required {
+    ($lib:expr, $name:literal) => {{
+        let p = lookup($lib, $name, c"IBVERBS_1.1").ok_or_else(|| {
+            Error::NoDevice(format!(
+                "libibverbs lacks {}@IBVERBS_1.1: {}",
+                $name,
+                dl_error()
+            ))
+        })?;
+        // SAFETY: the symbol was resolved by name and ABI version from libibverbs; the
+        // field's type is that function's C signature for IBVERBS_1.1.
+        unsafe { fn_ptr(p) }
+    }};
+}
+
+static LIB: OnceCell<VerbsLib> = OnceCell::new();
+
 impl VerbsLib {
-    /// Opens libibverbs (`override_lib` first when given).
-    pub fn open(override_lib: Option<&str>) -> Result<Self> {
+    /// The process's libibverbs, opened on first use (`override_lib` first when given).
+    pub fn get(override_lib: Option<&str>) -> Result<&'static VerbsLib> {
+        LIB.get_or_try_init(|| Self::open(override_lib))
+    }
+
+    fn open(override_lib: Option<&str>) -> Result<Self> {
         let candidates: Vec<&str> = match override_lib {
             Some(l) => vec![l],
             None => DEFAULT_LIBS.to_vec(),
@@ -63,42 +121,55 @@ impl VerbsLib {
             let c = CString::new(name).map_err(|_| {
                 Error::InvalidArgument(format!("library name {name:?} contains a NUL byte"))
             })?;
-            // SAFETY: c is a NUL-terminated path; RTLD_NOW surfaces missing symbols here.
+            // SAFETY: c is NUL-terminated; RTLD_NOW surfaces missing dependencies here. The
+            // handle is never closed: provider libraries keep references into libibverbs.
             let lib = unsafe { libc::dlopen(c.as_ptr(), libc::RTLD_NOW | libc::RTLD_LOCAL) };
             if lib.is_null() {
                 errors.push(dl_error());
                 continue;
             }
-            let v11 = c"IBVERBS_1.1";
-            let get = symbol(lib, c"ibv_get_device_list", v11)?;
-            let free = symbol(lib, c"ibv_free_device_list", v11)?;
-            let dev_name = symbol(lib, c"ibv_get_device_name", v11)?;
-            // SAFETY: the symbols were resolved by name and version from libibverbs, whose
-            // IBVERBS_1.1 ABI has exactly these signatures.
-            let (get_device_list, free_device_list, get_device_name) = unsafe {
-                (
-                    std::mem::transmute::<*mut c_void, GetDeviceList>(get),
-                    std::mem::transmute::<*mut c_void, FreeDeviceList>(free),
-                    std::mem::transmute::<*mut c_void, GetDeviceName>(dev_name),
-                )
-            };
+            let reg_dmabuf_mr = lookup(lib, "ibv_reg_dmabuf_mr", c"IBVERBS_1.12").map(|p| {
+                // SAFETY: resolved by name and version (IBVERBS_1.12), whose signature this is.
+                unsafe { fn_ptr(p) }
+            });
             return Ok(VerbsLib {
-                get_device_list,
-                free_device_list,
-                get_device_name,
                 name: name.to_string(),
+                get_device_list: required!(lib, "ibv_get_device_list"),
+                free_device_list: required!(lib, "ibv_free_device_list"),
+                get_device_name: required!(lib, "ibv_get_device_name"),
+                open_device: required!(lib, "ibv_open_device"),
+                close_device: required!(lib, "ibv_close_device"),
+                query_device: required!(lib, "ibv_query_device"),
+                query_port: required!(lib, "ibv_query_port"),
+                query_gid: required!(lib, "ibv_query_gid"),
+                alloc_pd: required!(lib, "ibv_alloc_pd"),
+                dealloc_pd: required!(lib, "ibv_dealloc_pd"),
+                reg_mr: required!(lib, "ibv_reg_mr"),
+                dereg_mr: required!(lib, "ibv_dereg_mr"),
+                create_cq: required!(lib, "ibv_create_cq"),
+                destroy_cq: required!(lib, "ibv_destroy_cq"),
+                create_qp: required!(lib, "ibv_create_qp"),
+                modify_qp: required!(lib, "ibv_modify_qp"),
+                destroy_qp: required!(lib, "ibv_destroy_qp"),
+                fork_init: required!(lib, "ibv_fork_init"),
+                get_async_event: required!(lib, "ibv_get_async_event"),
+                ack_async_event: required!(lib, "ibv_ack_async_event"),
+                wc_status_str: required!(lib, "ibv_wc_status_str"),
+                reg_dmabuf_mr,
             });
         }
         Err(Error::NoDevice(format!(
-            "cannot load libibverbs ({}); install rdma-core/libibverbs1 or set NCCL_IBVERBS_LIB",
+            "cannot load libibverbs ({}); install rdma-core (libibverbs1 and the provider \
+             for your NIC) or set NCCL_IBVERBS_LIB",
             errors.join("; ")
         )))
     }
 
-    /// Names of the RDMA devices libibverbs sees.
-    pub fn device_names(&self) -> Result<Vec<String>> {
+    /// Names of the devices libibverbs sees, with their raw handles (valid until the list is
+    /// freed by [`DeviceList`]'s drop).
+    pub fn device_list(&'static self) -> Result<DeviceList> {
         let mut n: c_int = 0;
-        // SAFETY: n is a valid out-pointer; the returned list is freed below.
+        // SAFETY: n is a valid out-pointer; the list is freed by DeviceList's drop.
         let list = unsafe { (self.get_device_list)(&mut n) };
         if list.is_null() {
             let err = std::io::Error::last_os_error();
@@ -111,24 +182,93 @@ impl VerbsLib {
                 "ibv_get_device_list failed: {why}"
             )));
         }
-        let mut names = Vec::with_capacity(n.max(0) as usize);
-        for i in 0..n.max(0) as usize {
-            // SAFETY: list holds n valid device pointers (libibverbs contract).
-            let dev = unsafe { *list.add(i) };
-            // SAFETY: dev is a live device from the list; the name is NUL-terminated and
-            // valid while the list is.
-            let name = unsafe { (self.get_device_name)(dev) };
-            if !name.is_null() {
-                // SAFETY: non-NULL, NUL-terminated (see above).
-                names.push(
-                    unsafe { CStr::from_ptr(name) }
-                        .to_string_lossy()
-                        .into_owned(),
-                );
-            }
+        Ok(DeviceList {
+            lib: self,
+            list,
+            len: n.max(0) as usize,
+        })
+    }
+
+    /// `ibv_wc_status_str`.
+    pub fn status_str(&self, status: ibv_wc_status::Type) -> String {
+        // SAFETY: returns a static NUL-terminated string for any status value.
+        let p = unsafe { (self.wc_status_str)(status) };
+        if p.is_null() {
+            format!("status {status}")
+        } else {
+            // SAFETY: non-NULL static string.
+            unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
         }
-        // SAFETY: list came from ibv_get_device_list and is freed exactly once.
-        unsafe { (self.free_device_list)(list) };
-        Ok(names)
+    }
+
+    /// `ibv_fork_init`, which must run before the first registration. On kernels with
+    /// copy-on-fork for pinned pages rdma-core makes it a no-op.
+    pub fn fork_init(&self) -> Result<()> {
+        // SAFETY: no arguments; safe to call before any MR exists.
+        let rc = unsafe { (self.fork_init)() };
+        if rc != 0 {
+            return Err(Error::io(
+                "ibv_fork_init",
+                std::io::Error::from_raw_os_error(rc.abs()),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The result of `ibv_get_device_list`, freed on drop.
+pub struct DeviceList {
+    lib: &'static VerbsLib,
+    list: *mut *mut ibv_device,
+    len: usize,
+}
+
+impl DeviceList {
+    /// Number of devices.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when libibverbs sees no device.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Name of device `i`.
+    pub fn name(&self, i: usize) -> String {
+        if i >= self.len {
+            return String::new();
+        }
+        // SAFETY: i < len, so the entry is a live device of the list.
+        let name = unsafe { (self.lib.get_device_name)(*self.list.add(i)) };
+        if name.is_null() {
+            return format!("device{i}");
+        }
+        // SAFETY: non-NULL, NUL-terminated, valid while the list is.
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// Opens device `i`.
+    pub fn open(&self, i: usize) -> Result<resources::Context> {
+        if i >= self.len {
+            return Err(Error::InvalidArgument(format!("no device {i}")));
+        }
+        let name = self.name(i);
+        // SAFETY: i < len, so the entry is a live device of the list.
+        let raw = unsafe { (self.lib.open_device)(*self.list.add(i)) };
+        if raw.is_null() {
+            return Err(Error::last_os(format!("ibv_open_device({name})")));
+        }
+        Ok(resources::Context::new(self.lib, raw, name))
+    }
+}
+
+impl Drop for DeviceList {
+    fn drop(&mut self) {
+        // SAFETY: the list came from ibv_get_device_list and is freed exactly once; opened
+        // contexts stay valid after the list is freed (libibverbs contract).
+        unsafe { (self.lib.free_device_list)(self.list) };
     }
 }

@@ -1,0 +1,1081 @@
+//! Verbs transport: NCCL's p2p contract over RC QPs on eRDMA, RoCE or IB.
+//!
+//! Setup (over `oob`): the connector creates its QPs and CTS FIFO and sends them in its
+//! hello; the listener creates its QPs, brings them to RTS against the connector's, and
+//! answers; the connector brings its QPs up and sends `Ready`, and only then does `accept`
+//! return, so the receiver never writes into a QP that is not ready.
+//!
+//! Data (receiver-driven, as NCCL's IB transport): `irecv` posts one receive per QP it will
+//! use and RDMA-writes a clear-to-send entry per buffer (address, rkey, size, tag, count,
+//! sequence) into the sender's FIFO slot, inline where it fits; `isend` returns NULL until
+//! its slot's entries have landed, and once every send of the slot has matched a tag, posts
+//! RDMA WRITEs ending in WRITE_WITH_IMM (the immediate is the size for a single receive; for
+//! a grouped receive a final write carries all sizes into the receiver's size record).
+//! `NCCL_IB_QPS_PER_CONNECTION` QPs per connection: requests round-robin over them, or with
+//! `NCCL_IB_SPLIT_DATA_ON_QPS=1` every message is split over all of them.
+//! eRDMA limits are honoured: RC only, no SRQ, one SGE, inline <= 96 bytes, legacy verbs.
+
+pub mod mr_cache;
+
+use std::{
+    net::SocketAddr,
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use parking_lot::Mutex;
+
+use crate::abi::buffer::UserBuffer;
+use crate::error::{Error, Result};
+use crate::oob::{Channel, Handle, Hello, Listener, MsgKind, TransportKind};
+use crate::transport::{Completion, Failure, MAX_RECVS, MAX_REQUESTS};
+use crate::verbs::device::{VerbsDevice, LINK_LAYER_ETHERNET};
+use crate::verbs::dma::{
+    DmaBuffer, SendChain, WcBatch, ACCESS_RDMA, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS,
+};
+use crate::verbs::resources::{Cq, Qp, QpPath, RemoteQp};
+
+pub use mr_cache::{CachedMr, MrCache};
+
+const SLOTS: usize = MAX_REQUESTS;
+/// Marks a send that was larger than its receive, in an immediate or a size record.
+const TRUNCATED: u32 = u32::MAX;
+/// Bytes per CTS entry; entries never straddle 32-byte boundaries.
+const CTS_BYTES: usize = 32;
+/// Alignment of the pieces a message is split into over several QPs (LL/LL128 lines).
+const SPLIT_ALIGN: usize = 128;
+/// eRDMA's inline limit, and enough for three CTS entries.
+const MAX_INLINE: u32 = 96;
+
+// wr_id kinds (high 32 bits); the low bits carry the slot.
+const WR_RECV: u64 = 1 << 32;
+const WR_CTS: u64 = 2 << 32;
+const WR_SEND: u64 = 3 << 32;
+const WR_FLUSH: u64 = 4 << 32;
+
+/// One clear-to-send entry, as the receiver writes it into the sender's FIFO.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CtsEntry {
+    addr: u64,
+    size: u64,
+    rkey: u32,
+    tag: i32,
+    nreqs: u32,
+    /// Sequence number + 1 of the receive; 0 = never written.
+    idx: u32,
+}
+const _: () = assert!(std::mem::size_of::<CtsEntry>() == CTS_BYTES);
+
+/// Connection parameters taken from the configuration.
+#[derive(Debug, Clone, Copy)]
+pub struct VerbsParams {
+    /// `NCCL_IB_QPS_PER_CONNECTION`.
+    pub qps_per_connection: u32,
+    /// `NCCL_IB_SPLIT_DATA_ON_QPS`.
+    pub split_data: bool,
+    /// `NCCL_IB_TIMEOUT`.
+    pub timeout: u8,
+    /// `NCCL_IB_RETRY_CNT`.
+    pub retry_cnt: u8,
+    /// `NCCL_IB_TC` (or the communicator's traffic class), 0 when unset.
+    pub traffic_class: u8,
+    /// `NCCL_IB_SL`, 0 when unset.
+    pub sl: u8,
+    /// `NCCL_IB_PKEY`.
+    pub pkey_index: u16,
+    /// Create the loopback flush QP (GPUDirect in use, or forced).
+    pub flush: bool,
+    /// Bound on connection setup.
+    pub connect_timeout: Duration,
+}
+
+// ---------------------------------------------------------------------------------------
+// Setup messages
+
+/// What each side tells the other about its end of the connection.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct ConnInfo {
+    link_layer: u8,
+    mtu: u8,
+    port: u8,
+    gid_index: u8,
+    lid: u16,
+    gid: [u8; 16],
+    /// Sender: its CTS FIFO; receiver: its size records.
+    addr: u64,
+    rkey: u32,
+    device: String,
+    tc: u8,
+    sl: u8,
+    qps: Vec<(u32, u32)>,
+}
+
+const CONN_FIXED: usize = 72;
+
+impl ConnInfo {
+    fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(CONN_FIXED + 8 * self.qps.len());
+        v.extend_from_slice(&(self.qps.len() as u16).to_le_bytes());
+        v.extend_from_slice(&[self.link_layer, self.mtu, self.port, self.gid_index]);
+        v.extend_from_slice(&self.lid.to_le_bytes());
+        v.extend_from_slice(&self.gid);
+        v.extend_from_slice(&self.addr.to_le_bytes());
+        v.extend_from_slice(&self.rkey.to_le_bytes());
+        let mut name = [0u8; 32];
+        let n = self.device.len().min(32);
+        name[..n].copy_from_slice(&self.device.as_bytes()[..n]);
+        v.extend_from_slice(&name);
+        v.extend_from_slice(&[self.tc, self.sl, 0, 0]);
+        for (qpn, psn) in &self.qps {
+            v.extend_from_slice(&qpn.to_le_bytes());
+            v.extend_from_slice(&psn.to_le_bytes());
+        }
+        v
+    }
+
+    fn decode(p: &[u8]) -> Result<Self> {
+        let bad = |why: &str| Error::Remote(format!("invalid connection info: {why}"));
+        if p.len() < CONN_FIXED {
+            return Err(bad("too short"));
+        }
+        let nqps = u16::from_le_bytes([p[0], p[1]]) as usize;
+        if nqps == 0 || nqps > 128 || p.len() != CONN_FIXED + 8 * nqps {
+            return Err(bad(&format!("{nqps} QPs in {} bytes", p.len())));
+        }
+        let u32_at = |o: usize| u32::from_le_bytes([p[o], p[o + 1], p[o + 2], p[o + 3]]);
+        let mut gid = [0u8; 16];
+        gid.copy_from_slice(&p[8..24]);
+        let mut addr = [0u8; 8];
+        addr.copy_from_slice(&p[24..32]);
+        let name_end = p[36..68].iter().position(|b| *b == 0).unwrap_or(32);
+        Ok(ConnInfo {
+            link_layer: p[2],
+            mtu: p[3],
+            port: p[4],
+            gid_index: p[5],
+            lid: u16::from_le_bytes([p[6], p[7]]),
+            gid,
+            addr: u64::from_le_bytes(addr),
+            rkey: u32_at(32),
+            device: String::from_utf8_lossy(&p[36..36 + name_end]).into_owned(),
+            tc: p[68],
+            sl: p[69],
+            qps: (0..nqps)
+                .map(|i| (u32_at(CONN_FIXED + 8 * i), u32_at(CONN_FIXED + 8 * i + 4)))
+                .collect(),
+        })
+    }
+}
+
+fn local_info(dev: &VerbsDevice, qps: &[Qp], addr: u64, rkey: u32, tc: u8, sl: u8) -> ConnInfo {
+    ConnInfo {
+        link_layer: dev.link_layer,
+        mtu: dev.active_mtu as u8,
+        port: dev.port,
+        gid_index: dev.gid_index,
+        lid: dev.lid,
+        gid: dev.gid,
+        addr,
+        rkey,
+        device: dev.name.clone(),
+        tc,
+        sl,
+        qps: qps.iter().map(|q| (q.qpn(), q.psn)).collect(),
+    }
+}
+
+fn path(dev: &VerbsDevice, remote: &ConnInfo, params: &VerbsParams, tc: u8, sl: u8) -> QpPath {
+    QpPath {
+        port: dev.port,
+        roce: dev.link_layer == LINK_LAYER_ETHERNET,
+        gid_index: dev.gid_index,
+        mtu: u32::from(remote.mtu).min(dev.active_mtu),
+        traffic_class: tc,
+        sl,
+        timeout: params.timeout,
+        retry_cnt: params.retry_cnt,
+        pkey_index: params.pkey_index,
+    }
+}
+
+fn check_link(dev: &VerbsDevice, remote: &ConnInfo, peer: SocketAddr) -> Result<()> {
+    if remote.link_layer != dev.link_layer {
+        let name = |l: u8| {
+            if l == LINK_LAYER_ETHERNET {
+                "Ethernet (RoCE)"
+            } else {
+                "InfiniBand"
+            }
+        };
+        return Err(Error::Usage(format!(
+            "link layer mismatch: local device {} is {}, peer {peer} device {} is {}; pick \
+             devices of one kind on every node with NCCL_IB_HCA",
+            dev.name,
+            name(dev.link_layer),
+            remote.device,
+            name(remote.link_layer)
+        )));
+    }
+    Ok(())
+}
+
+fn connect_qps(qps: &[Qp], remote: &ConnInfo, path: &QpPath) -> Result<()> {
+    for (qp, (qpn, psn)) in qps.iter().zip(&remote.qps) {
+        let r = RemoteQp {
+            qpn: *qpn,
+            psn: *psn,
+            gid: remote.gid,
+            lid: remote.lid,
+        };
+        qp.to_rtr(path, &r)?;
+        qp.to_rts(path)?;
+    }
+    Ok(())
+}
+
+fn create_qps(
+    dev: &VerbsDevice,
+    cq: &Arc<Cq>,
+    n: usize,
+    send_wr: u32,
+    recv_wr: u32,
+    params: &VerbsParams,
+) -> Result<Vec<Qp>> {
+    let qps = (0..n)
+        .map(|_| Qp::new(&dev.pd, cq, send_wr, recv_wr, MAX_INLINE))
+        .collect::<Result<Vec<_>>>()?;
+    let init = QpPath {
+        port: dev.port,
+        roce: false,
+        gid_index: 0,
+        mtu: 0,
+        traffic_class: 0,
+        sl: 0,
+        timeout: params.timeout,
+        retry_cnt: params.retry_cnt,
+        pkey_index: params.pkey_index,
+    };
+    for qp in &qps {
+        qp.to_init(&init, ACCESS_RDMA)?;
+    }
+    Ok(qps)
+}
+
+fn timeout_error(peer: SocketAddr, timeout: Duration) -> Error {
+    Error::Remote(format!(
+        "connection to {peer} not established within {} ms (NCCL_ERDMA_CONNECT_TIMEOUT_MS)",
+        timeout.as_millis()
+    ))
+}
+
+// ---------------------------------------------------------------------------------------
+// Connect (sender side)
+
+/// The connecting side, between NCCL's repeated `connect` calls.
+pub struct VerbsConnecting {
+    chan: Channel,
+    sender: Option<SendState>,
+    accepted: bool,
+    deadline: Instant,
+    params: VerbsParams,
+}
+
+impl VerbsConnecting {
+    /// Creates the sender's QPs and FIFO and starts the handshake with the listener.
+    pub fn start(dev: &Arc<VerbsDevice>, handle: &Handle, params: VerbsParams) -> Result<Self> {
+        let nqps = params.qps_per_connection as usize;
+        let cq = Cq::new(&dev.ctx, (SLOTS * nqps * 2 + 16) as i32)?;
+        let qps = create_qps(dev, &cq, nqps, (SLOTS * (MAX_RECVS + 2)) as u32, 1, &params)?;
+        let fifo = DmaBuffer::<CtsEntry>::new(&dev.pd, SLOTS * MAX_RECVS, ACCESS_RDMA)?;
+        let sizes_local = DmaBuffer::<u32>::new(&dev.pd, SLOTS * MAX_RECVS, ACCESS_RDMA)?;
+        let info = local_info(
+            dev,
+            &qps,
+            fifo.addr(0),
+            fifo.rkey(),
+            params.traffic_class,
+            params.sl,
+        );
+        let mut chan = Channel::connect(handle.addr)?;
+        let hello = Hello {
+            nonce: handle.nonce,
+            transport: TransportKind::Verbs,
+            payload: info.encode(),
+        };
+        chan.queue(MsgKind::Hello, &hello.encode());
+        let peer = handle.addr;
+        Ok(VerbsConnecting {
+            chan,
+            sender: Some(SendState {
+                qps,
+                fifo,
+                sizes_local,
+                cq,
+                dev: Arc::clone(dev),
+                remote_sizes: (0, 0),
+                split: params.split_data,
+                seq: 0,
+                slots: [SendSlot::FREE; SLOTS],
+                chain: SendChain::new(),
+                wc: WcBatch::new(),
+                failure: Failure::default(),
+                epoch: 0,
+                calls: 0,
+                peer: peer.to_string(),
+            }),
+            accepted: false,
+            deadline: Instant::now() + params.connect_timeout,
+            params,
+        })
+    }
+
+    /// One non-blocking step; the finished send comm once the listener is ready.
+    pub fn poll(&mut self) -> Result<Option<VerbsSendComm>> {
+        if Instant::now() > self.deadline {
+            return Err(timeout_error(self.chan.peer(), self.params.connect_timeout));
+        }
+        if !self.chan.flush()? {
+            return Ok(None);
+        }
+        if self.accepted {
+            let s = self.sender.take().expect("present until finished");
+            return Ok(Some(VerbsSendComm {
+                inner: Mutex::new(s),
+            }));
+        }
+        let Some(m) = self.chan.poll_recv()? else {
+            return Ok(None);
+        };
+        let peer = self.chan.peer();
+        match m.kind {
+            MsgKind::Accept => {}
+            MsgKind::Reject => {
+                return Err(Error::Remote(format!(
+                    "{peer} refused the connection: {}",
+                    String::from_utf8_lossy(&m.payload)
+                )))
+            }
+            k => {
+                return Err(Error::Remote(format!(
+                    "{peer} answered the hello with message type {k:?}"
+                )))
+            }
+        }
+        let remote = ConnInfo::decode(&m.payload)?;
+        let s = self.sender.as_mut().expect("present until finished");
+        check_link(&s.dev, &remote, peer)?;
+        if remote.qps.len() != s.qps.len() {
+            return Err(Error::Remote(format!(
+                "{peer} answered with {} QPs for our {}",
+                remote.qps.len(),
+                s.qps.len()
+            )));
+        }
+        let p = path(
+            &s.dev,
+            &remote,
+            &self.params,
+            self.params.traffic_class,
+            self.params.sl,
+        );
+        connect_qps(&s.qps, &remote, &p)?;
+        s.remote_sizes = (remote.addr, remote.rkey);
+        s.peer = format!("{peer} ({})", remote.device);
+        self.chan.queue(MsgKind::Ready, &[]);
+        self.accepted = true;
+        if !self.chan.flush()? {
+            return Ok(None);
+        }
+        let s = self.sender.take().expect("present until finished");
+        Ok(Some(VerbsSendComm {
+            inner: Mutex::new(s),
+        }))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Listen / accept (receiver side)
+
+/// The listening side of one connection.
+pub struct VerbsListen {
+    listener: Listener,
+    dev: Arc<VerbsDevice>,
+    params: VerbsParams,
+    accepting: Option<(Channel, RecvState)>,
+}
+
+impl VerbsListen {
+    /// Binds the bootstrap listener for device `dev`.
+    pub fn bind(ip: std::net::IpAddr, dev: &Arc<VerbsDevice>, params: VerbsParams) -> Result<Self> {
+        Ok(VerbsListen {
+            listener: Listener::bind(ip, TransportKind::Verbs, params.connect_timeout)?,
+            dev: Arc::clone(dev),
+            params,
+            accepting: None,
+        })
+    }
+
+    /// The handle to publish.
+    pub fn handle(&self) -> &Handle {
+        self.listener.handle()
+    }
+
+    /// One non-blocking step of `accept`.
+    pub fn poll_accept(&mut self) -> Result<Option<VerbsRecvComm>> {
+        if self.accepting.is_none() {
+            let Some((mut chan, hello)) = self.listener.poll_hello()? else {
+                return Ok(None);
+            };
+            let peer = chan.peer();
+            let remote = ConnInfo::decode(&hello.payload)?;
+            let state = match self.setup_receiver(&remote, peer) {
+                Ok(s) => s,
+                Err(e) => {
+                    chan.queue(MsgKind::Reject, e.to_string().as_bytes());
+                    let _ = chan.flush();
+                    return Err(e);
+                }
+            };
+            let info = local_info(
+                &self.dev,
+                &state.qps,
+                state.sizes_record.addr(0),
+                state.sizes_record.rkey(),
+                remote.tc,
+                remote.sl,
+            );
+            chan.queue(MsgKind::Accept, &info.encode());
+            self.accepting = Some((chan, state));
+        }
+        let (chan, _) = self.accepting.as_mut().expect("set above");
+        if !chan.flush()? {
+            return Ok(None);
+        }
+        match chan.poll_recv()? {
+            None => Ok(None),
+            Some(m) if m.kind == MsgKind::Ready => {
+                let (_, state) = self.accepting.take().expect("set above");
+                Ok(Some(VerbsRecvComm {
+                    inner: Mutex::new(state),
+                }))
+            }
+            Some(m) => Err(Error::Remote(format!(
+                "{} sent message type {:?} instead of ready",
+                chan.peer(),
+                m.kind
+            ))),
+        }
+    }
+
+    fn setup_receiver(&self, remote: &ConnInfo, peer: SocketAddr) -> Result<RecvState> {
+        let dev = &self.dev;
+        check_link(dev, remote, peer)?;
+        let nqps = remote.qps.len();
+        let cq = Cq::new(&dev.ctx, (SLOTS * (nqps + 2) + 16) as i32)?;
+        let qps = create_qps(
+            dev,
+            &cq,
+            nqps,
+            (SLOTS * 2) as u32,
+            SLOTS as u32 + 1,
+            &self.params,
+        )?;
+        // The receiver uses the sender's traffic class and service level, as NCCL does.
+        let p = path(dev, remote, &self.params, remote.tc, remote.sl);
+        connect_qps(&qps, remote, &p)?;
+        let flush_qp = if self.params.flush {
+            let qp = create_qps(dev, &cq, 1, SLOTS as u32, 1, &self.params)?.remove(0);
+            let own = RemoteQp {
+                qpn: qp.qpn(),
+                psn: qp.psn,
+                gid: dev.gid,
+                lid: dev.lid,
+            };
+            let mut own_path = p;
+            own_path.mtu = dev.active_mtu;
+            qp.to_rtr(&own_path, &own)?;
+            qp.to_rts(&own_path)?;
+            Some(qp)
+        } else {
+            None
+        };
+        Ok(RecvState {
+            qps,
+            flush_qp,
+            cts_local: DmaBuffer::new(&dev.pd, SLOTS * MAX_RECVS, ACCESS_RDMA)?,
+            sizes_record: DmaBuffer::new(&dev.pd, SLOTS * MAX_RECVS, ACCESS_RDMA)?,
+            flush_target: DmaBuffer::new(&dev.pd, 16, ACCESS_RDMA)?,
+            cq,
+            dev: Arc::clone(dev),
+            remote_fifo: (remote.addr, remote.rkey),
+            split: self.params.split_data,
+            seq: 0,
+            slots: [RecvSlot::FREE; SLOTS],
+            flush_slots: [FlushSlot::Free; SLOTS],
+            flush_seq: 0,
+            chain: SendChain::new(),
+            wc: WcBatch::new(),
+            failure: Failure::default(),
+            epoch: 0,
+            calls: 0,
+            peer: format!("{peer} ({})", remote.device),
+        })
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared completion handling
+
+fn cqe_error(dev: &VerbsDevice, peer: &str, c: &crate::verbs::dma::Completion) -> Error {
+    let lib = dev.ctx.lib();
+    let op = match c.wr_id >> 32 {
+        1 => "receive of RDMA write with immediate",
+        2 => "clear-to-send RDMA write",
+        3 => "data RDMA write",
+        4 => "flush RDMA read",
+        _ => "work request",
+    };
+    let hint = match c.status {
+        12 => {
+            " (retry exceeded: the peer is gone or unreachable; check the GID index, \
+               routing and NCCL_IB_TIMEOUT)"
+        }
+        4 => {
+            " (local protection error: memory not registered or ACS/IOMMU blocking \
+              peer-to-peer)"
+        }
+        5 => " (flushed: an earlier error broke this QP)",
+        10 | 11 => " (remote access/operation error: the peer's buffer or key is invalid)",
+        13 => " (receiver not ready)",
+        _ => "",
+    };
+    Error::Remote(format!(
+        "{op} to peer {peer} on {} failed: {} (status {}, vendor error {:#x}, QP {}){hint}",
+        dev.name,
+        lib.status_str(c.status),
+        c.status,
+        c.vendor_err,
+        c.qp_num
+    ))
+}
+
+/// Polls the device's async events every so often (a syscall, so not on every call) and
+/// fails the comm when one of its QPs or its device broke.
+fn check_async(dev: &VerbsDevice, qps: &[Qp], epoch: &mut u64, calls: &mut u32) -> Result<()> {
+    *calls = calls.wrapping_add(1);
+    if *calls % 256 != 0 {
+        return Ok(());
+    }
+    let now = dev.ctx.drain_async_events();
+    if now != *epoch {
+        *epoch = now;
+        let qpns: Vec<u32> = qps.iter().map(Qp::qpn).collect();
+        if let Some(why) = dev.ctx.fatal_for(&qpns) {
+            return Err(Error::Device(format!("fatal asynchronous event: {why}")));
+        }
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Send side
+
+#[derive(Debug, Clone, Copy)]
+struct SendSlot {
+    busy: bool,
+    n: usize,
+    matched: u8,
+    tested: u8,
+    cqe_pending: u32,
+    posted: bool,
+    sizes: [usize; MAX_RECVS],
+    addrs: [u64; MAX_RECVS],
+    lkeys: [u32; MAX_RECVS],
+    trunc: u8,
+}
+
+impl SendSlot {
+    const FREE: SendSlot = SendSlot {
+        busy: false,
+        n: 0,
+        matched: 0,
+        tested: 0,
+        cqe_pending: 0,
+        posted: false,
+        sizes: [0; MAX_RECVS],
+        addrs: [0; MAX_RECVS],
+        lkeys: [0; MAX_RECVS],
+        trunc: 0,
+    };
+}
+
+struct SendState {
+    // Field order is teardown order: QPs before the memory they use, the CQ last.
+    qps: Vec<Qp>,
+    fifo: DmaBuffer<CtsEntry>,
+    sizes_local: DmaBuffer<u32>,
+    cq: Arc<Cq>,
+    dev: Arc<VerbsDevice>,
+    remote_sizes: (u64, u32),
+    split: bool,
+    seq: u32,
+    slots: [SendSlot; SLOTS],
+    chain: SendChain,
+    wc: WcBatch,
+    failure: Failure,
+    epoch: u64,
+    calls: u32,
+    peer: String,
+}
+
+/// A send comm over verbs.
+pub struct VerbsSendComm {
+    inner: Mutex<SendState>,
+}
+
+impl VerbsSendComm {
+    /// Posts a send of `buf` (registered with `lkey`); `Ok(None)` until the receiver has
+    /// posted a matching receive. Returns a request id (slot * 8 + entry).
+    pub fn isend(&self, buf: UserBuffer, tag: i32, lkey: u32) -> Result<Option<usize>> {
+        let mut s = self.inner.lock();
+        s.failure.check()?;
+        if let Err(e) = s.progress() {
+            s.failure.set(e.to_string());
+            return Err(e);
+        }
+        let slot = s.seq as usize % SLOTS;
+        let want = s.seq.wrapping_add(1);
+        if s.slots[slot].busy && s.slots[slot].posted {
+            return Ok(None); // the previous use of this slot is not tested yet
+        }
+        let first = s.fifo.get(slot * MAX_RECVS);
+        if first.idx != want {
+            return Ok(None);
+        }
+        let n = first.nreqs as usize;
+        if n == 0 || n > MAX_RECVS {
+            let e = Error::Remote(format!(
+                "protocol error: clear-to-send from {} announces {n} buffers",
+                s.peer
+            ));
+            s.failure.set(e.to_string());
+            return Err(e);
+        }
+        let mut entries = [CtsEntry::default(); MAX_RECVS];
+        for (i, e) in entries.iter_mut().enumerate().take(n) {
+            *e = s.fifo.get(slot * MAX_RECVS + i);
+            if e.idx != want {
+                return Ok(None); // not all entries have landed yet
+            }
+        }
+        let st = &mut s.slots[slot];
+        if !st.busy {
+            *st = SendSlot {
+                busy: true,
+                n,
+                ..SendSlot::FREE
+            };
+        }
+        let Some(e) = (0..n).find(|&i| st.matched & (1 << i) == 0 && entries[i].tag == tag) else {
+            return Ok(None);
+        };
+        st.matched |= 1 << e;
+        st.sizes[e] = buf.len();
+        st.addrs[e] = buf.addr() as u64;
+        st.lkeys[e] = lkey;
+        let truncated = buf.len() as u64 > entries[e].size;
+        if truncated {
+            st.trunc |= 1 << e;
+        }
+        if st.matched.count_ones() as usize == n {
+            if let Err(err) = s.post_slot(slot, &entries[..n]) {
+                s.failure.set(err.to_string());
+                return Err(err);
+            }
+        }
+        if truncated {
+            return Err(Error::Truncated(format!(
+                "send of {} bytes (tag {tag}) to {} is larger than the {}-byte receive \
+                 posted for it",
+                buf.len(),
+                s.peer,
+                entries[e].size
+            )));
+        }
+        Ok(Some(slot * MAX_RECVS + e))
+    }
+
+    /// Tests send request `id`.
+    pub fn test(&self, id: usize) -> Result<Option<Completion>> {
+        let mut s = self.inner.lock();
+        let (slot, e) = (id / MAX_RECVS, id % MAX_RECVS);
+        if slot >= SLOTS || !s.slots[slot].busy || s.slots[slot].matched & (1 << e) == 0 {
+            return Err(Error::Misuse(format!(
+                "test on send request {id}, which is not in flight"
+            )));
+        }
+        if let Err(err) = s.progress() {
+            s.failure.set(err.to_string());
+        }
+        let st = &mut s.slots[slot];
+        if st.posted && st.cqe_pending == 0 {
+            let size = st.sizes[e];
+            st.tested |= 1 << e;
+            if st.tested == st.matched && st.matched.count_ones() as usize == st.n {
+                *st = SendSlot::FREE;
+            }
+            return Ok(Some(Completion::single(size)));
+        }
+        s.failure.check()?;
+        Ok(None)
+    }
+}
+
+impl SendState {
+    fn progress(&mut self) -> Result<()> {
+        check_async(&self.dev, &self.qps, &mut self.epoch, &mut self.calls)?;
+        loop {
+            let n = self.wc.poll(&self.cq)?;
+            for i in 0..n {
+                let c = self.wc.get(i);
+                if c.status != WC_SUCCESS {
+                    return Err(cqe_error(&self.dev, &self.peer, &c));
+                }
+                if c.wr_id >> 32 == WR_SEND >> 32 {
+                    let slot = (c.wr_id & 0xffff_ffff) as usize % SLOTS;
+                    let st = &mut self.slots[slot];
+                    st.cqe_pending = st.cqe_pending.saturating_sub(1);
+                }
+            }
+            if n < 16 {
+                return Ok(());
+            }
+        }
+    }
+
+    /// Posts the writes of a fully matched slot.
+    fn post_slot(&mut self, slot: usize, entries: &[CtsEntry]) -> Result<()> {
+        let n = entries.len();
+        let nqps = self.qps.len();
+        let (first_qp, used) = if self.split {
+            (0, nqps)
+        } else {
+            (self.seq as usize % nqps, 1)
+        };
+        let st = self.slots[slot];
+        if n > 1 {
+            for (i, size) in st.sizes[..n].iter().enumerate() {
+                let v = if st.trunc & (1 << i) != 0 {
+                    TRUNCATED
+                } else {
+                    *size as u32
+                };
+                self.sizes_local.set(slot * MAX_RECVS + i, v);
+            }
+        }
+        for k in 0..used {
+            let qp = &self.qps[(first_qp + k) % nqps];
+            self.chain.clear();
+            for (i, e) in entries.iter().enumerate() {
+                if st.trunc & (1 << i) != 0 {
+                    continue;
+                }
+                let size = st.sizes[i];
+                let chunk = if used > 1 {
+                    size.div_ceil(used).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN
+                } else {
+                    size
+                };
+                let off = (k * chunk).min(size);
+                let len = chunk.min(size - off);
+                if len > 0 {
+                    self.chain.write(
+                        st.addrs[i] + off as u64,
+                        len as u32,
+                        st.lkeys[i],
+                        e.addr + off as u64,
+                        e.rkey,
+                    );
+                }
+            }
+            if n == 1 {
+                let imm = if st.trunc & 1 != 0 {
+                    TRUNCATED
+                } else {
+                    st.sizes[0] as u32
+                };
+                if self.chain.is_empty() {
+                    self.chain
+                        .write_imm(0, 0, 0, entries[0].addr, entries[0].rkey, imm);
+                } else {
+                    self.chain.last_with_imm(imm);
+                }
+            } else {
+                self.chain.write_imm(
+                    self.sizes_local.addr(slot * MAX_RECVS),
+                    (4 * n) as u32,
+                    self.sizes_local.lkey(),
+                    self.remote_sizes.0 + (slot * MAX_RECVS * 4) as u64,
+                    self.remote_sizes.1,
+                    slot as u32,
+                );
+            }
+            self.chain.finish(WR_SEND | slot as u64, qp.max_inline);
+            self.chain.post(qp)?;
+        }
+        let st = &mut self.slots[slot];
+        st.cqe_pending = used as u32;
+        st.posted = true;
+        self.seq = self.seq.wrapping_add(1);
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Receive side
+
+#[derive(Debug, Clone, Copy)]
+struct RecvSlot {
+    busy: bool,
+    n: usize,
+    imm_pending: u32,
+    size0: u32,
+}
+
+impl RecvSlot {
+    const FREE: RecvSlot = RecvSlot {
+        busy: false,
+        n: 0,
+        imm_pending: 0,
+        size0: 0,
+    };
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum FlushSlot {
+    Free,
+    Pending,
+    Done,
+}
+
+struct RecvState {
+    // Field order is teardown order: QPs before the memory they use, the CQ last.
+    qps: Vec<Qp>,
+    flush_qp: Option<Qp>,
+    cts_local: DmaBuffer<CtsEntry>,
+    sizes_record: DmaBuffer<u32>,
+    flush_target: DmaBuffer<u32>,
+    cq: Arc<Cq>,
+    dev: Arc<VerbsDevice>,
+    remote_fifo: (u64, u32),
+    split: bool,
+    seq: u32,
+    slots: [RecvSlot; SLOTS],
+    flush_slots: [FlushSlot; SLOTS],
+    flush_seq: u32,
+    chain: SendChain,
+    wc: WcBatch,
+    failure: Failure,
+    epoch: u64,
+    calls: u32,
+    peer: String,
+}
+
+/// A receive comm over verbs.
+pub struct VerbsRecvComm {
+    inner: Mutex<RecvState>,
+}
+
+/// Request ids of flushes start here (receives are 0..32).
+pub const FLUSH_ID_BASE: usize = SLOTS;
+
+impl VerbsRecvComm {
+    /// Posts a grouped receive of `bufs` with their remote keys; `Ok(None)` when 32 are in
+    /// flight. Returns the request id (the slot).
+    pub fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], rkeys: &[u32]) -> Result<Option<usize>> {
+        let mut s = self.inner.lock();
+        s.failure.check()?;
+        if let Err(e) = s.progress() {
+            s.failure.set(e.to_string());
+            return Err(e);
+        }
+        let slot = s.seq as usize % SLOTS;
+        if s.slots[slot].busy {
+            return Ok(None);
+        }
+        if let Err(e) = s.post_receive(slot, bufs, tags, rkeys) {
+            s.failure.set(e.to_string());
+            return Err(e);
+        }
+        Ok(Some(slot))
+    }
+
+    /// Posts a flush (a 1-byte RDMA READ through the loopback QP) of the last non-empty
+    /// buffer; `Ok(None)` when there is nothing to flush.
+    pub fn iflush(&self, bufs: &[UserBuffer], rkeys: &[u32]) -> Result<Option<usize>> {
+        let mut s = self.inner.lock();
+        s.failure.check()?;
+        if s.flush_qp.is_none() {
+            return Ok(None);
+        }
+        let Some(last) = (0..bufs.len()).rev().find(|&i| !bufs[i].is_empty()) else {
+            return Ok(None);
+        };
+        let fslot = s.flush_seq as usize % SLOTS;
+        if s.flush_slots[fslot] != FlushSlot::Free {
+            return Ok(None);
+        }
+        let (target, lkey) = (s.flush_target.addr(0), s.flush_target.lkey());
+        let s = &mut *s;
+        s.chain.clear();
+        s.chain
+            .read(target, 1, lkey, bufs[last].addr() as u64, rkeys[last]);
+        s.chain.finish(WR_FLUSH | fslot as u64, 0);
+        let qp = s.flush_qp.as_ref().expect("checked above");
+        if let Err(e) = s.chain.post(qp) {
+            s.failure.set(e.to_string());
+            return Err(e);
+        }
+        s.flush_slots[fslot] = FlushSlot::Pending;
+        s.flush_seq = s.flush_seq.wrapping_add(1);
+        Ok(Some(FLUSH_ID_BASE + fslot))
+    }
+
+    /// Tests receive or flush request `id`.
+    pub fn test(&self, id: usize) -> Result<Option<Completion>> {
+        let mut s = self.inner.lock();
+        if let Err(e) = s.progress() {
+            s.failure.set(e.to_string());
+        }
+        if id >= FLUSH_ID_BASE {
+            let f = id - FLUSH_ID_BASE;
+            return match s.flush_slots.get(f) {
+                Some(FlushSlot::Done) => {
+                    s.flush_slots[f] = FlushSlot::Free;
+                    Ok(Some(Completion {
+                        n: 0,
+                        sizes: [0; MAX_RECVS],
+                    }))
+                }
+                Some(FlushSlot::Pending) => s.failure.check().map(|()| None),
+                _ => Err(Error::Misuse(format!(
+                    "test on flush request {f}, which is not in flight"
+                ))),
+            };
+        }
+        let Some(st) = s.slots.get(id).copied().filter(|st| st.busy) else {
+            return Err(Error::Misuse(format!(
+                "test on receive request {id}, which is not in flight"
+            )));
+        };
+        if st.imm_pending > 0 {
+            s.failure.check()?;
+            return Ok(None);
+        }
+        s.slots[id] = RecvSlot::FREE;
+        let mut c = Completion {
+            n: st.n,
+            sizes: [0; MAX_RECVS],
+        };
+        let mut truncated = false;
+        for i in 0..st.n {
+            let v = if st.n == 1 {
+                st.size0
+            } else {
+                s.sizes_record.get(id * MAX_RECVS + i)
+            };
+            truncated |= v == TRUNCATED;
+            c.sizes[i] = v as usize;
+        }
+        if truncated {
+            return Err(Error::Truncated(format!(
+                "{} sent more bytes than the receive posted for them",
+                s.peer
+            )));
+        }
+        Ok(Some(c))
+    }
+}
+
+impl RecvState {
+    fn post_receive(
+        &mut self,
+        slot: usize,
+        bufs: &[UserBuffer],
+        tags: &[i32],
+        rkeys: &[u32],
+    ) -> Result<()> {
+        let n = bufs.len();
+        let nqps = self.qps.len();
+        let (first_qp, used) = if self.split {
+            (0, nqps)
+        } else {
+            (self.seq as usize % nqps, 1)
+        };
+        for k in 0..used {
+            self.qps[(first_qp + k) % nqps].post_recv(WR_RECV | slot as u64)?;
+        }
+        let idx = self.seq.wrapping_add(1);
+        for (i, b) in bufs.iter().enumerate() {
+            self.cts_local.set(
+                slot * MAX_RECVS + i,
+                CtsEntry {
+                    addr: b.addr() as u64,
+                    size: b.len() as u64,
+                    rkey: rkeys[i],
+                    tag: tags[i],
+                    nreqs: n as u32,
+                    idx,
+                },
+            );
+        }
+        self.chain.clear();
+        self.chain.write(
+            self.cts_local.addr(slot * MAX_RECVS),
+            (n * CTS_BYTES) as u32,
+            self.cts_local.lkey(),
+            self.remote_fifo.0 + (slot * MAX_RECVS * CTS_BYTES) as u64,
+            self.remote_fifo.1,
+        );
+        self.chain
+            .finish(WR_CTS | slot as u64, self.qps[0].max_inline);
+        self.chain.post(&self.qps[0])?;
+        self.slots[slot] = RecvSlot {
+            busy: true,
+            n,
+            imm_pending: used as u32,
+            size0: 0,
+        };
+        self.seq = self.seq.wrapping_add(1);
+        Ok(())
+    }
+
+    fn progress(&mut self) -> Result<()> {
+        check_async(&self.dev, &self.qps, &mut self.epoch, &mut self.calls)?;
+        loop {
+            let n = self.wc.poll(&self.cq)?;
+            for i in 0..n {
+                let c = self.wc.get(i);
+                if c.status != WC_SUCCESS {
+                    return Err(cqe_error(&self.dev, &self.peer, &c));
+                }
+                let slot = (c.wr_id & 0xffff_ffff) as usize % SLOTS;
+                match c.wr_id >> 32 {
+                    k if k == WR_RECV >> 32 && c.opcode == WC_RECV_RDMA_WITH_IMM => {
+                        let st = &mut self.slots[slot];
+                        if st.n == 1 {
+                            st.size0 = c.imm;
+                        }
+                        st.imm_pending = st.imm_pending.saturating_sub(1);
+                    }
+                    k if k == WR_FLUSH >> 32 => self.flush_slots[slot] = FlushSlot::Done,
+                    _ => {} // clear-to-send writes: nothing to track
+                }
+            }
+            if n < 16 {
+                return Ok(());
+            }
+        }
+    }
+}

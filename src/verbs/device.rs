@@ -1,0 +1,437 @@
+//! Device discovery as NCCL's IB transport does it: `ibv_get_device_list` filtered by
+//! `NCCL_IB_HCA`, active ports with an IB or Ethernet link layer only, sorted by PCI path so
+//! every node numbers its devices alike; per port the GID index NCCL would choose, the speed,
+//! MTU and the GPUDirect capabilities (peer memory, DMA-BUF).
+
+use std::{net::IpAddr, sync::Arc};
+
+use rdma_sys::*;
+
+use super::resources::{Context, Pd};
+use super::VerbsLib;
+use crate::config::{parse_cidr, AddrFamily, Config};
+use crate::error::{Error, Result};
+
+/// PCI vendor id of Alibaba's eRDMA devices.
+pub const ERDMA_VENDOR_ID: u32 = 0x1ded;
+
+/// `IBV_LINK_LAYER_INFINIBAND`.
+pub const LINK_LAYER_IB: u8 = 1;
+/// `IBV_LINK_LAYER_ETHERNET`.
+pub const LINK_LAYER_ETHERNET: u8 = 2;
+
+/// One usable (device, port).
+pub struct VerbsDevice {
+    /// `name` reported to NCCL (`rxe0`, `erdma_0`; `:port` appended for ports > 1).
+    pub name: String,
+    /// Device name in libibverbs.
+    pub ibv_name: String,
+    /// Port number.
+    pub port: u8,
+    /// Link layer (IB or Ethernet).
+    pub link_layer: u8,
+    /// Active MTU (`ibv_mtu`).
+    pub active_mtu: u32,
+    /// LID (IB).
+    pub lid: u16,
+    /// GID index used for RoCE.
+    pub gid_index: u8,
+    /// That GID.
+    pub gid: [u8; 16],
+    /// Realpath of the PCI device.
+    pub pci_path: Option<String>,
+    /// `sys_image_guid`.
+    pub guid: u64,
+    /// Speed in Mbps (port, or `NCCL_ERDMA_SPEED_MBPS`).
+    pub speed_mbps: i32,
+    /// Speed the port itself reports.
+    pub port_speed_mbps: i32,
+    /// `max_qp`.
+    pub max_qp: i32,
+    /// PCI vendor id.
+    pub vendor_id: u32,
+    /// Peer memory (nvidia_peermem) present: CUDA pointers can be registered.
+    pub peermem: bool,
+    /// `ibv_reg_dmabuf_mr` works.
+    pub dmabuf: bool,
+    /// The device context.
+    pub ctx: Arc<Context>,
+    /// The one protection domain of the device.
+    pub pd: Arc<Pd>,
+}
+
+impl VerbsDevice {
+    /// Whether this is an Alibaba eRDMA device.
+    pub fn is_erdma(&self) -> bool {
+        self.vendor_id == ERDMA_VENDOR_ID
+    }
+}
+
+fn sysfs(path: &str) -> Option<String> {
+    std::fs::read_to_string(path)
+        .ok()
+        .map(|s| s.trim().to_string())
+}
+
+/// NCCL's `ncclIbSpeed` × `ncclIbWidth`, in Mbps.
+pub fn port_speed_mbps(active_speed: u8, active_width: u8) -> i32 {
+    let speed = match active_speed {
+        1 => 2500,
+        2 => 5000,
+        4 | 8 => 10000,
+        16 => 14000,
+        32 => 25000,
+        64 => 50000,
+        128 => 100000,
+        _ => 25000,
+    };
+    let width = match active_width {
+        1 => 1,
+        2 => 4,
+        4 => 8,
+        8 => 12,
+        16 => 2,
+        _ => 1,
+    };
+    speed * width
+}
+
+/// Whether peer memory for CUDA is available (the files NCCL checks).
+pub fn peermem_present() -> bool {
+    [
+        "/sys/kernel/mm/memory_peers/nv_mem/version",
+        "/sys/kernel/mm/memory_peers/nv_mem_nc/version",
+        "/sys/module/nvidia_peermem/version",
+    ]
+    .iter()
+    .any(|p| std::path::Path::new(p).exists())
+}
+
+/// One GID table entry as seen by the selection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GidEntry {
+    /// Index in the table.
+    pub index: u8,
+    /// Raw GID.
+    pub gid: [u8; 16],
+    /// RoCE version from sysfs (1 or 2), `None` when unreadable (containers).
+    pub roce_version: Option<u32>,
+}
+
+fn gid_family(gid: &[u8; 16]) -> AddrFamily {
+    if gid[..10].iter().all(|b| *b == 0) && gid[10] == 0xff && gid[11] == 0xff {
+        AddrFamily::Inet
+    } else {
+        AddrFamily::Inet6
+    }
+}
+
+fn gid_valid(gid: &[u8; 16]) -> bool {
+    let zero = gid.iter().all(|b| *b == 0);
+    let link_local = gid[0] == 0xfe && (gid[1] & 0xc0) == 0x80;
+    !zero && !link_local
+}
+
+fn gid_ip(gid: &[u8; 16]) -> IpAddr {
+    match gid_family(gid) {
+        AddrFamily::Inet => IpAddr::from([gid[12], gid[13], gid[14], gid[15]]),
+        AddrFamily::Inet6 => IpAddr::from(*gid),
+    }
+}
+
+fn in_range(ip: IpAddr, range: &(IpAddr, u8)) -> bool {
+    let (net, len) = *range;
+    match (ip, net) {
+        (IpAddr::V4(a), IpAddr::V4(b)) => {
+            let mask = if len == 0 {
+                0
+            } else {
+                u32::MAX << (32 - u32::from(len))
+            };
+            u32::from(a) & mask == u32::from(b) & mask
+        }
+        (IpAddr::V6(a), IpAddr::V6(b)) => {
+            let mask = if len == 0 {
+                0
+            } else {
+                u128::MAX << (128 - u32::from(len))
+            };
+            u128::from(a) & mask == u128::from(b) & mask
+        }
+        _ => false,
+    }
+}
+
+/// Chooses a RoCE GID index by NCCL's rules: a valid (non-zero, not link-local) GID of the
+/// wanted family, inside the wanted range, preferring the wanted RoCE version; unreadable
+/// entries are skipped. Falls back to index 0.
+pub fn choose_gid(
+    entries: &[GidEntry],
+    family: AddrFamily,
+    range: Option<&(IpAddr, u8)>,
+    roce_version: u32,
+) -> u8 {
+    let mut best: Option<&GidEntry> = None;
+    for e in entries {
+        if !gid_valid(&e.gid) || gid_family(&e.gid) != family {
+            continue;
+        }
+        if range.is_some_and(|r| !in_range(gid_ip(&e.gid), r)) {
+            continue;
+        }
+        let better = match best {
+            None => true,
+            Some(b) => b.roce_version != Some(roce_version) && e.roce_version == Some(roce_version),
+        };
+        if better {
+            best = Some(e);
+        }
+    }
+    best.map_or(0, |e| e.index)
+}
+
+fn roce_version(dev: &str, port: u8, index: usize) -> Option<u32> {
+    let t = sysfs(&format!(
+        "/sys/class/infiniband/{dev}/ports/{port}/gid_attrs/types/{index}"
+    ))?;
+    if t.contains("v2") {
+        Some(2)
+    } else if t.contains("v1") || t.contains("IB/RoCE") {
+        Some(1)
+    } else {
+        None
+    }
+}
+
+/// Finds every usable port, in the order NCCL would number them.
+pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice>> {
+    let list = lib.device_list()?;
+    if list.is_empty() {
+        return Err(Error::NoDevice("no RDMA devices found".into()));
+    }
+    let hca = config.ib_hca.value.as_ref();
+    let range = match &config.ib_addr_range.value {
+        Some(r) => Some(parse_cidr(r)?),
+        None => None,
+    };
+    let peermem = peermem_present();
+    let mut found = Vec::new();
+    let mut seen = Vec::new();
+    for i in 0..list.len() {
+        let ibv_name = list.name(i);
+        seen.push(ibv_name.clone());
+        let ctx = match list.open(i) {
+            Ok(c) => Arc::new(c),
+            Err(e) => {
+                tracing::warn!("skipping RDMA device {ibv_name}: {e}");
+                continue;
+            }
+        };
+        let dev_attr = match ctx.query_device() {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!("skipping RDMA device {ibv_name}: {e}");
+                continue;
+            }
+        };
+        let sys = format!("/sys/class/infiniband/{ibv_name}/device");
+        let pci_path = std::fs::canonicalize(&sys)
+            .ok()
+            .map(|p| p.to_string_lossy().into_owned());
+        let pd = Pd::new(&ctx)?;
+        let dmabuf = pd.dmabuf_supported();
+        for port in 1..=dev_attr.phys_port_cnt {
+            if hca.is_some_and(|f| !f.accepts(&ibv_name, Some(u32::from(port)))) {
+                continue;
+            }
+            let attr = match ctx.query_port(port) {
+                Ok(a) => a,
+                Err(e) => {
+                    tracing::warn!("skipping {ibv_name}:{port}: {e}");
+                    continue;
+                }
+            };
+            if attr.state != ibv_port_state::IBV_PORT_ACTIVE {
+                tracing::info!(target: crate::log::INIT, "skipping {ibv_name}:{port}: port not active");
+                continue;
+            }
+            if attr.link_layer != LINK_LAYER_IB && attr.link_layer != LINK_LAYER_ETHERNET {
+                continue;
+            }
+            let mut gids = Vec::new();
+            for idx in 0..attr.gid_tbl_len.clamp(0, 256) as usize {
+                if let Ok(gid) = ctx.query_gid(port, idx as i32) {
+                    gids.push(GidEntry {
+                        index: idx as u8,
+                        gid,
+                        roce_version: roce_version(&ibv_name, port, idx),
+                    });
+                }
+            }
+            let gid_index = if config.gid_index.value >= 0 {
+                config.gid_index.value as u8
+            } else if attr.link_layer == LINK_LAYER_ETHERNET {
+                choose_gid(
+                    &gids,
+                    config.ib_addr_family.value,
+                    range.as_ref(),
+                    config.roce_version.value,
+                )
+            } else {
+                0
+            };
+            let gid = ctx.query_gid(port, i32::from(gid_index)).unwrap_or([0; 16]);
+            let port_speed = port_speed_mbps(attr.active_speed, attr.active_width);
+            let speed = config.speed_mbps.value.map_or(port_speed, |s| s as i32);
+            let name = if dev_attr.phys_port_cnt > 1 {
+                format!("{ibv_name}:{port}")
+            } else {
+                ibv_name.clone()
+            };
+            found.push(VerbsDevice {
+                name,
+                ibv_name: ibv_name.clone(),
+                port,
+                link_layer: attr.link_layer,
+                active_mtu: attr.active_mtu,
+                lid: attr.lid,
+                gid_index,
+                gid,
+                pci_path: pci_path.clone(),
+                guid: u64::from_be(dev_attr.sys_image_guid),
+                speed_mbps: speed,
+                port_speed_mbps: port_speed,
+                max_qp: dev_attr.max_qp,
+                vendor_id: dev_attr.vendor_id,
+                peermem,
+                dmabuf,
+                ctx: Arc::clone(&ctx),
+                pd: Arc::clone(&pd),
+            });
+        }
+    }
+    if found.is_empty() {
+        let why = match hca {
+            Some(_) => format!(
+                "no active port matches NCCL_IB_HCA={} (devices here: {})",
+                config_hca_text(config),
+                seen.join(", ")
+            ),
+            None => format!("no active port on RDMA devices {}", seen.join(", ")),
+        };
+        return Err(Error::NoDevice(why));
+    }
+    found.sort_by(|a, b| (&a.pci_path, &a.name).cmp(&(&b.pci_path, &b.name)));
+    Ok(found)
+}
+
+fn config_hca_text(config: &Config) -> String {
+    config
+        .ib_hca
+        .value
+        .as_ref()
+        .map(|f| {
+            let names: Vec<String> = f
+                .entries
+                .iter()
+                .map(|e| match e.port {
+                    Some(p) => format!("{}:{p}", e.name),
+                    None => e.name.clone(),
+                })
+                .collect();
+            format!(
+                "{}{}{}",
+                if f.exclude { "^" } else { "" },
+                if f.exact { "=" } else { "" },
+                names.join(",")
+            )
+        })
+        .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn v4(a: [u8; 4]) -> [u8; 16] {
+        let mut g = [0u8; 16];
+        g[10] = 0xff;
+        g[11] = 0xff;
+        g[12..].copy_from_slice(&a);
+        g
+    }
+
+    #[test]
+    fn gid_choice_follows_nccl_rules() {
+        let mut ll = [0u8; 16];
+        ll[0] = 0xfe;
+        ll[1] = 0x80;
+        ll[15] = 1;
+        let mut v6 = [0u8; 16];
+        v6[0] = 0xfd;
+        v6[15] = 2;
+        let table = [
+            GidEntry {
+                index: 0,
+                gid: ll,
+                roce_version: Some(1),
+            },
+            GidEntry {
+                index: 1,
+                gid: ll,
+                roce_version: Some(2),
+            },
+            GidEntry {
+                index: 2,
+                gid: v4([10, 0, 0, 5]),
+                roce_version: Some(1),
+            },
+            GidEntry {
+                index: 3,
+                gid: v4([10, 0, 0, 5]),
+                roce_version: Some(2),
+            },
+            GidEntry {
+                index: 4,
+                gid: v6,
+                roce_version: Some(2),
+            },
+            GidEntry {
+                index: 5,
+                gid: v4([198, 18, 0, 1]),
+                roce_version: None,
+            },
+        ];
+        assert_eq!(choose_gid(&table, AddrFamily::Inet, None, 2), 3);
+        assert_eq!(choose_gid(&table, AddrFamily::Inet, None, 1), 2);
+        assert_eq!(choose_gid(&table, AddrFamily::Inet6, None, 2), 4);
+        let r = parse_cidr("198.18.0.0/15").unwrap();
+        assert_eq!(
+            choose_gid(&table, AddrFamily::Inet, Some(&r), 2),
+            5,
+            "unreadable type is usable"
+        );
+        let none = parse_cidr("192.168.0.0/16").unwrap();
+        assert_eq!(
+            choose_gid(&table, AddrFamily::Inet, Some(&none), 2),
+            0,
+            "fallback 0"
+        );
+        assert_eq!(
+            choose_gid(&table[..2], AddrFamily::Inet, None, 2),
+            0,
+            "link-local skipped"
+        );
+    }
+
+    #[test]
+    fn speeds_match_nccl_tables() {
+        assert_eq!(
+            port_speed_mbps(32, 2),
+            100_000,
+            "EDR 4x, what eRDMA reports"
+        );
+        assert_eq!(port_speed_mbps(64, 2), 200_000);
+        assert_eq!(port_speed_mbps(1, 1), 2500);
+    }
+}

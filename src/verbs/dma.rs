@@ -1,0 +1,319 @@
+//! Memory the plugin itself registers for RDMA (the clear-to-send FIFO, size records,
+//! staging areas), the work-request chains posted on the data path and completion batches.
+//! Everything the NIC reads or writes behind the CPU's back is accessed here, with volatile
+//! reads and fences, so the transports stay free of `unsafe`.
+
+use std::{
+    alloc::{self, Layout},
+    marker::PhantomData,
+    sync::{atomic, Arc},
+};
+
+use rdma_sys::*;
+
+use super::resources::{Mr, Pd, Qp};
+use crate::error::{Error, Result};
+
+/// `IBV_ACCESS_LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ`.
+pub const ACCESS_RDMA: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
+    | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
+    | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
+
+/// A zeroed, page-aligned array of `T` registered on a PD. The peer may write it at any
+/// time, so reads are volatile.
+pub struct DmaBuffer<T: Copy> {
+    mr: Option<Mr>,
+    ptr: *mut T,
+    len: usize,
+    layout: Layout,
+    _t: PhantomData<T>,
+}
+
+// SAFETY: the buffer is plain memory owned by this value; concurrent NIC writes are the
+// reason every access is volatile. The owning comm serialises CPU access.
+unsafe impl<T: Copy + Send> Send for DmaBuffer<T> {}
+// SAFETY: as above.
+unsafe impl<T: Copy + Send> Sync for DmaBuffer<T> {}
+
+impl<T: Copy> DmaBuffer<T> {
+    /// Allocates `len` zeroed elements and registers them with `access`.
+    pub fn new(pd: &Arc<Pd>, len: usize, access: u32) -> Result<Self> {
+        let layout = Layout::array::<T>(len.max(1))
+            .and_then(|l| l.align_to(4096))
+            .map_err(|_| Error::InvalidArgument(format!("buffer of {len} elements")))?;
+        // SAFETY: the layout has non-zero size; T: Copy is plain data for which all-zero
+        // bytes are the initial value the protocol expects.
+        let ptr = unsafe { alloc::alloc_zeroed(layout) } as *mut T;
+        if ptr.is_null() {
+            return Err(Error::Os {
+                context: "allocating a registered buffer".into(),
+                source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+            });
+        }
+        let mut buf = DmaBuffer {
+            mr: None,
+            ptr,
+            len,
+            layout,
+            _t: PhantomData,
+        };
+        buf.mr = Some(pd.reg_mr(ptr as usize, layout.size(), access)?);
+        Ok(buf)
+    }
+
+    fn mr(&self) -> &Mr {
+        self.mr.as_ref().expect("registered in new")
+    }
+
+    /// Reads element `i` as the NIC last wrote it.
+    pub fn get(&self, i: usize) -> T {
+        assert!(i < self.len);
+        // SAFETY: i < len inside our allocation; volatile because the NIC writes it.
+        let v = unsafe { std::ptr::read_volatile(self.ptr.add(i)) };
+        // Later reads of the data this entry announces must not move before this one.
+        atomic::fence(atomic::Ordering::Acquire);
+        v
+    }
+
+    /// Writes element `i`.
+    pub fn set(&self, i: usize, v: T) {
+        assert!(i < self.len);
+        // SAFETY: i < len inside our allocation; volatile because the NIC reads it.
+        unsafe { std::ptr::write_volatile(self.ptr.add(i), v) };
+    }
+
+    /// Address of element `i`, for work requests.
+    pub fn addr(&self, i: usize) -> u64 {
+        self.ptr as u64 + (i * std::mem::size_of::<T>()) as u64
+    }
+
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        self.mr().lkey()
+    }
+
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        self.mr().rkey()
+    }
+}
+
+impl<T: Copy> Drop for DmaBuffer<T> {
+    fn drop(&mut self) {
+        // Deregister before freeing the memory.
+        self.mr = None;
+        // SAFETY: ptr was allocated with this layout in new and is freed once.
+        unsafe { alloc::dealloc(self.ptr as *mut u8, self.layout) };
+    }
+}
+
+/// Most work requests one chain carries: 8 data writes and the completion write.
+pub const MAX_CHAIN: usize = 10;
+
+/// A chain of send work requests built without allocation and posted on one QP.
+pub struct SendChain {
+    wrs: [ibv_send_wr; MAX_CHAIN],
+    sges: [ibv_sge; MAX_CHAIN],
+    len: usize,
+}
+
+// SAFETY: the chain holds only plain data and pointers into itself, which are rebuilt at
+// every post.
+unsafe impl Send for SendChain {}
+
+impl Default for SendChain {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl SendChain {
+    /// An empty chain.
+    pub fn new() -> Self {
+        SendChain {
+            // SAFETY: all-zero is a valid (empty) work request and SGE.
+            wrs: unsafe { std::mem::zeroed() },
+            // SAFETY: as above.
+            sges: unsafe { std::mem::zeroed() },
+            len: 0,
+        }
+    }
+
+    /// Empties the chain.
+    pub fn clear(&mut self) {
+        self.len = 0;
+    }
+
+    /// Number of work requests.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when empty.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    fn push(&mut self, opcode: ibv_wr_opcode::Type, local: (u64, u32, u32), remote: (u64, u32)) {
+        assert!(self.len < MAX_CHAIN, "work request chain overflow");
+        let i = self.len;
+        self.sges[i] = ibv_sge {
+            addr: local.0,
+            length: local.1,
+            lkey: local.2,
+        };
+        let wr = &mut self.wrs[i];
+        wr.wr_id = 0;
+        wr.next = std::ptr::null_mut();
+        wr.num_sge = i32::from(local.1 > 0);
+        wr.opcode = opcode;
+        wr.send_flags = 0;
+        wr.imm_data_invalidated_rkey_union.imm_data = 0;
+        wr.wr.rdma = rdma_t {
+            remote_addr: remote.0,
+            rkey: remote.1,
+        };
+        self.len += 1;
+    }
+
+    /// Appends an RDMA WRITE of `len` bytes from `local` (lkey) to `remote` (rkey).
+    pub fn write(&mut self, local: u64, len: u32, lkey: u32, remote: u64, rkey: u32) {
+        self.push(
+            ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+            (local, len, lkey),
+            (remote, rkey),
+        );
+    }
+
+    /// Appends an RDMA WRITE WITH IMMEDIATE (`imm` in host order).
+    pub fn write_imm(&mut self, local: u64, len: u32, lkey: u32, remote: u64, rkey: u32, imm: u32) {
+        self.push(
+            ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+            (local, len, lkey),
+            (remote, rkey),
+        );
+        self.wrs[self.len - 1]
+            .imm_data_invalidated_rkey_union
+            .imm_data = imm.to_be();
+    }
+
+    /// Turns the last RDMA WRITE into a WRITE WITH IMMEDIATE.
+    pub fn last_with_imm(&mut self, imm: u32) {
+        let wr = &mut self.wrs[self.len - 1];
+        wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
+        wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+    }
+
+    /// Appends an RDMA READ of `len` bytes from `remote` into `local`.
+    pub fn read(&mut self, local: u64, len: u32, lkey: u32, remote: u64, rkey: u32) {
+        self.push(
+            ibv_wr_opcode::IBV_WR_RDMA_READ,
+            (local, len, lkey),
+            (remote, rkey),
+        );
+    }
+
+    /// Signals the last request with `wr_id`; marks small writes inline (`max_inline`).
+    pub fn finish(&mut self, wr_id: u64, max_inline: u32) {
+        for i in 0..self.len {
+            let is_write = self.wrs[i].opcode != ibv_wr_opcode::IBV_WR_RDMA_READ;
+            if is_write && self.sges[i].length > 0 && self.sges[i].length <= max_inline {
+                self.wrs[i].send_flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+            }
+        }
+        let last = &mut self.wrs[self.len - 1];
+        last.wr_id = wr_id;
+        last.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+    }
+
+    /// Posts the chain on `qp`.
+    pub fn post(&mut self, qp: &Qp) -> Result<()> {
+        if self.len == 0 {
+            return Ok(());
+        }
+        let base = self.wrs.as_mut_ptr();
+        for i in 0..self.len {
+            let sge = &mut self.sges[i] as *mut ibv_sge;
+            let wr = &mut self.wrs[i];
+            wr.sg_list = sge;
+            wr.next = if i + 1 < self.len {
+                // SAFETY: i + 1 < len <= MAX_CHAIN, inside the array.
+                unsafe { base.add(i + 1) }
+            } else {
+                std::ptr::null_mut()
+            };
+        }
+        qp.post_send(&mut self.wrs[0])
+    }
+}
+
+/// Up to 16 work completions from one poll.
+pub struct WcBatch {
+    wcs: [ibv_wc; 16],
+    n: usize,
+}
+
+/// The parts of a work completion the transports use.
+#[derive(Debug, Clone, Copy)]
+pub struct Completion {
+    /// Work request id.
+    pub wr_id: u64,
+    /// `ibv_wc_status`.
+    pub status: u32,
+    /// `ibv_wc_opcode`.
+    pub opcode: u32,
+    /// Vendor error.
+    pub vendor_err: u32,
+    /// Immediate data (host order), when present.
+    pub imm: u32,
+    /// Local QP number.
+    pub qp_num: u32,
+}
+
+impl Default for WcBatch {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl WcBatch {
+    /// An empty batch.
+    pub fn new() -> Self {
+        WcBatch {
+            // SAFETY: all-zero is a valid ibv_wc.
+            wcs: unsafe { std::mem::zeroed() },
+            n: 0,
+        }
+    }
+
+    /// Polls `cq` into the batch; returns how many completions arrived.
+    pub fn poll(&mut self, cq: &super::resources::Cq) -> Result<usize> {
+        self.n = cq.poll(&mut self.wcs)?;
+        Ok(self.n)
+    }
+
+    /// Completion `i` of the last poll.
+    pub fn get(&self, i: usize) -> Completion {
+        let wc = &self.wcs[i.min(self.n.saturating_sub(1))];
+        let with_imm = wc.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
+        Completion {
+            wr_id: wc.wr_id,
+            status: wc.status,
+            opcode: wc.opcode,
+            vendor_err: wc.vendor_err,
+            imm: if with_imm {
+                // SAFETY: the union holds imm_data when IBV_WC_WITH_IMM is set; any u32 is
+                // a valid value.
+                u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })
+            } else {
+                0
+            },
+            qp_num: wc.qp_num,
+        }
+    }
+}
+
+/// `IBV_WC_SUCCESS`.
+pub const WC_SUCCESS: u32 = ibv_wc_status::IBV_WC_SUCCESS;
+/// `IBV_WC_RECV_RDMA_WITH_IMM`.
+pub const WC_RECV_RDMA_WITH_IMM: u32 = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;

@@ -1,0 +1,666 @@
+//! RAII verbs objects. Children hold `Arc`s to their parents, so teardown always runs QPs,
+//! MRs, CQs, PDs, then the context, whatever order the owners drop in. Drop never panics: a
+//! failed destroy is logged and the process goes on.
+
+use std::{
+    ffi::c_void,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Arc,
+    },
+};
+
+use rdma_sys::*;
+
+use super::VerbsLib;
+use crate::error::{Error, Result};
+
+/// An open device context.
+pub struct Context {
+    lib: &'static VerbsLib,
+    raw: *mut ibv_context,
+    name: String,
+    /// Fatal asynchronous events seen so far: (QP number or None for the device, event).
+    fatal: parking_lot::Mutex<Vec<(Option<u32>, u32)>>,
+    fatal_epoch: AtomicU64,
+}
+
+// SAFETY: libibverbs contexts may be used from any thread; all mutation goes through
+// libibverbs calls, which are thread-safe.
+unsafe impl Send for Context {}
+// SAFETY: as above.
+unsafe impl Sync for Context {}
+
+impl Context {
+    pub(super) fn new(lib: &'static VerbsLib, raw: *mut ibv_context, name: String) -> Self {
+        // Async events are read without blocking from the data path (no background thread,
+        // because NCCL may unload the plugin).
+        // SAFETY: raw is a live context; async_fd is its event file descriptor.
+        let fd = unsafe { (*raw).async_fd };
+        // SAFETY: fcntl on a valid fd owned by the context.
+        unsafe {
+            let flags = libc::fcntl(fd, libc::F_GETFL);
+            if flags >= 0 {
+                libc::fcntl(fd, libc::F_SETFL, flags | libc::O_NONBLOCK);
+            }
+        }
+        Context {
+            lib,
+            raw,
+            name,
+            fatal: parking_lot::Mutex::new(Vec::new()),
+            fatal_epoch: AtomicU64::new(0),
+        }
+    }
+
+    /// The device name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The library this context came from.
+    pub fn lib(&self) -> &'static VerbsLib {
+        self.lib
+    }
+
+    /// `ibv_query_device`.
+    pub fn query_device(&self) -> Result<ibv_device_attr> {
+        // SAFETY: all-zero is a valid bit pattern for this plain C struct.
+        let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: raw is live; attr is writable.
+        let rc = unsafe { (self.lib.query_device)(self.raw, &mut attr) };
+        errno_rc(rc, || format!("ibv_query_device({})", self.name))?;
+        Ok(attr)
+    }
+
+    /// `ibv_query_port`.
+    pub fn query_port(&self, port: u8) -> Result<ibv_port_attr> {
+        // SAFETY: all-zero is a valid bit pattern for this plain C struct.
+        let mut attr: ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: raw is live; attr is writable and at least as large as the compat struct
+        // the exported symbol fills.
+        let rc = unsafe { (self.lib.query_port)(self.raw, port, &mut attr) };
+        errno_rc(rc, || format!("ibv_query_port({}, {port})", self.name))?;
+        Ok(attr)
+    }
+
+    /// `ibv_query_gid`: the 16 raw bytes of GID `index`.
+    pub fn query_gid(&self, port: u8, index: i32) -> Result<[u8; 16]> {
+        // SAFETY: all-zero is a valid GID.
+        let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
+        // SAFETY: raw is live; gid is writable.
+        let rc = unsafe { (self.lib.query_gid)(self.raw, port, index, &mut gid) };
+        errno_rc(rc, || {
+            format!("ibv_query_gid({}, {port}, {index})", self.name)
+        })?;
+        // SAFETY: every bit pattern of the union is a valid byte array.
+        Ok(unsafe { gid.raw })
+    }
+
+    /// Reads every pending asynchronous event (without blocking) and records the fatal
+    /// ones; returns the fatal-event epoch, which changes whenever one was recorded.
+    pub fn drain_async_events(&self) -> u64 {
+        while let Some((ty, qpn)) = self.poll_async_event() {
+            let what = async_event::name(ty);
+            if async_event::is_fatal(ty) {
+                tracing::warn!(
+                    "{}: asynchronous event {what} ({ty}){}",
+                    self.name,
+                    qpn.map(|q| format!(" on QP {q}")).unwrap_or_default()
+                );
+                self.fatal.lock().push((qpn, ty));
+                self.fatal_epoch.fetch_add(1, Ordering::AcqRel);
+            } else {
+                tracing::info!("{}: asynchronous event {what} ({ty})", self.name);
+            }
+        }
+        self.fatal_epoch.load(Ordering::Acquire)
+    }
+
+    /// The fatal event that breaks a comm using `qpns` on this device, if any.
+    pub fn fatal_for(&self, qpns: &[u32]) -> Option<String> {
+        self.fatal.lock().iter().find_map(|(qpn, ty)| match qpn {
+            None if !async_event::is_qp_event(*ty) => {
+                Some(format!("{}: {}", self.name, async_event::name(*ty)))
+            }
+            Some(q) if qpns.contains(q) => Some(format!(
+                "{}: {} on QP {q}",
+                self.name,
+                async_event::name(*ty)
+            )),
+            _ => None,
+        })
+    }
+
+    /// Reads one pending asynchronous event without blocking; `None` when there is none.
+    /// Returns the event type (`ibv_event_type` as a number) and, for QP events, the QP
+    /// number.
+    pub fn poll_async_event(&self) -> Option<(u32, Option<u32>)> {
+        // SAFETY: all-zero is a valid bit pattern for the event struct (event type 0).
+        let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
+        // SAFETY: raw is live; the fd is non-blocking, so this returns -1 when empty.
+        if unsafe { (self.lib.get_async_event)(self.raw, &mut ev) } != 0 {
+            return None;
+        }
+        // Read the C enum as the integer it is: a value newer than our bindings must not
+        // become an invalid Rust enum.
+        // SAFETY: event_type is a 4-byte C enum field of ev.
+        let ty = unsafe { std::ptr::read(std::ptr::addr_of!(ev.event_type) as *const u32) };
+        let qpn = if async_event::is_qp_event(ty) {
+            // SAFETY: for QP events the union holds the QP pointer, live until acked.
+            let qp = unsafe { ev.element.qp };
+            // SAFETY: as above.
+            (!qp.is_null()).then(|| unsafe { (*qp).qp_num })
+        } else {
+            None
+        };
+        // SAFETY: ev was filled by ibv_get_async_event and is acked exactly once.
+        unsafe { (self.lib.ack_async_event)(&mut ev) };
+        Some((ty, qpn))
+    }
+}
+
+/// Asynchronous event numbers (`enum ibv_event_type`) and their meaning for a comm.
+pub mod async_event {
+    /// `IBV_EVENT_CQ_ERR`.
+    pub const CQ_ERR: u32 = 0;
+    /// `IBV_EVENT_QP_FATAL`.
+    pub const QP_FATAL: u32 = 1;
+    /// `IBV_EVENT_QP_REQ_ERR`.
+    pub const QP_REQ_ERR: u32 = 2;
+    /// `IBV_EVENT_QP_ACCESS_ERR`.
+    pub const QP_ACCESS_ERR: u32 = 3;
+    /// `IBV_EVENT_DEVICE_FATAL`.
+    pub const DEVICE_FATAL: u32 = 8;
+
+    /// Whether the event's element is a QP.
+    pub fn is_qp_event(ty: u32) -> bool {
+        matches!(ty, 1..=7 | 16)
+    }
+
+    /// Whether the event breaks the QP or device it names.
+    pub fn is_fatal(ty: u32) -> bool {
+        matches!(
+            ty,
+            CQ_ERR | QP_FATAL | QP_REQ_ERR | QP_ACCESS_ERR | DEVICE_FATAL
+        )
+    }
+
+    /// A readable name.
+    pub fn name(ty: u32) -> &'static str {
+        match ty {
+            CQ_ERR => "CQ error",
+            QP_FATAL => "QP fatal",
+            QP_REQ_ERR => "QP request error",
+            QP_ACCESS_ERR => "QP access error",
+            DEVICE_FATAL => "device fatal",
+            9 => "port active",
+            10 => "port error",
+            11 => "LID change",
+            12 => "PKey change",
+            13 => "SM change",
+            18 => "client reregister",
+            19 => "GID change",
+            _ => "other",
+        }
+    }
+}
+
+impl Drop for Context {
+    fn drop(&mut self) {
+        // SAFETY: raw is live and closed exactly once; children keep an Arc to us, so none
+        // is alive any more.
+        let rc = unsafe { (self.lib.close_device)(self.raw) };
+        if rc != 0 {
+            tracing::warn!("ibv_close_device({}) failed: {rc}", self.name);
+        }
+    }
+}
+
+fn errno_rc(rc: i32, what: impl FnOnce() -> String) -> Result<()> {
+    if rc == 0 {
+        return Ok(());
+    }
+    // Verbs return either -1 with errno set or the errno itself.
+    let err = if rc > 0 {
+        std::io::Error::from_raw_os_error(rc)
+    } else {
+        std::io::Error::last_os_error()
+    };
+    Err(Error::io(what(), err))
+}
+
+/// A protection domain.
+pub struct Pd {
+    ctx: Arc<Context>,
+    raw: *mut ibv_pd,
+}
+
+// SAFETY: PDs are thread-safe libibverbs objects.
+unsafe impl Send for Pd {}
+// SAFETY: as above.
+unsafe impl Sync for Pd {}
+
+impl Pd {
+    /// `ibv_alloc_pd`.
+    pub fn new(ctx: &Arc<Context>) -> Result<Arc<Self>> {
+        // SAFETY: ctx.raw is live.
+        let raw = unsafe { (ctx.lib.alloc_pd)(ctx.raw) };
+        if raw.is_null() {
+            return Err(Error::last_os(format!("ibv_alloc_pd({})", ctx.name)));
+        }
+        Ok(Arc::new(Pd {
+            ctx: Arc::clone(ctx),
+            raw,
+        }))
+    }
+
+    /// The device context.
+    pub fn context(&self) -> &Arc<Context> {
+        &self.ctx
+    }
+
+    /// `ibv_reg_mr` of `addr..addr+len` (the caller keeps the memory alive while the MR is).
+    pub fn reg_mr(self: &Arc<Self>, addr: usize, len: usize, access: u32) -> Result<Mr> {
+        // SAFETY: pd is live; the kernel pins and validates the range itself and fails
+        // cleanly (EFAULT) for an unmapped one.
+        let raw =
+            unsafe { (self.ctx.lib.reg_mr)(self.raw, addr as *mut c_void, len, access as i32) };
+        if raw.is_null() {
+            return Err(Error::last_os(format!(
+                "ibv_reg_mr({}, {addr:#x}+{len})",
+                self.ctx.name
+            )));
+        }
+        Ok(Mr {
+            pd: Arc::clone(self),
+            raw,
+        })
+    }
+
+    /// `ibv_reg_dmabuf_mr`; `Unsupported`-style error when the library lacks it.
+    pub fn reg_dmabuf_mr(
+        self: &Arc<Self>,
+        offset: u64,
+        len: usize,
+        iova: u64,
+        fd: i32,
+        access: u32,
+    ) -> Result<Mr> {
+        let f = self.ctx.lib.reg_dmabuf_mr.ok_or_else(|| {
+            Error::Usage("this libibverbs has no ibv_reg_dmabuf_mr (rdma-core >= 34 needed)".into())
+        })?;
+        // SAFETY: pd is live; the kernel validates fd, offset and length.
+        let raw = unsafe { f(self.raw, offset, len, iova, fd, access as i32) };
+        if raw.is_null() {
+            return Err(Error::last_os(format!(
+                "ibv_reg_dmabuf_mr({}, fd {fd}, {len} bytes)",
+                self.ctx.name
+            )));
+        }
+        Ok(Mr {
+            pd: Arc::clone(self),
+            raw,
+        })
+    }
+
+    /// Whether DMA-BUF registration works on this device: NCCL's probe, an
+    /// `ibv_reg_dmabuf_mr` with fd -1 that fails with EBADF rather than EOPNOTSUPP.
+    pub fn dmabuf_supported(&self) -> bool {
+        let Some(f) = self.ctx.lib.reg_dmabuf_mr else {
+            return false;
+        };
+        // SAFETY: pd is live; fd -1 can never register anything.
+        let raw = unsafe { f(self.raw, 0, 0, 0, -1, 0) };
+        if !raw.is_null() {
+            // SAFETY: unexpected success: release what was made.
+            unsafe { (self.ctx.lib.dereg_mr)(raw) };
+            return true;
+        }
+        let errno = std::io::Error::last_os_error().raw_os_error();
+        !matches!(errno, Some(libc::EOPNOTSUPP) | Some(libc::EPROTONOSUPPORT))
+    }
+}
+
+impl Drop for Pd {
+    fn drop(&mut self) {
+        // SAFETY: raw is live, deallocated once; MRs and QPs hold an Arc to us.
+        let rc = unsafe { (self.ctx.lib.dealloc_pd)(self.raw) };
+        if rc != 0 {
+            tracing::warn!("ibv_dealloc_pd({}) failed: {rc}", self.ctx.name);
+        }
+    }
+}
+
+/// A memory region.
+pub struct Mr {
+    pd: Arc<Pd>,
+    raw: *mut ibv_mr,
+}
+
+// SAFETY: MRs are thread-safe libibverbs objects; lkey/rkey are read-only after creation.
+unsafe impl Send for Mr {}
+// SAFETY: as above.
+unsafe impl Sync for Mr {}
+
+impl Mr {
+    /// Local key.
+    pub fn lkey(&self) -> u32 {
+        // SAFETY: raw is live for self's lifetime.
+        unsafe { (*self.raw).lkey }
+    }
+    /// Remote key.
+    pub fn rkey(&self) -> u32 {
+        // SAFETY: raw is live for self's lifetime.
+        unsafe { (*self.raw).rkey }
+    }
+}
+
+impl Drop for Mr {
+    fn drop(&mut self) {
+        // SAFETY: raw is live and deregistered exactly once.
+        let rc = unsafe { (self.pd.ctx.lib.dereg_mr)(self.raw) };
+        if rc != 0 {
+            tracing::warn!("ibv_dereg_mr({}) failed: {rc}", self.pd.ctx.name);
+        }
+    }
+}
+
+/// A completion queue, polled by its one owner.
+pub struct Cq {
+    ctx: Arc<Context>,
+    raw: *mut ibv_cq,
+}
+
+// SAFETY: CQs are libibverbs objects usable from any thread; each comm polls its own.
+unsafe impl Send for Cq {}
+// SAFETY: as above.
+unsafe impl Sync for Cq {}
+
+impl Cq {
+    /// `ibv_create_cq` with room for `entries` completions.
+    pub fn new(ctx: &Arc<Context>, entries: i32) -> Result<Arc<Self>> {
+        // SAFETY: ctx.raw is live; no channel, no context pointer.
+        let raw = unsafe {
+            (ctx.lib.create_cq)(
+                ctx.raw,
+                entries,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                0,
+            )
+        };
+        if raw.is_null() {
+            return Err(Error::last_os(format!(
+                "ibv_create_cq({}, {entries})",
+                ctx.name
+            )));
+        }
+        Ok(Arc::new(Cq {
+            ctx: Arc::clone(ctx),
+            raw,
+        }))
+    }
+
+    /// Polls up to `wcs.len()` completions; returns how many were written.
+    pub fn poll(&self, wcs: &mut [ibv_wc]) -> Result<usize> {
+        // SAFETY: raw is live; the provider's ops table belongs to its context.
+        let op = unsafe { (*(*self.raw).context).ops.poll_cq };
+        let poll = op.ok_or_else(|| Error::Misuse("provider has no poll_cq".into()))?;
+        // SAFETY: raw is live; wcs has room for len entries.
+        let n = unsafe { poll(self.raw, wcs.len() as i32, wcs.as_mut_ptr()) };
+        if n < 0 {
+            return Err(Error::Os {
+                context: format!("ibv_poll_cq({})", self.ctx.name),
+                source: std::io::Error::from_raw_os_error(-n),
+            });
+        }
+        Ok(n as usize)
+    }
+}
+
+impl Drop for Cq {
+    fn drop(&mut self) {
+        // SAFETY: raw is live, destroyed once; QPs using it hold an Arc to us.
+        let rc = unsafe { (self.ctx.lib.destroy_cq)(self.raw) };
+        if rc != 0 {
+            tracing::warn!("ibv_destroy_cq({}) failed: {rc}", self.ctx.name);
+        }
+    }
+}
+
+static NEXT_PSN: AtomicU64 = AtomicU64::new(0);
+
+/// What a QP needs to know about its remote end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RemoteQp {
+    /// Remote QP number.
+    pub qpn: u32,
+    /// Remote initial packet sequence number.
+    pub psn: u32,
+    /// Remote GID.
+    pub gid: [u8; 16],
+    /// Remote LID (IB).
+    pub lid: u16,
+}
+
+/// Local settings for RTR/RTS.
+#[derive(Debug, Clone, Copy)]
+pub struct QpPath {
+    /// Port number.
+    pub port: u8,
+    /// True for Ethernet (RoCE/eRDMA): GRH routing with GIDs.
+    pub roce: bool,
+    /// Local GID index.
+    pub gid_index: u8,
+    /// Path MTU (`ibv_mtu` value).
+    pub mtu: u32,
+    /// Traffic class.
+    pub traffic_class: u8,
+    /// Service level.
+    pub sl: u8,
+    /// Local ACK timeout exponent.
+    pub timeout: u8,
+    /// Retry count.
+    pub retry_cnt: u8,
+    /// Partition key index.
+    pub pkey_index: u16,
+}
+
+/// An RC queue pair.
+pub struct Qp {
+    raw: *mut ibv_qp,
+    pd: Arc<Pd>,
+    _cq: Arc<Cq>,
+    /// Initial send PSN.
+    pub psn: u32,
+    /// Inline data limit actually granted.
+    pub max_inline: u32,
+}
+
+// SAFETY: QPs are libibverbs objects; posting is done by the one thread driving the comm
+// (and libibverbs serialises per-QP posting internally anyway).
+unsafe impl Send for Qp {}
+// SAFETY: as above.
+unsafe impl Sync for Qp {}
+
+impl Qp {
+    /// Creates an RC QP on `pd` using `cq` for both queues; asks for `max_inline` bytes of
+    /// inline data and falls back to none when the device refuses.
+    pub fn new(
+        pd: &Arc<Pd>,
+        cq: &Arc<Cq>,
+        max_send_wr: u32,
+        max_recv_wr: u32,
+        max_inline: u32,
+    ) -> Result<Self> {
+        let mut last = None;
+        for inline in [max_inline, 0] {
+            // SAFETY: all-zero is a valid init attr.
+            let mut attr: ibv_qp_init_attr = unsafe { std::mem::zeroed() };
+            attr.send_cq = cq.raw;
+            attr.recv_cq = cq.raw;
+            attr.qp_type = ibv_qp_type::IBV_QPT_RC;
+            attr.cap.max_send_wr = max_send_wr;
+            attr.cap.max_recv_wr = max_recv_wr;
+            attr.cap.max_send_sge = 1;
+            attr.cap.max_recv_sge = 1;
+            attr.cap.max_inline_data = inline;
+            // SAFETY: pd and cq are live; attr is fully initialised.
+            let raw = unsafe { (pd.ctx.lib.create_qp)(pd.raw, &mut attr) };
+            if raw.is_null() {
+                last = Some(Error::last_os(format!(
+                    "ibv_create_qp({}, send {max_send_wr} recv {max_recv_wr} inline {inline})",
+                    pd.ctx.name
+                )));
+                continue;
+            }
+            let psn = (NEXT_PSN.fetch_add(0x9e37, Ordering::Relaxed) as u32
+                ^ crate::oob::random_u64() as u32)
+                & 0xff_ffff;
+            return Ok(Qp {
+                raw,
+                pd: Arc::clone(pd),
+                _cq: Arc::clone(cq),
+                psn,
+                max_inline: attr.cap.max_inline_data.min(inline),
+            });
+        }
+        Err(last.expect("at least one attempt"))
+    }
+
+    /// QP number.
+    pub fn qpn(&self) -> u32 {
+        // SAFETY: raw is live.
+        unsafe { (*self.raw).qp_num }
+    }
+
+    fn modify(&self, attr: &mut ibv_qp_attr, mask: ibv_qp_attr_mask, what: &str) -> Result<()> {
+        // SAFETY: raw is live; attr is initialised for every bit in mask.
+        let rc = unsafe { (self.pd.ctx.lib.modify_qp)(self.raw, attr, mask.0 as i32) };
+        errno_rc(rc, || {
+            format!(
+                "ibv_modify_qp({} qp {} to {what})",
+                self.pd.ctx.name,
+                self.qpn()
+            )
+        })
+    }
+
+    /// RESET -> INIT with `access` for remote operations.
+    pub fn to_init(&self, path: &QpPath, access: u32) -> Result<()> {
+        // SAFETY: all-zero is a valid attr.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_INIT;
+        a.pkey_index = path.pkey_index;
+        a.port_num = path.port;
+        a.qp_access_flags = access;
+        let mask = ibv_qp_attr_mask::IBV_QP_STATE
+            | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX
+            | ibv_qp_attr_mask::IBV_QP_PORT
+            | ibv_qp_attr_mask::IBV_QP_ACCESS_FLAGS;
+        self.modify(&mut a, mask, "INIT")
+    }
+
+    /// INIT -> RTR towards `remote`.
+    pub fn to_rtr(&self, path: &QpPath, remote: &RemoteQp) -> Result<()> {
+        // SAFETY: all-zero is a valid attr.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_RTR;
+        a.path_mtu = path.mtu;
+        a.dest_qp_num = remote.qpn;
+        a.rq_psn = remote.psn;
+        a.max_dest_rd_atomic = 1;
+        a.min_rnr_timer = 12;
+        a.ah_attr.port_num = path.port;
+        a.ah_attr.sl = path.sl;
+        if path.roce {
+            a.ah_attr.is_global = 1;
+            a.ah_attr.grh.dgid.raw = remote.gid;
+            a.ah_attr.grh.flow_label = 0;
+            a.ah_attr.grh.sgid_index = path.gid_index;
+            a.ah_attr.grh.hop_limit = 255;
+            a.ah_attr.grh.traffic_class = path.traffic_class;
+        } else {
+            a.ah_attr.dlid = remote.lid;
+        }
+        let mask = ibv_qp_attr_mask::IBV_QP_STATE
+            | ibv_qp_attr_mask::IBV_QP_AV
+            | ibv_qp_attr_mask::IBV_QP_PATH_MTU
+            | ibv_qp_attr_mask::IBV_QP_DEST_QPN
+            | ibv_qp_attr_mask::IBV_QP_RQ_PSN
+            | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC
+            | ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER;
+        self.modify(&mut a, mask, "RTR").map_err(|e| match e {
+            Error::Os { context, source } if source.raw_os_error() == Some(libc::EINVAL) => {
+                Error::Os {
+                    context: format!(
+                        "{context} (EINVAL usually means an unusable GID index: check \
+                         NCCL_IB_GID_INDEX / NCCL_IB_ADDR_FAMILY)"
+                    ),
+                    source,
+                }
+            }
+            e => e,
+        })
+    }
+
+    /// RTR -> RTS.
+    pub fn to_rts(&self, path: &QpPath) -> Result<()> {
+        // SAFETY: all-zero is a valid attr.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_RTS;
+        a.timeout = path.timeout;
+        a.retry_cnt = path.retry_cnt;
+        a.rnr_retry = 7;
+        a.sq_psn = self.psn;
+        a.max_rd_atomic = 1;
+        let mask = ibv_qp_attr_mask::IBV_QP_STATE
+            | ibv_qp_attr_mask::IBV_QP_TIMEOUT
+            | ibv_qp_attr_mask::IBV_QP_RETRY_CNT
+            | ibv_qp_attr_mask::IBV_QP_RNR_RETRY
+            | ibv_qp_attr_mask::IBV_QP_SQ_PSN
+            | ibv_qp_attr_mask::IBV_QP_MAX_QP_RD_ATOMIC;
+        self.modify(&mut a, mask, "RTS")
+    }
+
+    /// Posts a chain of send work requests.
+    pub fn post_send(&self, wr: &mut ibv_send_wr) -> Result<()> {
+        // SAFETY: raw is live; the ops table belongs to its context.
+        let op = unsafe { (*(*self.raw).context).ops.post_send };
+        let post = op.ok_or_else(|| Error::Misuse("provider has no post_send".into()))?;
+        let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
+        // SAFETY: raw is live; wr heads a valid chain whose SGEs point at registered memory
+        // that the caller keeps alive until completion (inline data is copied at post).
+        let rc = unsafe { post(self.raw, wr, &mut bad) };
+        errno_rc(rc, || {
+            format!("ibv_post_send({} qp {})", self.pd.ctx.name, self.qpn())
+        })
+    }
+
+    /// Posts one zero-SGE receive (WRITE_WITH_IMM consumes one per message).
+    pub fn post_recv(&self, wr_id: u64) -> Result<()> {
+        // SAFETY: raw is live; the ops table belongs to its context.
+        let op = unsafe { (*(*self.raw).context).ops.post_recv };
+        let post = op.ok_or_else(|| Error::Misuse("provider has no post_recv".into()))?;
+        // SAFETY: all-zero is a valid receive WR (no SGE, no next).
+        let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
+        wr.wr_id = wr_id;
+        let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
+        // SAFETY: raw is live; wr is a single valid WR.
+        let rc = unsafe { post(self.raw, &mut wr, &mut bad) };
+        errno_rc(rc, || {
+            format!("ibv_post_recv({} qp {})", self.pd.ctx.name, self.qpn())
+        })
+    }
+}
+
+impl Drop for Qp {
+    fn drop(&mut self) {
+        // SAFETY: raw is live and destroyed once; in-flight WRs are flushed by the device.
+        let rc = unsafe { (self.pd.ctx.lib.destroy_qp)(self.raw) };
+        if rc != 0 {
+            tracing::warn!("ibv_destroy_qp({}) failed: {rc}", self.pd.ctx.name);
+        }
+    }
+}
