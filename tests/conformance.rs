@@ -41,8 +41,12 @@ fn properties_follow_each_version_rules() {
         let n = net.devices().unwrap();
         assert!(n >= 1, "v{v}: devices {n}");
         let p = net.properties(0).unwrap();
-        assert!(p.name.starts_with("erdma-tcp-lo"), "v{v}: name {}", p.name);
-        assert_eq!(p.ptr_support, HOST, "v{v}");
+        assert!(
+            p.name.starts_with(&expected_device_name()),
+            "v{v}: name {}",
+            p.name
+        );
+        assert_eq!(p.ptr_support & HOST, HOST, "v{v}");
         assert!(p.speed > 0 && p.port >= 1 && p.max_comms > 0, "v{v}: {p:?}");
         assert_eq!(p.max_recvs, 8, "v{v}");
         assert_eq!(p.latency, 0.0, "v{v}");
@@ -347,7 +351,7 @@ fn bad_arguments_are_error_codes() {
     assert_eq!(
         net.reg_mr(s, p, 64, 2).unwrap_err(),
         inval,
-        "CUDA memory on the tcp transport"
+        "CUDA memory without GPUDirect support"
     );
     assert_eq!(net.close_send(Opaque::NULL).unwrap_err(), inval);
     assert_eq!(
@@ -536,7 +540,7 @@ fn child_init_fails_invalid_usage() {
 
 #[test]
 fn default_verbs_fails_init_cleanly_without_rdma_and_auto_falls_back_to_tcp() {
-    if std::path::Path::new("/sys/class/infiniband").exists() {
+    if std::path::Path::new("/sys/class/infiniband").exists() || verbs_device().is_some() {
         eprintln!("skipped: this host has RDMA devices (runs on hosts without RDMA)");
         return;
     }
@@ -654,8 +658,6 @@ fn two_processes_every_version() {
             .env("CHILD_VERSION", v.to_string())
             .env("CHILD_HANDLE", hex(&handle))
             .env("NCCL_ERDMA_PLUGIN_LIB", lib())
-            .env("NCCL_ERDMA_TRANSPORT", "tcp")
-            .env("NCCL_SOCKET_IFNAME", "lo")
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
@@ -727,4 +729,243 @@ fn unhex(s: &str) -> [u8; 128] {
         *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap();
     }
     out
+}
+
+// ---------------------------------------------------------------------------------------
+// Verbs only (the Soft-RoCE tier runs these with NCCL_ERDMA_TEST_DEVICE=rxe0).
+
+#[test]
+#[ignore = "needs an RDMA device: NCCL_ERDMA_TEST_DEVICE (run by the Soft-RoCE tier)"]
+fn verbs_qps_per_connection_1_2_8_and_split() {
+    require_verbs();
+    for (qps, split) in [("1", "0"), ("2", "0"), ("8", "0"), ("2", "1"), ("8", "1")] {
+        run_child(
+            "child_verbs_traffic",
+            &[
+                ("NCCL_IB_QPS_PER_CONNECTION", qps),
+                ("NCCL_IB_SPLIT_DATA_ON_QPS", split),
+            ],
+            &[],
+            false,
+        );
+    }
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_verbs_traffic() {
+    if !is_child() {
+        return;
+    }
+    let mut net = open(11);
+    assert_eq!(net.properties(0).unwrap().name, expected_device_name());
+    let (s, r) = connect_pair(&net);
+    for (i, &size) in [0usize, 1, 127, 129, 4093, 65536, (1 << 20) + 5]
+        .iter()
+        .enumerate()
+    {
+        transfer(&net, s, r, size, size + 64, i as u64);
+    }
+    // A grouped receive of 8 with mixed tags and sizes over the same QPs.
+    let recv_len = 5000;
+    let mut dst: Vec<Reg> = (0..8).map(|_| reg(&net, r, vec![0u8; recv_len])).collect();
+    let tags: Vec<i32> = (0..8).map(|i| 7 - i).collect();
+    let bufs: Vec<(*mut u8, usize)> = dst
+        .iter_mut()
+        .map(|d| (d.buf.as_mut_ptr(), recv_len))
+        .collect();
+    let mhs: Vec<Opaque> = dst.iter().map(|d| d.mh).collect();
+    let rreq = poll_until("irecv", || net.irecv(r, &bufs, &tags, &mhs, false).unwrap());
+    let mut srcs = Vec::new();
+    for i in [2usize, 7, 0, 5, 3, 1, 6, 4] {
+        let len = 600 * i;
+        let mut src = reg(&net, s, pattern(50 + i as u64, len));
+        let req = poll_until("isend", || {
+            net.isend(s, src.buf.as_mut_ptr(), len, tags[i], src.mh)
+                .unwrap()
+        });
+        srcs.push((i, src, req));
+    }
+    let sizes = wait(&net, rreq, 8);
+    for (i, src, req) in srcs {
+        assert_eq!(wait(&net, req, 1), vec![(600 * i) as i32]);
+        assert_eq!(sizes[i] as usize, 600 * i, "entry {i}");
+        assert!(dst[i].buf[..600 * i] == src.buf[..], "entry {i} payload");
+        dereg(&net, s, src);
+    }
+    for d in dst {
+        dereg(&net, r, d);
+    }
+    // A full window: 32 receives in flight, then their sends.
+    let mut dsts: Vec<Reg> = (0..32).map(|_| reg(&net, r, vec![0u8; 2048])).collect();
+    let mut rreqs = Vec::new();
+    for d in dsts.iter_mut() {
+        let p = d.buf.as_mut_ptr();
+        rreqs.push(poll_until("irecv", || {
+            net.irecv(r, &[(p, 2048)], &[1], &[d.mh], false).unwrap()
+        }));
+    }
+    let mut srcs: Vec<Reg> = (0..32)
+        .map(|i| reg(&net, s, pattern(900 + i, 2000)))
+        .collect();
+    let mut sreqs = Vec::new();
+    for src in srcs.iter_mut() {
+        let p = src.buf.as_mut_ptr();
+        sreqs.push(poll_until("isend", || {
+            net.isend(s, p, 2000, 1, src.mh).unwrap()
+        }));
+    }
+    for (i, (rq, sq)) in rreqs.into_iter().zip(sreqs).enumerate() {
+        assert_eq!(wait(&net, rq, 1), vec![2000]);
+        wait(&net, sq, 1);
+        assert!(dsts[i].buf[..2000] == srcs[i].buf[..], "window message {i}");
+    }
+    for d in dsts {
+        dereg(&net, r, d);
+    }
+    for src in srcs {
+        dereg(&net, s, src);
+    }
+    net.close_send(s).unwrap();
+    net.close_recv(r).unwrap();
+    net.finalize().unwrap();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: NCCL_ERDMA_TEST_DEVICE (run by the Soft-RoCE tier)"]
+fn verbs_flush_path_on_host_memory() {
+    require_verbs();
+    run_child(
+        "child_verbs_flush",
+        &[("NCCL_ERDMA_FORCE_FLUSH", "1")],
+        &[],
+        false,
+    );
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_verbs_flush() {
+    if !is_child() {
+        return;
+    }
+    let mut net = open(11);
+    assert_eq!(net.properties(0).unwrap().force_flush, Some(1));
+    let (s, r) = connect_pair(&net);
+    let mut dst = reg(&net, r, vec![0u8; 4096]);
+    let mut src = reg(&net, s, pattern(77, 3000));
+    let rreq = poll_until("irecv", || {
+        net.irecv(r, &[(dst.buf.as_mut_ptr(), 4096)], &[3], &[dst.mh], false)
+            .unwrap()
+    });
+    let sreq = poll_until("isend", || {
+        net.isend(s, src.buf.as_mut_ptr(), 3000, 3, src.mh).unwrap()
+    });
+    assert_eq!(wait(&net, rreq, 1), vec![3000]);
+    wait(&net, sreq, 1);
+    for _ in 0..40 {
+        let freq = net
+            .iflush(r, &[(dst.buf.as_mut_ptr(), 3000)], &[dst.mh])
+            .unwrap();
+        assert!(!freq.is_null(), "a forced flush returns a request");
+        let start = Instant::now();
+        while !net.test(freq, None).unwrap() {
+            assert!(start.elapsed() < DEADLINE, "flush never completed");
+        }
+    }
+    // Nothing to flush: no request.
+    let none = net
+        .iflush(r, &[(dst.buf.as_mut_ptr(), 0)], &[dst.mh])
+        .unwrap();
+    assert!(none.is_null());
+    assert!(dst.buf[..3000] == src.buf[..]);
+    dereg(&net, r, dst);
+    dereg(&net, s, src);
+    net.close_send(s).unwrap();
+    net.close_recv(r).unwrap();
+    net.finalize().unwrap();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: NCCL_ERDMA_TEST_DEVICE (run by the Soft-RoCE tier)"]
+fn verbs_registration_cache_hits_and_misses() {
+    require_verbs();
+    run_child("child_verbs_mr_cache", &[], &[], false);
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_verbs_mr_cache() {
+    if !is_child() {
+        return;
+    }
+    let net = open(8);
+    let (s, r) = connect_pair(&net);
+    let count = |what: &str| {
+        client::logged_lines()
+            .iter()
+            .filter(|l| l.text.contains("regMr") && l.text.contains(what))
+            .count()
+    };
+    let (hits0, misses0) = (count("cache hit"), count("cache miss"));
+    let mut big = vec![0u8; 1 << 20];
+    let a = net.reg_mr(s, big.as_mut_ptr(), big.len(), HOST).unwrap();
+    // A sub-range of the same allocation, registered through the other comm.
+    let inner = big[4096..8192].as_mut_ptr();
+    let b = net.reg_mr(r, inner, 4096, HOST).unwrap();
+    let mut other = vec![0u8; 64 << 10];
+    let c = net
+        .reg_mr(s, other.as_mut_ptr(), other.len(), HOST)
+        .unwrap();
+    assert_eq!(
+        count("cache miss") - misses0,
+        2,
+        "two distinct ranges registered"
+    );
+    assert_eq!(
+        count("cache hit") - hits0,
+        1,
+        "the sub-range reused the covering MR"
+    );
+    // The sub-range handle works for traffic while the covering one is still held.
+    net.dereg_mr(s, a).unwrap();
+    net.dereg_mr(r, b).unwrap();
+    net.dereg_mr(s, c).unwrap();
+    assert_eq!(
+        net.dereg_mr(s, c).unwrap_err(),
+        ncclResult_t::ncclInternalError
+    );
+    net.close_send(s).unwrap();
+    net.close_recv(r).unwrap();
+}
+
+#[test]
+#[ignore = "needs an RDMA device: NCCL_ERDMA_TEST_DEVICE (run by the Soft-RoCE tier)"]
+fn verbs_default_transport_uses_the_device() {
+    let dev = require_verbs();
+    run_child(
+        "child_default_transport_verbs",
+        &[("CHILD_DEVICE", dev.as_str())],
+        &["NCCL_ERDMA_TRANSPORT"],
+        false,
+    );
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_default_transport_verbs() {
+    if !is_child() {
+        return;
+    }
+    let mut net = Net::open(&lib(), 11).unwrap();
+    net.init().unwrap();
+    assert_eq!(
+        net.properties(0).unwrap().name,
+        std::env::var("CHILD_DEVICE").unwrap()
+    );
+    let (s, r) = connect_pair(&net);
+    transfer(&net, s, r, 100_000, 100_000, 5);
+    net.close_send(s).unwrap();
+    net.close_recv(r).unwrap();
+    net.finalize().unwrap();
 }

@@ -1,1 +1,1857 @@
-fn main() {}
+//! `nccl-net-bench`: drives the built plugin through its C ABI (`dlopen` + one
+//! `ncclNetPlugin_vN` table, exactly as NCCL's proxy does, via [`client`]) between two
+//! processes, and prints per message size the bandwidth (GB/s) and the latency (us).
+//!
+//! Roles. One side *listens* (`--listen [PORT]`, side A) and one *connects*
+//! (`--connect HOST:PORT`, side B); with neither flag the program runs both on this host: it
+//! listens on 127.0.0.1 and spawns itself as the connecting child. The two sides talk over a
+//! small text control channel (std TCP, one line per message, every read under a timeout) to
+//! agree on the run, swap the plugin's 128-byte handles and step through the sizes. Side A
+//! decides the run (sizes, iterations, window, group, connections, transport).
+//!
+//! Each side listens on the plugin and connects to the peer's handles, polling `connect` and
+//! `accept` alternately until every connection is up (never blocking in one), so each side has
+//! `conns` send comms to the peer and `conns` receive comms from it.
+//!
+//! Per size:
+//! * bandwidth: A sends, B receives, on every connection at once from one thread (as NCCL's
+//!   progress thread does), `window` grouped receives in flight per connection on B (each of
+//!   `group` messages) and `window * group` sends in flight per connection on A. Requests are
+//!   tested oldest first. B times from its first `irecv` to its last completion; GB/s counts
+//!   the payload of all connections (`bytes / 1e9 / s`).
+//! * latency: ping-pong on connection 0 (A `isend`, B `irecv` then `isend`, A `irecv`); the
+//!   reported value is the median round trip over two, after a few warm-up round trips.
+//! * data check: the first and the last message of each size and phase carry a pattern that
+//!   depends on (size, connection, message) and are checked by the receiver; a mismatch, or a
+//!   size reported by `test` that differs from the size sent, fails the run.
+//!
+//! Buffers are allocated and registered (`regMr`) once per connection for the whole run; the
+//! timed loops allocate nothing of their own.
+
+use std::{
+    ffi::c_int,
+    fmt::Write as _,
+    io::{BufRead, BufReader, ErrorKind, Write},
+    net::{SocketAddr, TcpListener, TcpStream, ToSocketAddrs},
+    path::{Path, PathBuf},
+    process::{Child, Command, ExitCode},
+    time::{Duration, Instant},
+};
+
+use nccl_net_erdma::abi::client::{self, Code, Net, Opaque, Properties};
+use nccl_net_erdma::abi::ffi::NCCL_PTR_HOST;
+
+/// Result type of this program: errors are messages for the user.
+type Res<T> = Result<T, String>;
+
+// ---------------------------------------------------------------------------------------
+// Constants
+
+/// Control-channel protocol version (first line from A).
+const PROTOCOL: &str = "nccl-net-bench/1";
+/// Default ABI version of the table to load.
+const DEFAULT_ABI: u32 = 11;
+/// Default requests in flight per connection.
+const DEFAULT_WINDOW: usize = 8;
+/// Default TCP port of `--listen` without a port (perftest's).
+const DEFAULT_LISTEN_PORT: u16 = 18515;
+/// `NCCL_NET_MAX_REQUESTS`: the most receives a comm must hold in flight.
+const MAX_WINDOW: usize = 32;
+/// `maxRecvs` of NCCL IB and of this plugin: the largest grouped receive.
+const MAX_GROUP: usize = 8;
+/// The most connections one run opens.
+const MAX_CONNS: usize = 64;
+/// Largest message (the plugin's `maxP2pBytes`).
+const MAX_SIZE: usize = 1 << 30;
+/// How long a control-channel read or write may take.
+const CONTROL_TIMEOUT: Duration = Duration::from_secs(60);
+/// How long `--listen` waits for its peer to connect.
+const LISTEN_TIMEOUT: Duration = Duration::from_secs(300);
+/// How long a data loop (or connection setup) may go without progress.
+const STALL_TIMEOUT: Duration = Duration::from_secs(60);
+/// Idle polls in a row after which every further idle poll yields the CPU.
+const YIELD_AFTER: u32 = 256;
+/// Default bandwidth iterations: about this many payload bytes per connection and size ...
+const BW_BYTES: usize = 512 << 20;
+/// ... but at least this many (two windows) ...
+const BW_MIN_ITERS: usize = 16;
+/// ... and at most this many.
+const BW_MAX_ITERS: usize = 20_000;
+/// Default latency round trips: about this many bytes per direction and size, clamped.
+const LAT_BYTES: usize = 64 << 20;
+/// Fewest default latency round trips.
+const LAT_MIN_ITERS: usize = 10;
+/// Most default latency round trips.
+const LAT_MAX_ITERS: usize = 2_000;
+/// Receive buffers in flight per connection get their own memory up to this many bytes;
+/// beyond it in-flight receives share buffers (only the checked ones stay private).
+const POOL_BYTES: usize = 512 << 20;
+/// Pattern streams (part of the seed), so no two phases' patterns coincide.
+const STREAM_BW: u64 = 1;
+const STREAM_PING: u64 = 2;
+const STREAM_PONG: u64 = 3;
+
+const HELP: &str = "\
+nccl-net-bench: bandwidth and latency of an NCCL net plugin, driven through its C ABI
+
+usage: nccl-net-bench [options]                  both sides on this host (loopback)
+       nccl-net-bench --listen [PORT] [options]  side A: wait for the peer, decide the run
+       nccl-net-bench --connect HOST:PORT        side B: run what side A decides
+
+options:
+  --lib PATH        plugin library (default: the built libnccl-net-erdma.so)
+  --abi N           ncclNetPlugin_vN table to use, 6..11 (default 11)
+  --sizes LIST      message sizes, e.g. 8,1K,64K,1M,64M (K/M/G = KiB/MiB/GiB);
+                    default powers of 4 from 8 B, and 64 MiB
+  --iters N         messages per connection (bandwidth) and round trips (latency) per size;
+                    default scales with the size so each size moves a bounded amount of data
+  --window W        requests in flight per connection, 1..32 (default 8)
+  --group N         messages per grouped receive, 1..8 (default 1)
+  --conns K         connections used at once for bandwidth, 1..64 (default 1)
+  --csv FILE        also write size_bytes,bandwidth_gbps,latency_us to FILE
+  --listen [PORT]   be side A on control port PORT (default 18515; 0 = any, printed)
+  --connect H:P     be side B; its run options come from side A
+  --quiet           print nothing but errors
+  --help            this text
+
+environment: NCCL_ERDMA_TRANSPORT (unset: try the default, fall back to tcp without an RDMA
+device), NCCL_SOCKET_IFNAME (set to lo for the local run when unset), and every other
+setting the plugin reads.
+";
+
+// ---------------------------------------------------------------------------------------
+// Command line
+
+/// Which part of the run this process plays.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Role {
+    /// Both sides on this host: side A here, side B a spawned child.
+    Local,
+    /// Side A, listening on this control port.
+    Listen(u16),
+    /// Side B, connecting to this control address.
+    Connect(String),
+}
+
+/// The parsed command line.
+#[derive(Debug, Clone)]
+struct Options {
+    lib: PathBuf,
+    abi: u32,
+    sizes: Vec<usize>,
+    iters: Option<usize>,
+    window: usize,
+    group: usize,
+    conns: usize,
+    csv: Option<PathBuf>,
+    role: Role,
+    quiet: bool,
+    /// Run options given explicitly (ignored with a note on side B).
+    run_options_given: bool,
+}
+
+/// Parses `8`, `64K`, `1M`, `2G`, `16KiB`, `4kb` (binary units).
+fn parse_size(s: &str) -> Res<usize> {
+    let t = s.trim();
+    let lower = t.to_ascii_lowercase();
+    let body = lower
+        .strip_suffix("ib")
+        .or_else(|| lower.strip_suffix('b'))
+        .unwrap_or(&lower);
+    let (digits, shift) = match body.chars().last() {
+        Some('k') => (&body[..body.len() - 1], 10),
+        Some('m') => (&body[..body.len() - 1], 20),
+        Some('g') => (&body[..body.len() - 1], 30),
+        _ => (body, 0),
+    };
+    let n: usize = digits
+        .parse()
+        .map_err(|_| format!("bad size {t:?} (examples: 8, 64K, 1M, 1G)"))?;
+    let v = n
+        .checked_mul(1 << shift)
+        .filter(|v| *v <= MAX_SIZE)
+        .ok_or_else(|| format!("size {t:?} is larger than {MAX_SIZE} bytes (maxP2pBytes)"))?;
+    Ok(v)
+}
+
+/// Parses a comma-separated size list.
+fn parse_sizes(s: &str) -> Res<Vec<usize>> {
+    let v = s
+        .split(',')
+        .filter(|p| !p.trim().is_empty())
+        .map(parse_size)
+        .collect::<Res<Vec<_>>>()?;
+    if v.is_empty() {
+        return Err("--sizes needs at least one size".into());
+    }
+    Ok(v)
+}
+
+/// 8 B, 32 B, ... (x4) up to 32 MiB, then 64 MiB.
+fn default_sizes() -> Vec<usize> {
+    let mut v = Vec::new();
+    let mut s = 8usize;
+    while s < 64 << 20 {
+        v.push(s);
+        s *= 4;
+    }
+    v.push(64 << 20);
+    v
+}
+
+fn parse_num<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Res<T> {
+    let v = v.ok_or_else(|| format!("{flag} needs a value"))?;
+    v.parse()
+        .map_err(|_| format!("{flag}: {v:?} is not a valid number"))
+}
+
+fn in_range(flag: &str, v: usize, lo: usize, hi: usize) -> Res<usize> {
+    if (lo..=hi).contains(&v) {
+        Ok(v)
+    } else {
+        Err(format!("{flag} must be in {lo}..={hi}, got {v}"))
+    }
+}
+
+/// Parses the arguments after the program name; `Ok(None)` for `--help`.
+fn parse_args(args: impl IntoIterator<Item = String>) -> Res<Option<Options>> {
+    let mut o = Options {
+        lib: PathBuf::new(),
+        abi: DEFAULT_ABI,
+        sizes: default_sizes(),
+        iters: None,
+        window: DEFAULT_WINDOW,
+        group: 1,
+        conns: 1,
+        csv: None,
+        role: Role::Local,
+        quiet: false,
+        run_options_given: false,
+    };
+    let mut lib = None;
+    let mut it = args.into_iter().peekable();
+    while let Some(a) = it.next() {
+        let (flag, inline) = match a.split_once('=') {
+            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
+            _ => (a.clone(), None),
+        };
+        let value = |it: &mut std::iter::Peekable<_>| inline.clone().or_else(|| it.next());
+        match flag.as_str() {
+            "--help" | "-h" => return Ok(None),
+            "--lib" => lib = Some(PathBuf::from(value(&mut it).ok_or("--lib needs a path")?)),
+            "--abi" => {
+                o.abi = parse_num("--abi", value(&mut it))?;
+                if !client::VERSIONS.contains(&o.abi) {
+                    return Err(format!("--abi must be one of {:?}", client::VERSIONS));
+                }
+            }
+            "--sizes" => {
+                o.sizes = parse_sizes(&value(&mut it).ok_or("--sizes needs a list")?)?;
+                o.run_options_given = true;
+            }
+            "--iters" => {
+                let n = parse_num("--iters", value(&mut it))?;
+                o.iters = Some(in_range("--iters", n, 1, 100_000_000)?);
+                o.run_options_given = true;
+            }
+            "--window" => {
+                let n = parse_num("--window", value(&mut it))?;
+                o.window = in_range("--window", n, 1, MAX_WINDOW)?;
+                o.run_options_given = true;
+            }
+            "--group" => {
+                let n = parse_num("--group", value(&mut it))?;
+                o.group = in_range("--group", n, 1, MAX_GROUP)?;
+                o.run_options_given = true;
+            }
+            "--conns" => {
+                let n = parse_num("--conns", value(&mut it))?;
+                o.conns = in_range("--conns", n, 1, MAX_CONNS)?;
+                o.run_options_given = true;
+            }
+            "--csv" => o.csv = Some(PathBuf::from(value(&mut it).ok_or("--csv needs a file")?)),
+            "--listen" => {
+                let port = match inline.clone() {
+                    Some(p) => Some(p),
+                    None if it.peek().is_some_and(|p| p.parse::<u16>().is_ok()) => it.next(),
+                    None => None,
+                };
+                o.role = Role::Listen(match port {
+                    Some(p) => p.parse().map_err(|_| format!("--listen: bad port {p:?}"))?,
+                    None => DEFAULT_LISTEN_PORT,
+                });
+            }
+            "--connect" => {
+                o.role = Role::Connect(value(&mut it).ok_or("--connect needs HOST:PORT")?);
+            }
+            "--quiet" => o.quiet = true,
+            _ => return Err(format!("unknown argument {a:?} (see --help)")),
+        }
+    }
+    o.lib = lib.unwrap_or_else(client::default_library);
+    Ok(Some(o))
+}
+
+/// Bandwidth iterations (grouped receives per connection) for `size`.
+fn bw_iters(size: usize, group: usize, iters: Option<usize>) -> usize {
+    iters.unwrap_or_else(|| (BW_BYTES / (size * group).max(1)).clamp(BW_MIN_ITERS, BW_MAX_ITERS))
+}
+
+/// Latency round trips for `size` (warm-up not included).
+fn lat_iters(size: usize, iters: Option<usize>) -> usize {
+    iters.unwrap_or_else(|| (LAT_BYTES / size.max(1)).clamp(LAT_MIN_ITERS, LAT_MAX_ITERS))
+}
+
+/// Untimed round trips before the timed ones.
+fn lat_warmup(iters: usize) -> usize {
+    (iters / 10).clamp(1, 50)
+}
+
+// ---------------------------------------------------------------------------------------
+// The run as both sides agree on it
+
+/// One size of the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct SizePlan {
+    size: usize,
+    bw_iters: usize,
+    lat_iters: usize,
+}
+
+/// What side A decides and sends to side B.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Params {
+    window: usize,
+    group: usize,
+    conns: usize,
+    /// `--iters` of side A, if given (else iterations scale with the size).
+    iters: Option<usize>,
+    transport: String,
+    plan: Vec<SizePlan>,
+}
+
+impl Params {
+    fn from_options(o: &Options, transport: &str) -> Self {
+        Params {
+            window: o.window,
+            group: o.group,
+            conns: o.conns,
+            iters: o.iters,
+            transport: transport.to_string(),
+            plan: o
+                .sizes
+                .iter()
+                .map(|&size| SizePlan {
+                    size,
+                    bw_iters: bw_iters(size, o.group, o.iters),
+                    lat_iters: lat_iters(size, o.iters),
+                })
+                .collect(),
+        }
+    }
+
+    fn encode(&self) -> String {
+        let plan: Vec<String> = self
+            .plan
+            .iter()
+            .map(|p| format!("{}:{}:{}", p.size, p.bw_iters, p.lat_iters))
+            .collect();
+        format!(
+            "params window={} group={} conns={} iters={} transport={} plan={}",
+            self.window,
+            self.group,
+            self.conns,
+            self.iters.map_or("scaled".into(), |n| n.to_string()),
+            self.transport,
+            plan.join(",")
+        )
+    }
+
+    fn decode(line: &str) -> Res<Self> {
+        let bad = || format!("bad params line from the peer: {line:?}");
+        let mut p = Params {
+            window: 0,
+            group: 0,
+            conns: 0,
+            iters: None,
+            transport: String::new(),
+            plan: Vec::new(),
+        };
+        let mut words = line.split_whitespace();
+        if words.next() != Some("params") {
+            return Err(bad());
+        }
+        for w in words {
+            let (k, v) = w.split_once('=').ok_or_else(bad)?;
+            match k {
+                "window" => p.window = v.parse().map_err(|_| bad())?,
+                "group" => p.group = v.parse().map_err(|_| bad())?,
+                "conns" => p.conns = v.parse().map_err(|_| bad())?,
+                "iters" if v == "scaled" => p.iters = None,
+                "iters" => p.iters = Some(v.parse().map_err(|_| bad())?),
+                "transport" => p.transport = v.to_string(),
+                "plan" => {
+                    for e in v.split(',') {
+                        let n: Vec<usize> = e
+                            .split(':')
+                            .map(|x| x.parse().map_err(|_| bad()))
+                            .collect::<Res<_>>()?;
+                        let [size, bw_iters, lat_iters] = n[..] else {
+                            return Err(bad());
+                        };
+                        p.plan.push(SizePlan {
+                            size,
+                            bw_iters,
+                            lat_iters,
+                        });
+                    }
+                }
+                _ => {}
+            }
+        }
+        let ok = (1..=MAX_WINDOW).contains(&p.window)
+            && (1..=MAX_GROUP).contains(&p.group)
+            && (1..=MAX_CONNS).contains(&p.conns)
+            && !p.transport.is_empty()
+            && !p.plan.is_empty()
+            && p.plan
+                .iter()
+                .all(|s| s.size <= MAX_SIZE && s.bw_iters >= 1 && s.lat_iters >= 1);
+        if ok {
+            Ok(p)
+        } else {
+            Err(bad())
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Control channel
+
+/// The line-based control connection to the peer.
+struct Control {
+    reader: BufReader<TcpStream>,
+    writer: TcpStream,
+    line: String,
+}
+
+impl Control {
+    fn new(stream: TcpStream) -> Res<Self> {
+        let setup = |s: &TcpStream| -> std::io::Result<()> {
+            s.set_nonblocking(false)?;
+            s.set_nodelay(true)?;
+            s.set_read_timeout(Some(CONTROL_TIMEOUT))?;
+            s.set_write_timeout(Some(CONTROL_TIMEOUT))
+        };
+        setup(&stream).map_err(|e| format!("control connection: {e}"))?;
+        let writer = stream
+            .try_clone()
+            .map_err(|e| format!("control connection: {e}"))?;
+        Ok(Control {
+            reader: BufReader::new(stream),
+            writer,
+            line: String::new(),
+        })
+    }
+
+    fn send(&mut self, line: &str) -> Res<()> {
+        let mut buf = String::with_capacity(line.len() + 1);
+        buf.push_str(line);
+        buf.push('\n');
+        self.writer
+            .write_all(buf.as_bytes())
+            .map_err(|e| format!("control channel: sending to the peer failed: {e}"))
+    }
+
+    /// The next line; an `error ...` line from the peer becomes an error.
+    fn recv(&mut self) -> Res<&str> {
+        self.line.clear();
+        match self.reader.read_line(&mut self.line) {
+            Ok(0) => Err("control channel: the peer closed the connection".into()),
+            Ok(_) => {
+                let l = self.line.trim_end();
+                match l.strip_prefix("error ") {
+                    Some(msg) => Err(format!("the peer failed: {msg}")),
+                    None => Ok(l),
+                }
+            }
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                Err(format!(
+                    "control channel: no word from the peer in {} s",
+                    CONTROL_TIMEOUT.as_secs()
+                ))
+            }
+            Err(e) => Err(format!("control channel: {e}")),
+        }
+    }
+
+    /// The next line, which must start with `word`; returns the rest.
+    fn expect(&mut self, word: &str) -> Res<String> {
+        let l = self.recv()?;
+        match l.split_once(' ') {
+            Some((w, rest)) if w == word => Ok(rest.to_string()),
+            None if l == word => Ok(String::new()),
+            _ => Err(format!(
+                "control channel: expected {word:?} from the peer, got {l:?}"
+            )),
+        }
+    }
+}
+
+/// `key=value` from a space-separated line.
+fn field<'a>(line: &'a str, key: &str) -> Option<&'a str> {
+    line.split_whitespace()
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
+}
+
+fn unhex(s: &str) -> Res<[u8; 128]> {
+    let mut out = [0u8; 128];
+    if s.len() != 256 || !s.is_ascii() {
+        return Err(format!("bad handle from the peer: {s:?}"));
+    }
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16)
+            .map_err(|_| format!("bad handle from the peer: {s:?}"))?;
+    }
+    Ok(out)
+}
+
+// ---------------------------------------------------------------------------------------
+// Plugin calls
+
+/// Turns a plugin result code into a message naming the call.
+trait PluginResult<T> {
+    fn call(self, what: impl FnOnce() -> String) -> Res<T>;
+}
+
+impl<T> PluginResult<T> for Result<T, Code> {
+    fn call(self, what: impl FnOnce() -> String) -> Res<T> {
+        self.map_err(|code| {
+            format!(
+                "plugin call {} failed: {code:?} (ncclResult_t {})",
+                what(),
+                code as i32
+            )
+        })
+    }
+}
+
+/// The loaded, initialised plugin.
+struct Plugin {
+    net: Net,
+    props: Properties,
+    /// `tcp` or `verbs`.
+    transport: String,
+    /// Why, when this program chose the transport.
+    transport_note: Option<String>,
+}
+
+const TRANSPORT_ENV: &str = "NCCL_ERDMA_TRANSPORT";
+
+fn set_env(key: &str, value: &str) {
+    // Single-threaded here (before any thread is started), and the plugin reads its
+    // environment only inside `init`, after this.
+    std::env::set_var(key, value);
+}
+
+/// The plugin's last WARN line (why a call failed), or a placeholder.
+fn last_warning() -> String {
+    client::logged_lines()
+        .iter()
+        .rev()
+        .find(|l| l.level <= nccl_net_erdma::abi::ffi::NCCL_LOG_WARN)
+        .map_or_else(|| "the plugin logged no warning".into(), |l| l.text.clone())
+}
+
+/// Opens the library, `init`s it (falling back to tcp when the default transport has no
+/// device and the user did not choose one) and reads device 0. `want` is side A's transport,
+/// which side B adopts when its own environment does not choose.
+fn open_plugin(o: &Options, want: Option<&str>) -> Res<Plugin> {
+    let mut net = Net::open(&o.lib, o.abi)?;
+    let mut note = None;
+    match (std::env::var(TRANSPORT_ENV).ok(), want) {
+        (Some(_), _) => net.init().call(|| format!("init ({})", last_warning()))?,
+        (None, Some(t)) => {
+            set_env(TRANSPORT_ENV, t);
+            net.init().call(|| {
+                format!(
+                    "init ({TRANSPORT_ENV}={t}, as the peer: {})",
+                    last_warning()
+                )
+            })?;
+            note = Some(format!("as the peer; {TRANSPORT_ENV} unset"));
+        }
+        (None, None) => {
+            let quiet = std::env::var_os("NCCL_NET_CLIENT_QUIET").is_some();
+            set_env("NCCL_NET_CLIENT_QUIET", "1");
+            let first = net.init();
+            if !quiet {
+                std::env::remove_var("NCCL_NET_CLIENT_QUIET");
+            }
+            if first.is_err() {
+                let why = last_warning();
+                if !o.quiet {
+                    println!("no usable RDMA device: running over tcp");
+                    println!("  (init with the default transport failed: {why})");
+                }
+                set_env(TRANSPORT_ENV, "tcp");
+                net.init()
+                    .call(|| format!("init ({TRANSPORT_ENV}=tcp: {})", last_warning()))?;
+                note = Some("no usable RDMA device".into());
+            }
+        }
+    }
+    let n = net.devices().call(|| "devices".into())?;
+    if n < 1 {
+        return Err(format!("the plugin reports {n} devices"));
+    }
+    let props = net.properties(0).call(|| "getProperties(0)".into())?;
+    let env = std::env::var(TRANSPORT_ENV).unwrap_or_else(|_| "verbs".into());
+    let transport = match env.as_str() {
+        "tcp" | "verbs" => env,
+        // auto: the tcp transport names its devices erdma-tcp-<ifname>.
+        _ if props.name.contains("tcp") => "tcp".into(),
+        _ => "verbs".into(),
+    };
+    Ok(Plugin {
+        net,
+        props,
+        transport,
+        transport_note: note,
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// Buffers and patterns
+
+/// One registered allocation, carved into slots per size.
+struct Arena {
+    buf: Vec<u8>,
+    mh: Opaque,
+}
+
+impl Arena {
+    fn new(len: usize) -> Self {
+        // Non-zero fill: touches every page now, not in the first timed loop.
+        Arena {
+            buf: vec![0xa5; len.max(64)],
+            mh: Opaque::NULL,
+        }
+    }
+
+    /// Pointer to slot `i` of `layout` (derived afresh from the vector each time).
+    fn slot_ptr(&mut self, layout: &Layout, i: usize) -> *mut u8 {
+        self.buf.as_mut_ptr().wrapping_add(i * layout.stride)
+    }
+
+    fn slot(&mut self, layout: &Layout, i: usize) -> &mut [u8] {
+        let at = i * layout.stride;
+        &mut self.buf[at..at + layout.size]
+    }
+}
+
+/// Where the messages of one size live. Slots 0 and 1 hold the checked first and last
+/// message; send slot 2 holds every other send; receive slots 2.. are the receive pool.
+#[derive(Debug, Clone, Copy)]
+struct Layout {
+    size: usize,
+    stride: usize,
+    pool: usize,
+    /// Messages per connection (bandwidth phase).
+    total: usize,
+}
+
+impl Layout {
+    fn new(size: usize, in_flight: usize, total: usize) -> Self {
+        let stride = size.div_ceil(64).max(1) * 64;
+        Layout {
+            size,
+            stride,
+            pool: (POOL_BYTES / stride).clamp(1, in_flight),
+            total,
+        }
+    }
+
+    fn recv_bytes(&self) -> usize {
+        (2 + self.pool) * self.stride
+    }
+
+    fn send_bytes(&self) -> usize {
+        3 * self.stride
+    }
+
+    fn send_slot(&self, m: usize) -> usize {
+        if m == 0 {
+            0
+        } else if m + 1 == self.total {
+            1
+        } else {
+            2
+        }
+    }
+
+    fn recv_slot(&self, m: usize) -> usize {
+        if m == 0 {
+            0
+        } else if m + 1 == self.total {
+            1
+        } else {
+            2 + m % self.pool
+        }
+    }
+}
+
+fn splitmix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+/// Seed of the pattern of message `msg` of `size` on connection `conn` in `stream`.
+fn seed(size: usize, stream: u64, conn: usize, msg: usize) -> u64 {
+    splitmix(splitmix(splitmix(size as u64 ^ (stream << 56)) ^ conn as u64) ^ msg as u64)
+}
+
+fn fill(buf: &mut [u8], seed: u64) {
+    for (i, c) in buf.chunks_mut(8).enumerate() {
+        let w = splitmix(seed ^ i as u64).to_le_bytes();
+        c.copy_from_slice(&w[..c.len()]);
+    }
+}
+
+/// First byte that differs from the pattern: (offset, got, expected).
+fn mismatch(buf: &[u8], seed: u64) -> Option<(usize, u8, u8)> {
+    buf.chunks(8).enumerate().find_map(|(i, c)| {
+        let w = splitmix(seed ^ i as u64).to_le_bytes();
+        c.iter()
+            .zip(w)
+            .position(|(a, b)| *a != b)
+            .map(|j| (i * 8 + j, c[j], w[j]))
+    })
+}
+
+fn check_pattern(buf: &[u8], seed: u64, what: impl FnOnce() -> String) -> Res<()> {
+    match mismatch(buf, seed) {
+        None => Ok(()),
+        Some((at, got, want)) => Err(format!(
+            "data mismatch in {}: byte {at} is {got:#04x}, expected {want:#04x}",
+            what()
+        )),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Connections
+
+/// One connection pair to the peer: our send comm and the receive comm from the same index
+/// of the peer.
+struct Conn {
+    send: Opaque,
+    recv: Opaque,
+    tx: Arena,
+    rx: Arena,
+}
+
+/// Per-connection progress of one data loop.
+#[derive(Debug, Clone, Copy, Default)]
+struct Progress {
+    posted: usize,
+    done: usize,
+}
+
+/// Stall detection for polling loops, cheap enough for the timed loops.
+struct Watchdog {
+    last: Instant,
+    spins: u32,
+}
+
+impl Watchdog {
+    fn new() -> Self {
+        Watchdog {
+            last: Instant::now(),
+            spins: 0,
+        }
+    }
+
+    fn progressed(&mut self) {
+        self.spins = 0;
+        self.last = Instant::now();
+    }
+
+    /// Call once per idle poll; errors after [`STALL_TIMEOUT`] without progress.
+    fn idle(&mut self, what: impl FnOnce() -> String) -> Res<()> {
+        self.spins = self.spins.wrapping_add(1);
+        if self.spins % 1024 == 0 && self.last.elapsed() > STALL_TIMEOUT {
+            return Err(format!(
+                "no progress for {} s: {} (the plugin stalls)",
+                STALL_TIMEOUT.as_secs(),
+                what()
+            ));
+        }
+        // Idle for a while: let the peer run if it shares our CPU (NCCL's progress thread
+        // yields when idle too).
+        if self.spins >= YIELD_AFTER {
+            std::thread::yield_now();
+        }
+        Ok(())
+    }
+}
+
+/// Which side of the run this process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Side {
+    /// Listens, decides, sends the bandwidth stream, starts the ping-pong.
+    A,
+    /// Connects, receives the bandwidth stream, answers the ping-pong.
+    B,
+}
+
+/// Sets up `params.conns` connections each way and registers their buffers.
+fn connect_all(p: &Plugin, ctl: &mut Control, params: &Params) -> Res<Vec<Conn>> {
+    let net = &p.net;
+    let mut listens = Vec::with_capacity(params.conns);
+    let mut ours = Vec::with_capacity(params.conns);
+    for k in 0..params.conns {
+        let mut h = [0u8; 128];
+        listens.push(
+            net.listen(0, &mut h)
+                .call(|| format!("listen (connection {k})"))?,
+        );
+        ours.push(hex(&h));
+    }
+    ctl.send(&format!("handles {}", ours.join(",")))?;
+    let theirs = ctl.expect("handles")?;
+    let mut handles = theirs.split(',').map(unhex).collect::<Res<Vec<_>>>()?;
+    if handles.len() != params.conns {
+        return Err(format!(
+            "the peer sent {} handles, expected {}",
+            handles.len(),
+            params.conns
+        ));
+    }
+    // NCCL's service thread polls both stage machines round-robin; so do we.
+    let mut sends = vec![Opaque::NULL; params.conns];
+    let mut recvs = vec![Opaque::NULL; params.conns];
+    let mut dog = Watchdog::new();
+    while sends.iter().chain(&recvs).any(Opaque::is_null) {
+        let mut progressed = false;
+        for k in 0..params.conns {
+            if sends[k].is_null() {
+                sends[k] = net
+                    .connect(0, &mut handles[k])
+                    .call(|| format!("connect (connection {k})"))?;
+                progressed |= !sends[k].is_null();
+            }
+            if recvs[k].is_null() {
+                recvs[k] = net
+                    .accept(listens[k])
+                    .call(|| format!("accept (connection {k})"))?;
+                progressed |= !recvs[k].is_null();
+            }
+        }
+        if progressed {
+            dog.progressed();
+        } else {
+            dog.idle(|| "connect/accept did not complete".into())?;
+        }
+    }
+    for (k, l) in listens.into_iter().enumerate() {
+        net.close_listen(l)
+            .call(|| format!("closeListen (connection {k})"))?;
+    }
+    let in_flight = params.window * params.group;
+    let rx_len = params
+        .plan
+        .iter()
+        .map(|s| Layout::new(s.size, in_flight, 1).recv_bytes())
+        .max()
+        .unwrap_or(64);
+    let tx_len = params
+        .plan
+        .iter()
+        .map(|s| Layout::new(s.size, in_flight, 1).send_bytes())
+        .max()
+        .unwrap_or(64);
+    let mut conns = Vec::with_capacity(params.conns);
+    for (k, (send, recv)) in sends.into_iter().zip(recvs).enumerate() {
+        let mut c = Conn {
+            send,
+            recv,
+            tx: Arena::new(tx_len),
+            rx: Arena::new(rx_len),
+        };
+        let ptr_type = NCCL_PTR_HOST as i32;
+        let (ptr, len) = (c.tx.buf.as_mut_ptr(), c.tx.buf.len());
+        c.tx.mh = net
+            .reg_mr(send, ptr, len, ptr_type)
+            .call(|| format!("regMr of {len} bytes on send comm {k}"))?;
+        let (ptr, len) = (c.rx.buf.as_mut_ptr(), c.rx.buf.len());
+        c.rx.mh = net
+            .reg_mr(recv, ptr, len, ptr_type)
+            .call(|| format!("regMr of {len} bytes on receive comm {k}"))?;
+        conns.push(c);
+    }
+    Ok(conns)
+}
+
+fn close_all(net: &Net, conns: Vec<Conn>) -> Res<()> {
+    for (k, c) in conns.into_iter().enumerate() {
+        net.dereg_mr(c.send, c.tx.mh)
+            .call(|| format!("deregMr (send comm {k})"))?;
+        net.dereg_mr(c.recv, c.rx.mh)
+            .call(|| format!("deregMr (receive comm {k})"))?;
+        net.close_send(c.send)
+            .call(|| format!("closeSend (connection {k})"))?;
+        net.close_recv(c.recv)
+            .call(|| format!("closeRecv (connection {k})"))?;
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------
+// Data loops
+
+/// Preallocated state of the data loops, reused for every size.
+struct Scratch {
+    /// Per connection, a ring of `window * group` requests in flight.
+    rings: Vec<Vec<Opaque>>,
+    progress: Vec<Progress>,
+    samples: Vec<u64>,
+}
+
+impl Scratch {
+    fn new(params: &Params) -> Self {
+        let cap = params.window * params.group;
+        let most = params.plan.iter().map(|s| s.lat_iters).max().unwrap_or(1);
+        Scratch {
+            rings: vec![vec![Opaque::NULL; cap]; params.conns],
+            progress: vec![Progress::default(); params.conns],
+            samples: Vec::with_capacity(most),
+        }
+    }
+}
+
+/// Side A of the bandwidth phase: `plan.bw_iters * group` sends per connection.
+fn bw_send(
+    net: &Net,
+    conns: &mut [Conn],
+    s: &mut Scratch,
+    params: &Params,
+    plan: &SizePlan,
+) -> Res<()> {
+    let cap = params.window * params.group;
+    let layout = Layout::new(plan.size, cap, plan.bw_iters * params.group);
+    let total = layout.total;
+    for (k, c) in conns.iter_mut().enumerate() {
+        fill(c.tx.slot(&layout, 0), seed(plan.size, STREAM_BW, k, 0));
+        fill(
+            c.tx.slot(&layout, 1),
+            seed(plan.size, STREAM_BW, k, total - 1),
+        );
+    }
+    // Raw pointers only after the last use of the buffers as slices.
+    let ptrs: Vec<[*mut u8; 3]> = conns
+        .iter_mut()
+        .map(|c| std::array::from_fn(|i| c.tx.slot_ptr(&layout, i)))
+        .collect();
+    s.progress.fill(Progress::default());
+    let mut sizes = [0 as c_int; 64];
+    let mut left = conns.len();
+    let mut dog = Watchdog::new();
+    while left > 0 {
+        let mut progressed = false;
+        for (k, c) in conns.iter().enumerate() {
+            let st = &mut s.progress[k];
+            let ring = &mut s.rings[k];
+            if st.done == total {
+                continue;
+            }
+            while st.posted < total && st.posted - st.done < cap {
+                let m = st.posted;
+                let tag = (m % params.group) as i32;
+                let ptr = ptrs[k][layout.send_slot(m)];
+                let r = net
+                    .isend(c.send, ptr, plan.size, tag, c.tx.mh)
+                    .call(|| format!("isend (size {}, connection {k}, message {m})", plan.size))?;
+                if r.is_null() {
+                    break;
+                }
+                ring[m % cap] = r;
+                st.posted += 1;
+                progressed = true;
+            }
+            while st.done < st.posted {
+                let m = st.done;
+                sizes[0] = -1;
+                let done = net.test(ring[m % cap], Some(&mut sizes[..1])).call(|| {
+                    format!(
+                        "test of isend (size {}, connection {k}, message {m})",
+                        plan.size
+                    )
+                })?;
+                if !done {
+                    break;
+                }
+                if sizes[0] as usize != plan.size {
+                    return Err(format!(
+                        "test of isend (size {}, connection {k}, message {m}) reported size {}",
+                        plan.size, sizes[0]
+                    ));
+                }
+                st.done += 1;
+                progressed = true;
+                if st.done == total {
+                    left -= 1;
+                }
+            }
+        }
+        if progressed {
+            dog.progressed();
+        } else {
+            dog.idle(|| {
+                format!(
+                    "bandwidth sends of size {}: {}",
+                    plan.size,
+                    progress_text(&s.progress, total)
+                )
+            })?;
+        }
+    }
+    Ok(())
+}
+
+fn progress_text(p: &[Progress], total: usize) -> String {
+    p.iter()
+        .enumerate()
+        .map(|(k, p)| {
+            format!(
+                "connection {k}: {} posted, {} done of {total}",
+                p.posted, p.done
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("; ")
+}
+
+/// Posts one receive of `n` buffers with tags `0..n` (the argument arrays live on the stack;
+/// the client's `irecv` itself still builds its C arrays in small vectors).
+fn irecv_group(
+    net: &Net,
+    comm: Opaque,
+    bufs: &[*mut u8; MAX_GROUP],
+    n: usize,
+    size: usize,
+    mh: Opaque,
+) -> Result<Opaque, Code> {
+    const TAGS: [i32; MAX_GROUP] = [0, 1, 2, 3, 4, 5, 6, 7];
+    let spans: [(*mut u8, usize); MAX_GROUP] = std::array::from_fn(|e| (bufs[e], size));
+    let mhs = [mh; MAX_GROUP];
+    net.irecv(comm, &spans[..n], &TAGS[..n], &mhs[..n], false)
+}
+
+/// Side B of the bandwidth phase: `plan.bw_iters` grouped receives per connection. Returns
+/// the time from the first `irecv` to the last completion.
+fn bw_recv(
+    net: &Net,
+    conns: &mut [Conn],
+    s: &mut Scratch,
+    params: &Params,
+    plan: &SizePlan,
+) -> Res<Duration> {
+    let (window, group) = (params.window, params.group);
+    let layout = Layout::new(plan.size, window * group, plan.bw_iters * group);
+    let total = plan.bw_iters;
+    for c in conns.iter_mut() {
+        c.rx.slot(&layout, 0).fill(0x5a);
+        c.rx.slot(&layout, 1).fill(0x5a);
+    }
+    let bases: Vec<*mut u8> = conns
+        .iter_mut()
+        .map(|c| c.rx.slot_ptr(&layout, 0))
+        .collect();
+    s.progress.fill(Progress::default());
+    let mut sizes = [0 as c_int; 64];
+    let mut bufs = [std::ptr::null_mut::<u8>(); MAX_GROUP];
+    let mut left = conns.len();
+    let mut dog = Watchdog::new();
+    let start = Instant::now();
+    while left > 0 {
+        let mut progressed = false;
+        for (k, c) in conns.iter().enumerate() {
+            let st = &mut s.progress[k];
+            let ring = &mut s.rings[k];
+            if st.done == total {
+                continue;
+            }
+            while st.posted < total && st.posted - st.done < window {
+                let i = st.posted;
+                for (e, b) in bufs.iter_mut().enumerate().take(group) {
+                    *b = bases[k].wrapping_add(layout.recv_slot(i * group + e) * layout.stride);
+                }
+                let r = irecv_group(net, c.recv, &bufs, group, plan.size, c.rx.mh)
+                    .call(|| format!("irecv (size {}, connection {k}, receive {i})", plan.size))?;
+                if r.is_null() {
+                    break;
+                }
+                ring[i % window] = r;
+                st.posted += 1;
+                progressed = true;
+            }
+            while st.done < st.posted {
+                let i = st.done;
+                sizes[..group].fill(-1);
+                let done = net.test(ring[i % window], Some(&mut sizes[..])).call(|| {
+                    format!(
+                        "test of irecv (size {}, connection {k}, receive {i})",
+                        plan.size
+                    )
+                })?;
+                if !done {
+                    break;
+                }
+                if let Some(e) = sizes[..group].iter().position(|&z| z as usize != plan.size) {
+                    return Err(format!(
+                        "test of irecv (size {}, connection {k}, receive {i}) reported size {} \
+                         for message {e} of {group}",
+                        plan.size, sizes[e]
+                    ));
+                }
+                st.done += 1;
+                progressed = true;
+                if st.done == total {
+                    left -= 1;
+                }
+            }
+        }
+        if progressed {
+            dog.progressed();
+        } else {
+            dog.idle(|| {
+                format!(
+                    "bandwidth receives of size {}: {}",
+                    plan.size,
+                    progress_text(&s.progress, total)
+                )
+            })?;
+        }
+    }
+    let elapsed = start.elapsed();
+    for (k, c) in conns.iter_mut().enumerate() {
+        let last = layout.total - 1;
+        check_pattern(
+            c.rx.slot(&layout, 0),
+            seed(plan.size, STREAM_BW, k, 0),
+            || format!("size {} connection {k} message 0 (bandwidth)", plan.size),
+        )?;
+        if last > 0 {
+            check_pattern(
+                c.rx.slot(&layout, 1),
+                seed(plan.size, STREAM_BW, k, last),
+                || {
+                    format!(
+                        "size {} connection {k} message {last} (bandwidth)",
+                        plan.size
+                    )
+                },
+            )?;
+        }
+    }
+    Ok(elapsed)
+}
+
+/// Waits for one request; `what` names it in errors.
+fn wait(net: &Net, req: Opaque, size: usize, what: &dyn Fn() -> String) -> Res<()> {
+    let mut sizes = [0 as c_int; 64];
+    let mut dog = Watchdog::new();
+    loop {
+        sizes[0] = -1;
+        if net
+            .test(req, Some(&mut sizes[..]))
+            .call(|| format!("test of {}", what()))?
+        {
+            if sizes[0] as usize != size {
+                return Err(format!(
+                    "test of {} reported size {}, expected {size}",
+                    what(),
+                    sizes[0]
+                ));
+            }
+            return Ok(());
+        }
+        dog.idle(|| format!("{} does not complete", what()))?;
+    }
+}
+
+/// Retries a post while the plugin answers "not now" (NULL).
+fn post(mut f: impl FnMut() -> Res<Opaque>, what: &dyn Fn() -> String) -> Res<Opaque> {
+    let mut dog = Watchdog::new();
+    loop {
+        let r = f()?;
+        if !r.is_null() {
+            return Ok(r);
+        }
+        dog.idle(|| format!("{} is never accepted (NULL request)", what()))?;
+    }
+}
+
+/// Ping-pong on connection 0. Side A returns the round-trip times in `s.samples`.
+fn ping_pong(net: &Net, side: Side, c: &mut Conn, s: &mut Scratch, plan: &SizePlan) -> Res<()> {
+    let size = plan.size;
+    let warmup = lat_warmup(plan.lat_iters);
+    let total = warmup + plan.lat_iters;
+    let layout = Layout::new(size, 1, total);
+    let (out_stream, in_stream) = match side {
+        Side::A => (STREAM_PING, STREAM_PONG),
+        Side::B => (STREAM_PONG, STREAM_PING),
+    };
+    fill(c.tx.slot(&layout, 0), seed(size, out_stream, 0, 0));
+    fill(c.tx.slot(&layout, 1), seed(size, out_stream, 0, total - 1));
+    c.rx.slot(&layout, 0).fill(0x5a);
+    c.rx.slot(&layout, 1).fill(0x5a);
+    let tx: [*mut u8; 3] = std::array::from_fn(|i| c.tx.slot_ptr(&layout, i));
+    let rx: [*mut u8; 3] = std::array::from_fn(|i| c.rx.slot_ptr(&layout, i));
+    let mut bufs = [std::ptr::null_mut::<u8>(); MAX_GROUP];
+    s.samples.clear();
+    let (send, recv, tx_mh, rx_mh) = (c.send, c.recv, c.tx.mh, c.rx.mh);
+    let mut irecv = |i: usize| {
+        bufs[0] = rx[layout.recv_slot(i).min(2)];
+        post(
+            || {
+                irecv_group(net, recv, &bufs, 1, size, rx_mh)
+                    .call(|| format!("irecv (latency, size {size}, round trip {i})"))
+            },
+            &|| format!("irecv (latency, size {size}, round trip {i})"),
+        )
+    };
+    let isend = |i: usize| {
+        post(
+            || {
+                net.isend(send, tx[layout.send_slot(i)], size, 0, tx_mh)
+                    .call(|| format!("isend (latency, size {size}, round trip {i})"))
+            },
+            &|| format!("isend (latency, size {size}, round trip {i})"),
+        )
+    };
+    match side {
+        Side::A => {
+            for i in 0..total {
+                let t = Instant::now();
+                let r = irecv(i)?;
+                let q = isend(i)?;
+                wait(net, q, size, &|| {
+                    format!("isend (latency, size {size}, round trip {i})")
+                })?;
+                wait(net, r, size, &|| {
+                    format!("irecv (latency, size {size}, round trip {i})")
+                })?;
+                if i >= warmup {
+                    s.samples.push(t.elapsed().as_nanos() as u64);
+                }
+            }
+        }
+        Side::B => {
+            let mut r = irecv(0)?;
+            for i in 0..total {
+                wait(net, r, size, &|| {
+                    format!("irecv (latency, size {size}, round trip {i})")
+                })?;
+                if i + 1 < total {
+                    r = irecv(i + 1)?;
+                }
+                let q = isend(i)?;
+                wait(net, q, size, &|| {
+                    format!("isend (latency, size {size}, round trip {i})")
+                })?;
+            }
+        }
+    }
+    let what = |m: usize| {
+        move || {
+            format!(
+                "size {size} round trip {m} (latency, received by side {})",
+                if side == Side::A { "A" } else { "B" }
+            )
+        }
+    };
+    check_pattern(c.rx.slot(&layout, 0), seed(size, in_stream, 0, 0), what(0))?;
+    if total > 1 {
+        check_pattern(
+            c.rx.slot(&layout, 1),
+            seed(size, in_stream, 0, total - 1),
+            what(total - 1),
+        )?;
+    }
+    Ok(())
+}
+
+fn median(v: &mut [u64]) -> f64 {
+    if v.is_empty() {
+        return 0.0;
+    }
+    v.sort_unstable();
+    let n = v.len();
+    if n % 2 == 1 {
+        v[n / 2] as f64
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) as f64 / 2.0
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Results
+
+/// One line of the result table.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct Row {
+    size: usize,
+    gbps: f64,
+    lat_us: f64,
+}
+
+/// What a run produced, one row per size (what the table, the CSV file and, later, the
+/// plot are made from).
+struct Report {
+    rows: Vec<Row>,
+}
+
+fn human(size: usize) -> String {
+    match size {
+        s if s >= 1 << 30 && s % (1 << 30) == 0 => format!("{} GiB", s >> 30),
+        s if s >= 1 << 20 && s % (1 << 20) == 0 => format!("{} MiB", s >> 20),
+        s if s >= 1 << 10 && s % (1 << 10) == 0 => format!("{} KiB", s >> 10),
+        s => format!("{s} B"),
+    }
+}
+
+const TABLE_HEAD: &str = "      size        GB/s      lat us";
+
+fn table_row(r: &Row) -> String {
+    format!("{:>10} {:>11.4} {:>11.2}", human(r.size), r.gbps, r.lat_us)
+}
+
+fn write_csv(report: &Report, path: &Path) -> Res<()> {
+    let mut out = String::from("size_bytes,bandwidth_gbps,latency_us\n");
+    for r in &report.rows {
+        let _ = writeln!(out, "{},{:.6},{:.3}", r.size, r.gbps, r.lat_us);
+    }
+    std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))
+}
+
+// LATER (`--svg FILE`): a plot of bandwidth and latency against size (log2 x axis, two y
+// axes) drawn from `Report` alone, next to `write_csv` (give `Report` the header lines
+// `session` prints if the plot should carry them as its caption).
+
+// ---------------------------------------------------------------------------------------
+// The session both sides run
+
+/// Runs every size with the peer over `ctl` and returns the report (on both sides).
+fn session(
+    p: &Plugin,
+    side: Side,
+    ctl: &mut Control,
+    params: &Params,
+    mut header: Vec<String>,
+    quiet: bool,
+) -> Res<Report> {
+    let net = &p.net;
+    let mut conns = connect_all(p, ctl, params)?;
+    let mut scratch = Scratch::new(params);
+    ctl.send("connected")?;
+    ctl.expect("connected")?;
+    let mut shared = params
+        .plan
+        .iter()
+        .filter(|s| {
+            Layout::new(s.size, params.window * params.group, 1).pool < params.window * params.group
+        })
+        .map(|s| human(s.size))
+        .peekable();
+    if shared.peek().is_some() {
+        header.push(format!(
+            "note: receive buffers in flight share memory above {} MiB per connection (sizes {})",
+            POOL_BYTES >> 20,
+            shared.collect::<Vec<_>>().join(", ")
+        ));
+    }
+    if !quiet {
+        for h in &header {
+            println!("{h}");
+        }
+        println!("{TABLE_HEAD}");
+    }
+    let mut rows = Vec::with_capacity(params.plan.len());
+    for plan in &params.plan {
+        let bytes = (plan.bw_iters * params.group * params.conns * plan.size) as f64;
+        let row = match side {
+            Side::A => {
+                ctl.expect("ready")?;
+                bw_send(net, &mut conns, &mut scratch, params, plan)?;
+                let ns: u64 = ctl
+                    .expect("bw")?
+                    .parse()
+                    .map_err(|_| "bad bandwidth result from the peer".to_string())?;
+                ping_pong(net, side, &mut conns[0], &mut scratch, plan)?;
+                let lat_us = median(&mut scratch.samples) / 2.0 / 1e3;
+                let gbps = bytes / ns.max(1) as f64;
+                ctl.expect("lat-ok")?;
+                ctl.send(&format!("result {gbps} {lat_us}"))?;
+                Row {
+                    size: plan.size,
+                    gbps,
+                    lat_us,
+                }
+            }
+            Side::B => {
+                ctl.send("ready")?;
+                let t = bw_recv(net, &mut conns, &mut scratch, params, plan)?;
+                ctl.send(&format!("bw {}", t.as_nanos()))?;
+                ping_pong(net, side, &mut conns[0], &mut scratch, plan)?;
+                ctl.send("lat-ok")?;
+                let r = ctl.expect("result")?;
+                let mut w = r.split_whitespace().map(str::parse::<f64>);
+                match (w.next(), w.next()) {
+                    (Some(Ok(gbps)), Some(Ok(lat_us))) => Row {
+                        size: plan.size,
+                        gbps,
+                        lat_us,
+                    },
+                    _ => return Err(format!("bad result line from the peer: {r:?}")),
+                }
+            }
+        };
+        if !quiet {
+            println!("{}", table_row(&row));
+        }
+        rows.push(row);
+    }
+    close_all(net, conns)?;
+    ctl.send("done")?;
+    ctl.expect("done")?;
+    Ok(Report { rows })
+}
+
+fn header_lines(p: &Plugin, params: &Params, peer: &str) -> Vec<String> {
+    let d = &p.props;
+    let iters = match params.iters {
+        Some(n) => format!("{n} per size"),
+        None => "scaled per size".into(),
+    };
+    vec![
+        format!(
+            "library:   {} (ncclNetPlugin_v{}, plugin \"{}\")",
+            p.net.path.display(),
+            p.net.version(),
+            p.net.name()
+        ),
+        format!(
+            "transport: {}{}",
+            p.transport,
+            p.transport_note
+                .as_ref()
+                .map(|n| format!(" ({n})"))
+                .unwrap_or_default()
+        ),
+        format!(
+            "device:    {} (speed {} Mbps, maxRecvs {}), peer {peer}",
+            d.name, d.speed, d.max_recvs
+        ),
+        format!(
+            "window {}, group {}, conns {}, iterations {iters}",
+            params.window, params.group, params.conns
+        ),
+        "GB/s: payload of all connections / receiver time from first irecv to last \
+         completion; lat: median round trip / 2 on connection 0"
+            .into(),
+    ]
+}
+
+fn check_group(p: &Plugin, params: &Params) -> Res<()> {
+    if params.group as i32 > p.props.max_recvs {
+        return Err(format!(
+            "--group {} exceeds the device's maxRecvs {}",
+            params.group, p.props.max_recvs
+        ));
+    }
+    Ok(())
+}
+
+/// Side A after the control connection is up.
+fn run_a(o: &Options, p: &Plugin, ctl: &mut Control) -> Res<Report> {
+    let params = Params::from_options(o, &p.transport);
+    check_group(p, &params)?;
+    ctl.send(&format!(
+        "{PROTOCOL} abi={} device={}",
+        o.abi,
+        p.props.name.replace(char::is_whitespace, "_")
+    ))?;
+    ctl.send(&params.encode())?;
+    let hello = ctl.expect("hello")?;
+    let peer_transport = field(&hello, "transport").unwrap_or("?");
+    if peer_transport != p.transport {
+        return Err(format!(
+            "the peer uses transport {peer_transport}, this side {}: set the same \
+             {TRANSPORT_ENV} on both",
+            p.transport
+        ));
+    }
+    let peer = format!(
+        "{} (ncclNetPlugin_v{})",
+        field(&hello, "device").unwrap_or("?"),
+        field(&hello, "abi").unwrap_or("?")
+    );
+    let header = header_lines(p, &params, &peer);
+    session(p, Side::A, ctl, &params, header, o.quiet)
+}
+
+/// Side B: receives the run, opens the plugin like side A, then runs it.
+fn run_b(o: &Options, ctl: &mut Control) -> Res<Report> {
+    let first = ctl.recv()?.to_string();
+    if first.split_whitespace().next() != Some(PROTOCOL) {
+        return Err(format!("the peer is not {PROTOCOL}: {first:?}"));
+    }
+    let params = Params::decode(ctl.recv()?)?;
+    if o.run_options_given && !o.quiet {
+        println!("note: --sizes/--iters/--window/--group/--conns come from the listening side");
+    }
+    let p = open_plugin(o, Some(&params.transport))?;
+    check_group(&p, &params)?;
+    ctl.send(&format!(
+        "hello transport={} device={} abi={}",
+        p.transport,
+        p.props.name.replace(char::is_whitespace, "_"),
+        o.abi
+    ))?;
+    if p.transport != params.transport {
+        return Err(format!(
+            "this side uses transport {}, the peer {}: set the same {TRANSPORT_ENV} on both",
+            p.transport, params.transport
+        ));
+    }
+    let peer = format!(
+        "{} (ncclNetPlugin_v{})",
+        field(&first, "device").unwrap_or("?"),
+        field(&first, "abi").unwrap_or("?")
+    );
+    let header = header_lines(&p, &params, &peer);
+    let report = session(&p, Side::B, ctl, &params, header, o.quiet);
+    finish_plugin(p, report)
+}
+
+fn finish_plugin(mut p: Plugin, report: Res<Report>) -> Res<Report> {
+    let report = report?;
+    p.net.finalize().call(|| "finalize".into())?;
+    Ok(report)
+}
+
+/// Sends our error to the peer (best effort) so it stops at once with the reason.
+fn with_peer_notice<T>(ctl: &mut Control, r: Res<T>) -> Res<T> {
+    if let Err(e) = &r {
+        let _ = ctl.send(&format!("error {}", e.replace('\n', " ")));
+    }
+    r
+}
+
+// ---------------------------------------------------------------------------------------
+// Process roles
+
+/// Kills the local child on every path that does not wait for it.
+struct ChildGuard(Option<Child>);
+
+impl ChildGuard {
+    /// Waits up to `timeout` for a clean exit.
+    fn wait(&mut self, timeout: Duration) -> Res<()> {
+        let Some(child) = self.0.as_mut() else {
+            return Ok(());
+        };
+        let until = Instant::now() + timeout;
+        loop {
+            match child.try_wait() {
+                Ok(Some(st)) => {
+                    self.0 = None;
+                    return if st.success() {
+                        Ok(())
+                    } else {
+                        Err(format!("the connecting child process failed ({st})"))
+                    };
+                }
+                Ok(None) if Instant::now() < until => std::thread::sleep(Duration::from_millis(10)),
+                Ok(None) => return Err("the connecting child process does not exit".into()),
+                Err(e) => return Err(format!("waiting for the child process: {e}")),
+            }
+        }
+    }
+
+    /// The child's exit status if it has already exited.
+    fn exited(&mut self) -> Option<String> {
+        let child = self.0.as_mut()?;
+        match child.try_wait() {
+            Ok(Some(st)) => {
+                self.0 = None;
+                Some(st.to_string())
+            }
+            _ => None,
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// Accepts the control connection, giving up after `timeout` or when `child` dies.
+fn accept_control(
+    l: &TcpListener,
+    timeout: Duration,
+    mut child: Option<&mut ChildGuard>,
+) -> Res<Control> {
+    l.set_nonblocking(true)
+        .map_err(|e| format!("control listener: {e}"))?;
+    let until = Instant::now() + timeout;
+    loop {
+        match l.accept() {
+            Ok((s, _)) => return Control::new(s),
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(e) => return Err(format!("control listener: {e}")),
+        }
+        if let Some(st) = child.as_mut().and_then(|c| c.exited()) {
+            return Err(format!("the connecting child process exited early ({st})"));
+        }
+        if Instant::now() > until {
+            return Err(format!("no peer connected within {} s", timeout.as_secs()));
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn connect_control(addr: &str) -> Res<Control> {
+    let addrs: Vec<SocketAddr> = addr
+        .to_socket_addrs()
+        .map_err(|e| format!("--connect {addr}: {e}"))?
+        .collect();
+    let until = Instant::now() + CONTROL_TIMEOUT;
+    loop {
+        let mut last = None;
+        for a in &addrs {
+            match TcpStream::connect_timeout(a, Duration::from_secs(5)) {
+                Ok(s) => return Control::new(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        // The listening side may not be up yet: retry for a while.
+        if Instant::now() > until {
+            let e = last
+                .map(|e| e.to_string())
+                .unwrap_or_else(|| "no address".into());
+            return Err(format!("cannot reach {addr}: {e}"));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+fn run_listen(o: &Options, port: u16) -> Res<Report> {
+    let mut p = open_plugin(o, None)?;
+    let l = TcpListener::bind(("0.0.0.0", port))
+        .map_err(|e| format!("binding control port {port}: {e}"))?;
+    let port = l.local_addr().map_err(|e| e.to_string())?.port();
+    // Always printed (even with --quiet): the peer needs it.
+    println!("listening on control port {port}");
+    let _ = std::io::stdout().flush();
+    let mut ctl = accept_control(&l, LISTEN_TIMEOUT, None)?;
+    let r = run_a(o, &p, &mut ctl);
+    let r = with_peer_notice(&mut ctl, r)?;
+    p.net.finalize().call(|| "finalize".into())?;
+    Ok(r)
+}
+
+fn run_local(o: &Options) -> Res<Report> {
+    if std::env::var_os("NCCL_SOCKET_IFNAME").is_none() {
+        set_env("NCCL_SOCKET_IFNAME", "lo");
+    }
+    // Opened first, so a tcp fallback is in the environment the child inherits.
+    let mut p = open_plugin(o, None)?;
+    let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("control listener: {e}"))?;
+    let port = l.local_addr().map_err(|e| e.to_string())?.port();
+    let exe = std::env::current_exe().map_err(|e| format!("finding this executable: {e}"))?;
+    let child = Command::new(&exe)
+        .arg("--connect")
+        .arg(format!("127.0.0.1:{port}"))
+        .arg("--lib")
+        .arg(&o.lib)
+        .arg("--abi")
+        .arg(o.abi.to_string())
+        .arg("--quiet")
+        .spawn()
+        .map_err(|e| format!("starting {}: {e}", exe.display()))?;
+    let mut guard = ChildGuard(Some(child));
+    let mut ctl = accept_control(&l, CONTROL_TIMEOUT, Some(&mut guard))?;
+    let r = run_a(o, &p, &mut ctl);
+    let r = with_peer_notice(&mut ctl, r)?;
+    p.net.finalize().call(|| "finalize".into())?;
+    guard.wait(CONTROL_TIMEOUT)?;
+    Ok(r)
+}
+
+fn run(o: &Options) -> Res<Report> {
+    match &o.role {
+        Role::Local => run_local(o),
+        Role::Listen(port) => run_listen(o, *port),
+        Role::Connect(addr) => {
+            let mut ctl = connect_control(addr)?;
+            let r = run_b(o, &mut ctl);
+            with_peer_notice(&mut ctl, r)
+        }
+    }
+}
+
+fn main() -> ExitCode {
+    let o = match parse_args(std::env::args().skip(1)) {
+        Ok(Some(o)) => o,
+        Ok(None) => {
+            print!("{HELP}");
+            return ExitCode::SUCCESS;
+        }
+        Err(e) => {
+            eprintln!("nccl-net-bench: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let who = match o.role {
+        Role::Connect(_) => "nccl-net-bench (connecting side)",
+        _ => "nccl-net-bench",
+    };
+    let report = match run(&o) {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("{who}: error: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    if let Some(path) = &o.csv {
+        if let Err(e) = write_csv(&report, path) {
+            eprintln!("{who}: error: {e}");
+            return ExitCode::FAILURE;
+        }
+        if !o.quiet {
+            println!("csv: {}", path.display());
+        }
+    }
+    ExitCode::SUCCESS
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(s: &str) -> Res<Option<Options>> {
+        parse_args(s.split_whitespace().map(String::from))
+    }
+
+    #[test]
+    fn sizes_parse_with_binary_suffixes() {
+        assert_eq!(
+            parse_sizes("8,1K,64k,1M,64MiB,1G").unwrap(),
+            vec![8, 1024, 65536, 1 << 20, 64 << 20, 1 << 30]
+        );
+        assert_eq!(parse_size("0").unwrap(), 0);
+        assert!(parse_size("2G").is_err());
+        assert!(parse_size("x").is_err());
+        assert!(parse_sizes(",").is_err());
+    }
+
+    #[test]
+    fn default_sizes_span_8_bytes_to_64_mib() {
+        let s = default_sizes();
+        assert_eq!(s.first(), Some(&8));
+        assert_eq!(s.last(), Some(&(64 << 20)));
+        assert!(s.windows(2).all(|w| w[0] < w[1]));
+    }
+
+    #[test]
+    fn options_parse() {
+        let o = args("--listen 0 --sizes 8,1M --group 4 --conns 2 --window=4")
+            .unwrap()
+            .unwrap();
+        assert_eq!(o.role, Role::Listen(0));
+        assert_eq!((o.group, o.conns, o.window), (4, 2, 4));
+        assert_eq!(
+            args("--listen --quiet").unwrap().unwrap().role,
+            Role::Listen(DEFAULT_LISTEN_PORT)
+        );
+        assert_eq!(
+            args("--connect h:1").unwrap().unwrap().role,
+            Role::Connect("h:1".into())
+        );
+        assert!(args("--help").unwrap().is_none());
+        assert!(args("--group 9").is_err());
+        assert!(args("--window 0").is_err());
+        assert!(args("--abi 5").is_err());
+        assert!(args("--bogus").is_err());
+    }
+
+    #[test]
+    fn params_round_trip() {
+        let o = args("--sizes 8,1M,64M --group 2 --conns 3")
+            .unwrap()
+            .unwrap();
+        let p = Params::from_options(&o, "tcp");
+        assert_eq!(Params::decode(&p.encode()).unwrap(), p);
+        assert!(Params::decode("params window=0").is_err());
+    }
+
+    #[test]
+    fn default_iterations_are_bounded() {
+        assert_eq!(bw_iters(8, 1, None), BW_MAX_ITERS);
+        assert_eq!(bw_iters(64 << 20, 1, None), BW_MIN_ITERS);
+        assert_eq!(bw_iters(1 << 20, 1, Some(3)), 3);
+        assert_eq!(lat_iters(64 << 20, None), LAT_MIN_ITERS);
+    }
+
+    #[test]
+    fn layout_keeps_checked_slots_private() {
+        let l = Layout::new(1000, 8, 100);
+        assert_eq!(l.stride, 1024);
+        assert_eq!((l.recv_slot(0), l.recv_slot(99)), (0, 1));
+        assert!((1..99).all(|m| (2..2 + l.pool).contains(&l.recv_slot(m))));
+        assert_eq!(
+            (l.send_slot(0), l.send_slot(50), l.send_slot(99)),
+            (0, 2, 1)
+        );
+        let big = Layout::new(256 << 20, 8, 16);
+        assert_eq!(big.pool, 2);
+    }
+
+    #[test]
+    fn patterns_detect_changes() {
+        let mut b = vec![0u8; 1003];
+        fill(&mut b, seed(1003, STREAM_BW, 0, 0));
+        assert_eq!(mismatch(&b, seed(1003, STREAM_BW, 0, 0)), None);
+        assert!(mismatch(&b, seed(1003, STREAM_BW, 0, 1)).is_some());
+        b[1001] ^= 1;
+        assert_eq!(
+            mismatch(&b, seed(1003, STREAM_BW, 0, 0)).map(|m| m.0),
+            Some(1001)
+        );
+    }
+
+    #[test]
+    fn handles_hex_round_trip() {
+        let h: [u8; 128] = std::array::from_fn(|i| i as u8 * 3);
+        assert_eq!(unhex(&hex(&h)).unwrap(), h);
+        assert!(unhex("00").is_err());
+    }
+}

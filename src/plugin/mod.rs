@@ -465,7 +465,14 @@ impl Plugin {
             Backend::Tcp => None,
             Backend::Verbs { .. } => {
                 let (_, cache) = self.verbs_device(dev)?;
-                let held = cache.register(addr, len)?;
+                let (held, hit) = cache.register(addr, len)?;
+                tracing::debug!(
+                    "regMr {addr:#x}+{len} on device {dev}: cache {} (hits {}, misses {}, MRs {})",
+                    if hit { "hit" } else { "miss" },
+                    cache.hits.load(Ordering::Relaxed),
+                    cache.misses.load(Ordering::Relaxed),
+                    cache.len()
+                );
                 reg.lkey = held.lkey();
                 reg.rkey = held.rkey();
                 Some(Box::new(held))

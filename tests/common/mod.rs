@@ -20,13 +20,41 @@ pub const HOST: i32 = 1;
 /// Generous bound for anything that should complete at once on loopback.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
-/// Environment every in-process test runs with: the tcp transport on loopback only.
+/// The RDMA device the verbs tests use (`NCCL_ERDMA_TEST_DEVICE`, e.g. `rxe0` in the
+/// Soft-RoCE tier); `None` runs the suite over tcp.
+pub fn verbs_device() -> Option<String> {
+    std::env::var("NCCL_ERDMA_TEST_DEVICE")
+        .ok()
+        .filter(|d| !d.is_empty())
+}
+
+/// Environment every test runs with: the verbs transport on the test device when one is
+/// named, else tcp; bootstrap on loopback only.
 pub fn setup() {
     static ONCE: Once = Once::new();
     ONCE.call_once(|| {
-        std::env::set_var("NCCL_ERDMA_TRANSPORT", "tcp");
+        match verbs_device() {
+            Some(dev) => {
+                std::env::set_var("NCCL_ERDMA_TRANSPORT", "verbs");
+                std::env::set_var("NCCL_IB_HCA", format!("={dev}"));
+            }
+            None => std::env::set_var("NCCL_ERDMA_TRANSPORT", "tcp"),
+        }
         std::env::set_var("NCCL_SOCKET_IFNAME", "lo");
     });
+}
+
+/// The device name `getProperties` should report.
+pub fn expected_device_name() -> String {
+    verbs_device().unwrap_or_else(|| "erdma-tcp-lo".to_string())
+}
+
+/// Panics with the reason when the verbs tests cannot run here (they are `#[ignore]`d and
+/// run by the Soft-RoCE tier with `--include-ignored`).
+pub fn require_verbs() -> String {
+    verbs_device().expect(
+        "this test needs an RDMA device: set NCCL_ERDMA_TEST_DEVICE (the Soft-RoCE tier does)",
+    )
 }
 
 /// The plugin under test.
@@ -179,6 +207,7 @@ pub fn is_child() -> bool {
 
 /// Runs test `name` of this binary in a fresh process with `env` (and `unset` removed).
 pub fn run_child(name: &str, env: &[(&str, &str)], unset: &[&str], netns: bool) -> Output {
+    setup();
     let exe = std::env::current_exe().expect("current_exe");
     let args = [
         name,

@@ -65,8 +65,9 @@ impl MrCache {
         })
     }
 
-    /// Registers `addr..addr+len` (or reuses a covering registration).
-    pub fn register(self: &Arc<Self>, addr: usize, len: usize) -> Result<CachedMr> {
+    /// Registers `addr..addr+len` (or reuses a covering registration); the flag says
+    /// whether it was a hit.
+    pub fn register(self: &Arc<Self>, addr: usize, len: usize) -> Result<(CachedMr, bool)> {
         let page = page_size();
         let start = addr & !(page - 1);
         let end = (addr + len.max(1)).div_ceil(page) * page;
@@ -77,12 +78,13 @@ impl MrCache {
         {
             e.refs += 1;
             self.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(CachedMr {
+            let held = CachedMr {
                 cache: Arc::clone(self),
                 start: e.start,
                 end: e.end,
                 mr: Arc::clone(&e.mr),
-            });
+            };
+            return Ok((held, true));
         }
         let mr = Arc::new(self.pd.reg_mr(start, end - start, ACCESS_RDMA)?);
         self.misses.fetch_add(1, Ordering::Relaxed);
@@ -92,12 +94,13 @@ impl MrCache {
             refs: 1,
             mr: Arc::clone(&mr),
         });
-        Ok(CachedMr {
+        let held = CachedMr {
             cache: Arc::clone(self),
             start,
             end,
             mr,
-        })
+        };
+        Ok((held, false))
     }
 
     /// Number of distinct MRs held.
