@@ -311,17 +311,14 @@ impl VerbsConnecting {
                 qps,
                 fifo,
                 sizes_local,
-                cq,
+                cq: CqPoller::new(cq),
                 dev: Arc::clone(dev),
                 remote_sizes: (0, 0),
                 split: params.split_data,
                 seq: 0,
                 slots: [SendSlot::FREE; SLOTS],
                 chain: SendChain::new(),
-                wc: WcBatch::new(),
                 failure: Failure::default(),
-                epoch: 0,
-                calls: 0,
                 peer: peer.to_string(),
             }),
             accepted: false,
@@ -506,7 +503,7 @@ impl VerbsListen {
             cts_local: DmaBuffer::new(&dev.pd, SLOTS * MAX_RECVS, ACCESS_RDMA)?,
             sizes_record: DmaBuffer::new(&dev.pd, SLOTS * MAX_RECVS, ACCESS_RDMA)?,
             flush_target: DmaBuffer::new(&dev.pd, 16, ACCESS_RDMA)?,
-            cq,
+            cq: CqPoller::new(cq),
             dev: Arc::clone(dev),
             remote_fifo: (remote.addr, remote.rkey),
             split: self.params.split_data,
@@ -515,10 +512,7 @@ impl VerbsListen {
             flush_slots: [FlushSlot::Free; SLOTS],
             flush_seq: 0,
             chain: SendChain::new(),
-            wc: WcBatch::new(),
             failure: Failure::default(),
-            epoch: 0,
-            calls: 0,
             peer: format!("{peer} ({})", remote.device),
         })
     }
@@ -560,22 +554,59 @@ fn cqe_error(dev: &VerbsDevice, peer: &str, c: &crate::verbs::dma::Completion) -
     ))
 }
 
-/// Polls the device's async events every so often (a syscall, so not on every call) and
-/// fails the comm when one of its QPs or its device broke.
-fn check_async(dev: &VerbsDevice, qps: &[Qp], epoch: &mut u64, calls: &mut u32) -> Result<()> {
-    *calls = calls.wrapping_add(1);
-    if *calls % 256 != 0 {
-        return Ok(());
-    }
-    let now = dev.ctx.drain_async_events();
-    if now != *epoch {
-        *epoch = now;
-        let qpns: Vec<u32> = qps.iter().map(Qp::qpn).collect();
-        if let Some(why) = dev.ctx.fatal_for(&qpns) {
-            return Err(Error::Device(format!("fatal asynchronous event: {why}")));
+/// A comm's completion queue and what polling it needs: a batch to poll into, and the
+/// device's asynchronous events, read every so often (a syscall, so not on every call).
+struct CqPoller {
+    cq: Arc<Cq>,
+    wc: WcBatch,
+    epoch: u64,
+    calls: u32,
+}
+
+impl CqPoller {
+    fn new(cq: Arc<Cq>) -> Self {
+        CqPoller {
+            cq,
+            wc: WcBatch::new(),
+            epoch: 0,
+            calls: 0,
         }
     }
-    Ok(())
+
+    /// Hands every successful completion to `on`; a failed one, or a fatal event on the
+    /// device or one of `qps`, is the comm's error.
+    fn drain(
+        &mut self,
+        dev: &VerbsDevice,
+        qps: &[Qp],
+        peer: &str,
+        mut on: impl FnMut(&crate::verbs::dma::Completion),
+    ) -> Result<()> {
+        self.calls = self.calls.wrapping_add(1);
+        if self.calls % 256 == 0 {
+            let now = dev.ctx.drain_async_events();
+            if now != self.epoch {
+                self.epoch = now;
+                let qpns: Vec<u32> = qps.iter().map(Qp::qpn).collect();
+                if let Some(why) = dev.ctx.fatal_for(&qpns) {
+                    return Err(Error::Device(format!("fatal asynchronous event: {why}")));
+                }
+            }
+        }
+        loop {
+            let n = self.wc.poll(&self.cq)?;
+            for i in 0..n {
+                let c = self.wc.get(i);
+                if c.status != WC_SUCCESS {
+                    return Err(cqe_error(dev, peer, &c));
+                }
+                on(&c);
+            }
+            if n < 16 {
+                return Ok(());
+            }
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -615,17 +646,14 @@ struct SendState {
     qps: Vec<Qp>,
     fifo: DmaBuffer<CtsEntry>,
     sizes_local: DmaBuffer<u32>,
-    cq: Arc<Cq>,
+    cq: CqPoller,
     dev: Arc<VerbsDevice>,
     remote_sizes: (u64, u32),
     split: bool,
     seq: u32,
     slots: [SendSlot; SLOTS],
     chain: SendChain,
-    wc: WcBatch,
     failure: Failure,
-    epoch: u64,
-    calls: u32,
     peer: String,
 }
 
@@ -734,24 +762,13 @@ impl VerbsSendComm {
 
 impl SendState {
     fn progress(&mut self) -> Result<()> {
-        check_async(&self.dev, &self.qps, &mut self.epoch, &mut self.calls)?;
-        loop {
-            let n = self.wc.poll(&self.cq)?;
-            for i in 0..n {
-                let c = self.wc.get(i);
-                if c.status != WC_SUCCESS {
-                    return Err(cqe_error(&self.dev, &self.peer, &c));
-                }
-                if c.wr_id >> 32 == WR_SEND >> 32 {
-                    let slot = (c.wr_id & 0xffff_ffff) as usize % SLOTS;
-                    let st = &mut self.slots[slot];
-                    st.cqe_pending = st.cqe_pending.saturating_sub(1);
-                }
+        let slots = &mut self.slots;
+        self.cq.drain(&self.dev, &self.qps, &self.peer, |c| {
+            if c.wr_id >> 32 == WR_SEND >> 32 {
+                let st = &mut slots[(c.wr_id & 0xffff_ffff) as usize % SLOTS];
+                st.cqe_pending = st.cqe_pending.saturating_sub(1);
             }
-            if n < 16 {
-                return Ok(());
-            }
-        }
+        })
     }
 
     /// Posts the writes of a fully matched slot.
@@ -866,7 +883,7 @@ struct RecvState {
     cts_local: DmaBuffer<CtsEntry>,
     sizes_record: DmaBuffer<u32>,
     flush_target: DmaBuffer<u32>,
-    cq: Arc<Cq>,
+    cq: CqPoller,
     dev: Arc<VerbsDevice>,
     remote_fifo: (u64, u32),
     split: bool,
@@ -875,10 +892,7 @@ struct RecvState {
     flush_slots: [FlushSlot; SLOTS],
     flush_seq: u32,
     chain: SendChain,
-    wc: WcBatch,
     failure: Failure,
-    epoch: u64,
-    calls: u32,
     peer: String,
 }
 
@@ -1052,30 +1066,20 @@ impl RecvState {
     }
 
     fn progress(&mut self) -> Result<()> {
-        check_async(&self.dev, &self.qps, &mut self.epoch, &mut self.calls)?;
-        loop {
-            let n = self.wc.poll(&self.cq)?;
-            for i in 0..n {
-                let c = self.wc.get(i);
-                if c.status != WC_SUCCESS {
-                    return Err(cqe_error(&self.dev, &self.peer, &c));
-                }
-                let slot = (c.wr_id & 0xffff_ffff) as usize % SLOTS;
-                match c.wr_id >> 32 {
-                    k if k == WR_RECV >> 32 && c.opcode == WC_RECV_RDMA_WITH_IMM => {
-                        let st = &mut self.slots[slot];
-                        if st.n == 1 {
-                            st.size0 = c.imm;
-                        }
-                        st.imm_pending = st.imm_pending.saturating_sub(1);
+        let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);
+        self.cq.drain(&self.dev, &self.qps, &self.peer, |c| {
+            let slot = (c.wr_id & 0xffff_ffff) as usize % SLOTS;
+            match c.wr_id >> 32 {
+                k if k == WR_RECV >> 32 && c.opcode == WC_RECV_RDMA_WITH_IMM => {
+                    let st = &mut slots[slot];
+                    if st.n == 1 {
+                        st.size0 = c.imm;
                     }
-                    k if k == WR_FLUSH >> 32 => self.flush_slots[slot] = FlushSlot::Done,
-                    _ => {} // clear-to-send writes: nothing to track
+                    st.imm_pending = st.imm_pending.saturating_sub(1);
                 }
+                k if k == WR_FLUSH >> 32 => flush_slots[slot] = FlushSlot::Done,
+                _ => {} // clear-to-send writes: nothing to track
             }
-            if n < 16 {
-                return Ok(());
-            }
-        }
+        })
     }
 }
