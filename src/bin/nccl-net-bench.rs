@@ -71,20 +71,20 @@ const LISTEN_TIMEOUT: Duration = Duration::from_secs(300);
 const STALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// Idle polls in a row after which every further idle poll yields the CPU.
 const YIELD_AFTER: u32 = 256;
-/// Default bandwidth iterations: about this many payload bytes per connection and size ...
+/// Default bandwidth iterations: about this many payload bytes per size (all connections) ...
 const BW_BYTES: usize = 512 << 20;
 /// ... but at least this many (two windows) ...
 const BW_MIN_ITERS: usize = 16;
-/// ... and at most this many.
-const BW_MAX_ITERS: usize = 20_000;
+/// ... and at most this many messages over all connections (small sizes).
+const BW_MAX_MSGS: usize = 20_000;
 /// Default latency round trips: about this many bytes per direction and size, clamped.
 const LAT_BYTES: usize = 64 << 20;
 /// Fewest default latency round trips.
 const LAT_MIN_ITERS: usize = 10;
 /// Most default latency round trips.
 const LAT_MAX_ITERS: usize = 2_000;
-/// Receive buffers in flight per connection get their own memory up to this many bytes;
-/// beyond it in-flight receives share buffers (only the checked ones stay private).
+/// Receive buffers in flight get their own memory up to this many bytes per process (all
+/// connections); beyond it in-flight receives share buffers (the checked ones stay private).
 const POOL_BYTES: usize = 512 << 20;
 /// Pattern streams (part of the seed), so no two phases' patterns coincide.
 const STREAM_BW: u64 = 1;
@@ -103,14 +103,18 @@ options:
   --abi N           ncclNetPlugin_vN table to use, 6..11 (default 11)
   --sizes LIST      message sizes, e.g. 8,1K,64K,1M,64M (K/M/G = KiB/MiB/GiB);
                     default powers of 4 from 8 B, and 64 MiB
-  --iters N         messages per connection (bandwidth) and round trips (latency) per size;
-                    default scales with the size so each size moves a bounded amount of data
-  --window W        requests in flight per connection, 1..32 (default 8)
+  --iters N         per size: receives per connection (bandwidth) and round trips
+                    (latency); default scales with the size, so each size moves a
+                    bounded amount of data in a bounded number of messages
+  --window W        receives in flight per connection, 1..32 (default 8); the sender
+                    keeps W x group sends in flight
   --group N         messages per grouped receive, 1..8 (default 1)
   --conns K         connections used at once for bandwidth, 1..64 (default 1)
   --csv FILE        also write size_bytes,bandwidth_gbps,latency_us to FILE
   --listen [PORT]   be side A on control port PORT (default 18515; 0 = any, printed)
   --connect H:P     be side B; its run options come from side A
+  --cpus A[,B]      pin this process to CPU A and, in the local run, the child to CPU B
+                    (with taskset; helps on small VMs where both may share one CPU)
   --quiet           print nothing but errors
   --help            this text
 
@@ -146,6 +150,8 @@ struct Options {
     csv: Option<PathBuf>,
     role: Role,
     quiet: bool,
+    /// `--cpus`: CPU of this process, and of the local child.
+    cpus: Option<(usize, Option<usize>)>,
     /// Run options given explicitly (ignored with a note on side B).
     run_options_given: bool,
 }
@@ -226,6 +232,7 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Res<Option<Options>> {
         csv: None,
         role: Role::Local,
         quiet: false,
+        cpus: None,
         run_options_given: false,
     };
     let mut lib = None;
@@ -285,6 +292,18 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Res<Option<Options>> {
                 o.role = Role::Connect(value(&mut it).ok_or("--connect needs HOST:PORT")?);
             }
             "--quiet" => o.quiet = true,
+            "--cpus" => {
+                let v = value(&mut it).ok_or("--cpus needs A or A,B")?;
+                let cpu = |c: &str| {
+                    c.trim()
+                        .parse::<usize>()
+                        .map_err(|_| format!("--cpus: bad CPU number {c:?}"))
+                };
+                o.cpus = Some(match v.split_once(',') {
+                    Some((a, b)) => (cpu(a)?, Some(cpu(b)?)),
+                    None => (cpu(&v)?, None),
+                });
+            }
             _ => return Err(format!("unknown argument {a:?} (see --help)")),
         }
     }
@@ -292,9 +311,15 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Res<Option<Options>> {
     Ok(Some(o))
 }
 
-/// Bandwidth iterations (grouped receives per connection) for `size`.
-fn bw_iters(size: usize, group: usize, iters: Option<usize>) -> usize {
-    iters.unwrap_or_else(|| (BW_BYTES / (size * group).max(1)).clamp(BW_MIN_ITERS, BW_MAX_ITERS))
+/// Bandwidth iterations (grouped receives per connection) for `size`: by default about
+/// [`BW_BYTES`] and at most [`BW_MAX_MSGS`] messages over all connections, at least
+/// [`BW_MIN_ITERS`].
+fn bw_iters(size: usize, group: usize, conns: usize, iters: Option<usize>) -> usize {
+    iters.unwrap_or_else(|| {
+        let per_iter = group * conns;
+        let most = (BW_MAX_MSGS / per_iter).max(BW_MIN_ITERS);
+        (BW_BYTES / (size * per_iter).max(1)).clamp(BW_MIN_ITERS, most)
+    })
 }
 
 /// Latency round trips for `size` (warm-up not included).
@@ -343,10 +368,53 @@ impl Params {
                 .iter()
                 .map(|&size| SizePlan {
                     size,
-                    bw_iters: bw_iters(size, o.group, o.iters),
+                    bw_iters: bw_iters(size, o.group, o.conns, o.iters),
                     lat_iters: lat_iters(size, o.iters),
                 })
                 .collect(),
+        }
+    }
+
+    /// Receive slots per connection for `size`: one per receive in flight, within
+    /// [`POOL_BYTES`] over all connections.
+    fn pool(&self, size: usize) -> usize {
+        let in_flight = self.window * self.group;
+        (POOL_BYTES / self.conns / Layout::stride(size)).clamp(1, in_flight)
+    }
+
+    /// Where the bandwidth phase of `size` puts its messages.
+    fn layout(&self, plan: &SizePlan) -> Layout {
+        Layout::new(plan.size, self.pool(plan.size), plan.bw_iters * self.group)
+    }
+
+    /// Bytes of the (send, receive) buffers of one connection: enough for every size.
+    fn arena_bytes(&self) -> (usize, usize) {
+        self.plan.iter().fold((64, 64), |(tx, rx), s| {
+            let l = self.layout(s);
+            (tx.max(l.send_bytes()), rx.max(l.recv_bytes()))
+        })
+    }
+
+    /// Errors when `processes` processes of this run would not fit in this host's memory.
+    fn check_memory(&self, processes: usize) -> Res<()> {
+        let (tx, rx) = self.arena_bytes();
+        let need = self.conns * (tx + rx) * processes;
+        let avail = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+            let line = m.lines().find(|l| l.starts_with("MemAvailable:"))?;
+            let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kib << 10)
+        });
+        match avail {
+            Some(avail) if need > avail / 4 * 3 => Err(format!(
+                "the buffers of this run need {} MiB ({} connection(s) x {} MiB, {processes} \
+                 process(es)) but only {} MiB of memory is available: use fewer --conns or a \
+                 smaller largest size",
+                need >> 20,
+                self.conns,
+                (tx + rx) >> 20,
+                avail >> 20
+            )),
+            _ => Ok(()),
         }
     }
 
@@ -619,7 +687,7 @@ fn open_plugin(o: &Options, want: Option<&str>) -> Res<Plugin> {
     let transport = match env.as_str() {
         "tcp" | "verbs" => env,
         // auto: the tcp transport names its devices erdma-tcp-<ifname>.
-        _ if props.name.contains("tcp") => "tcp".into(),
+        _ if props.name.starts_with("erdma-tcp-") => "tcp".into(),
         _ => "verbs".into(),
     };
     Ok(Plugin {
@@ -671,12 +739,17 @@ struct Layout {
 }
 
 impl Layout {
-    fn new(size: usize, in_flight: usize, total: usize) -> Self {
-        let stride = size.div_ceil(64).max(1) * 64;
+    /// Slot distance for `size`: 64-byte aligned, never 0.
+    fn stride(size: usize) -> usize {
+        size.div_ceil(64).max(1) * 64
+    }
+
+    /// `pool` receive slots; `total` messages per connection.
+    fn new(size: usize, pool: usize, total: usize) -> Self {
         Layout {
             size,
-            stride,
-            pool: (POOL_BYTES / stride).clamp(1, in_flight),
+            stride: Self::stride(size),
+            pool: pool.max(1),
             total,
         }
     }
@@ -869,19 +942,7 @@ fn connect_all(p: &Plugin, ctl: &mut Control, params: &Params) -> Res<Vec<Conn>>
         net.close_listen(l)
             .call(|| format!("closeListen (connection {k})"))?;
     }
-    let in_flight = params.window * params.group;
-    let rx_len = params
-        .plan
-        .iter()
-        .map(|s| Layout::new(s.size, in_flight, 1).recv_bytes())
-        .max()
-        .unwrap_or(64);
-    let tx_len = params
-        .plan
-        .iter()
-        .map(|s| Layout::new(s.size, in_flight, 1).send_bytes())
-        .max()
-        .unwrap_or(64);
+    let (tx_len, rx_len) = params.arena_bytes();
     let mut conns = Vec::with_capacity(params.conns);
     for (k, (send, recv)) in sends.into_iter().zip(recvs).enumerate() {
         let mut c = Conn {
@@ -950,7 +1011,7 @@ fn bw_send(
     plan: &SizePlan,
 ) -> Res<()> {
     let cap = params.window * params.group;
-    let layout = Layout::new(plan.size, cap, plan.bw_iters * params.group);
+    let layout = params.layout(plan);
     let total = layout.total;
     for (k, c) in conns.iter_mut().enumerate() {
         fill(c.tx.slot(&layout, 0), seed(plan.size, STREAM_BW, k, 0));
@@ -1069,7 +1130,7 @@ fn bw_recv(
     plan: &SizePlan,
 ) -> Res<Duration> {
     let (window, group) = (params.window, params.group);
-    let layout = Layout::new(plan.size, window * group, plan.bw_iters * group);
+    let layout = params.layout(plan);
     let total = plan.bw_iters;
     for c in conns.iter_mut() {
         c.rx.slot(&layout, 0).fill(0x5a);
@@ -1371,14 +1432,12 @@ fn session(
     let mut shared = params
         .plan
         .iter()
-        .filter(|s| {
-            Layout::new(s.size, params.window * params.group, 1).pool < params.window * params.group
-        })
+        .filter(|s| params.pool(s.size) < params.window * params.group)
         .map(|s| human(s.size))
         .peekable();
     if shared.peek().is_some() {
         header.push(format!(
-            "note: receive buffers in flight share memory above {} MiB per connection (sizes {})",
+            "note: receives in flight share buffers above {} MiB per process (sizes {})",
             POOL_BYTES >> 20,
             shared.collect::<Vec<_>>().join(", ")
         ));
@@ -1475,6 +1534,15 @@ fn header_lines(p: &Plugin, params: &Params, peer: &str) -> Vec<String> {
     ]
 }
 
+fn cpus_line(o: &Options) -> Option<String> {
+    match o.cpus? {
+        (a, Some(b)) if o.role == Role::Local => {
+            Some(format!("cpus: side A on {a}, side B on {b}"))
+        }
+        (a, _) => Some(format!("cpus: this side on {a}")),
+    }
+}
+
 fn check_group(p: &Plugin, params: &Params) -> Res<()> {
     if params.group as i32 > p.props.max_recvs {
         return Err(format!(
@@ -1489,6 +1557,7 @@ fn check_group(p: &Plugin, params: &Params) -> Res<()> {
 fn run_a(o: &Options, p: &Plugin, ctl: &mut Control) -> Res<Report> {
     let params = Params::from_options(o, &p.transport);
     check_group(p, &params)?;
+    params.check_memory(if o.role == Role::Local { 2 } else { 1 })?;
     ctl.send(&format!(
         "{PROTOCOL} abi={} device={}",
         o.abi,
@@ -1509,7 +1578,8 @@ fn run_a(o: &Options, p: &Plugin, ctl: &mut Control) -> Res<Report> {
         field(&hello, "device").unwrap_or("?"),
         field(&hello, "abi").unwrap_or("?")
     );
-    let header = header_lines(p, &params, &peer);
+    let mut header = header_lines(p, &params, &peer);
+    header.extend(cpus_line(o));
     session(p, Side::A, ctl, &params, header, o.quiet)
 }
 
@@ -1520,6 +1590,7 @@ fn run_b(o: &Options, ctl: &mut Control) -> Res<Report> {
         return Err(format!("the peer is not {PROTOCOL}: {first:?}"));
     }
     let params = Params::decode(ctl.recv()?)?;
+    params.check_memory(1)?;
     if o.run_options_given && !o.quiet {
         println!("note: --sizes/--iters/--window/--group/--conns come from the listening side");
     }
@@ -1542,7 +1613,8 @@ fn run_b(o: &Options, ctl: &mut Control) -> Res<Report> {
         field(&first, "device").unwrap_or("?"),
         field(&first, "abi").unwrap_or("?")
     );
-    let header = header_lines(&p, &params, &peer);
+    let mut header = header_lines(&p, &params, &peer);
+    header.extend(cpus_line(o));
     let report = session(&p, Side::B, ctl, &params, header, o.quiet);
     finish_plugin(p, report)
 }
@@ -1687,7 +1759,15 @@ fn run_local(o: &Options) -> Res<Report> {
     let l = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("control listener: {e}"))?;
     let port = l.local_addr().map_err(|e| e.to_string())?.port();
     let exe = std::env::current_exe().map_err(|e| format!("finding this executable: {e}"))?;
-    let child = Command::new(&exe)
+    let mut cmd = match o.cpus {
+        Some((_, Some(b))) => {
+            let mut c = Command::new("taskset");
+            c.arg("-c").arg(b.to_string()).arg(&exe);
+            c
+        }
+        _ => Command::new(&exe),
+    };
+    let child = cmd
         .arg("--connect")
         .arg(format!("127.0.0.1:{port}"))
         .arg("--lib")
@@ -1706,7 +1786,28 @@ fn run_local(o: &Options) -> Res<Report> {
     Ok(r)
 }
 
+/// Pins this process to `cpu` with `taskset` (std has no affinity call, and this program
+/// has no `unsafe`).
+fn pin_self(cpu: usize) -> Res<()> {
+    let pid = std::process::id().to_string();
+    let st = Command::new("taskset")
+        .args(["-p", "-c", &cpu.to_string(), &pid])
+        .stdout(std::process::Stdio::null())
+        .status()
+        .map_err(|e| format!("--cpus needs taskset (util-linux): {e}"))?;
+    if st.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "taskset could not pin this process to CPU {cpu} ({st})"
+        ))
+    }
+}
+
 fn run(o: &Options) -> Res<Report> {
+    if let Some((a, _)) = o.cpus {
+        pin_self(a)?;
+    }
     match &o.role {
         Role::Local => run_local(o),
         Role::Listen(port) => run_listen(o, *port),
@@ -1801,6 +1902,12 @@ mod tests {
         assert!(args("--window 0").is_err());
         assert!(args("--abi 5").is_err());
         assert!(args("--bogus").is_err());
+        assert_eq!(
+            args("--cpus 0,1").unwrap().unwrap().cpus,
+            Some((0, Some(1)))
+        );
+        assert_eq!(args("--cpus=3").unwrap().unwrap().cpus, Some((3, None)));
+        assert!(args("--cpus x").is_err());
     }
 
     #[test]
@@ -1815,15 +1922,20 @@ mod tests {
 
     #[test]
     fn default_iterations_are_bounded() {
-        assert_eq!(bw_iters(8, 1, None), BW_MAX_ITERS);
-        assert_eq!(bw_iters(64 << 20, 1, None), BW_MIN_ITERS);
-        assert_eq!(bw_iters(1 << 20, 1, Some(3)), 3);
+        assert_eq!(bw_iters(8, 1, 1, None), BW_MAX_MSGS);
+        assert_eq!(bw_iters(8, 4, 2, None), BW_MAX_MSGS / 8);
+        assert_eq!(bw_iters(8, 8, 64, None), BW_MAX_MSGS / 512);
+        assert_eq!(bw_iters(1 << 20, 8, 64, None), BW_MIN_ITERS);
+        assert_eq!(bw_iters(64 << 20, 1, 1, None), BW_MIN_ITERS);
+        assert_eq!(bw_iters(1 << 20, 1, 1, None), 512);
+        assert_eq!(bw_iters(1 << 20, 1, 1, Some(3)), 3);
         assert_eq!(lat_iters(64 << 20, None), LAT_MIN_ITERS);
     }
 
     #[test]
     fn layout_keeps_checked_slots_private() {
         let l = Layout::new(1000, 8, 100);
+        assert_eq!(l.pool, 8);
         assert_eq!(l.stride, 1024);
         assert_eq!((l.recv_slot(0), l.recv_slot(99)), (0, 1));
         assert!((1..99).all(|m| (2..2 + l.pool).contains(&l.recv_slot(m))));
@@ -1831,8 +1943,10 @@ mod tests {
             (l.send_slot(0), l.send_slot(50), l.send_slot(99)),
             (0, 2, 1)
         );
-        let big = Layout::new(256 << 20, 8, 16);
-        assert_eq!(big.pool, 2);
+        let o = args("--sizes 8,256M --conns 2").unwrap().unwrap();
+        let p = Params::from_options(&o, "tcp");
+        assert_eq!((p.pool(8), p.pool(256 << 20)), (8, 1));
+        assert_eq!(p.arena_bytes(), (3 << 28, 3 << 28));
     }
 
     #[test]
@@ -1850,7 +1964,7 @@ mod tests {
 
     #[test]
     fn handles_hex_round_trip() {
-        let h: [u8; 128] = std::array::from_fn(|i| i as u8 * 3);
+        let h: [u8; 128] = std::array::from_fn(|i| (i * 3) as u8);
         assert_eq!(unhex(&hex(&h)).unwrap(), h);
         assert!(unhex("00").is_err());
     }

@@ -1,0 +1,48 @@
+# shellcheck shell=bash
+# Shared by the scripts in this directory: build dependencies and the build itself.
+
+# rdma-sys/bindgen need libclang <= 15; Debian 12's default is 14. Pin it so a newer libclang
+# installed next to it is never picked up.
+if [[ -z "${LIBCLANG_PATH:-}" && -d /usr/lib/llvm-14/lib ]]; then
+  export LIBCLANG_PATH=/usr/lib/llvm-14/lib
+fi
+
+# Where cargo leaves release artifacts.
+release_dir() {
+  echo "${CARGO_TARGET_DIR:-target}/release"
+}
+
+# Installs Debian packages that are missing (apt-get update only when something is).
+ensure_packages() {
+  local missing=() p
+  for p in "$@"; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+  done
+  [[ ${#missing[@]} -eq 0 ]] && return 0
+  if ! command -v apt-get >/dev/null 2>&1; then
+    echo "not a Debian system: install ${missing[*]} yourself" >&2
+    return 1
+  fi
+  local sudo=()
+  [[ $(id -u) -eq 0 ]] || sudo=(sudo)
+  echo "installing: ${missing[*]}" >&2
+  "${sudo[@]}" apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends \
+    "${missing[@]}" >/dev/null
+}
+
+ensure_build_deps() {
+  ensure_packages libclang-dev libibverbs-dev librdmacm-dev pkg-config binutils
+  if [[ -z "${LIBCLANG_PATH:-}" && -d /usr/lib/llvm-14/lib ]]; then
+    export LIBCLANG_PATH=/usr/lib/llvm-14/lib
+  fi
+}
+
+# Builds the release library and binaries; leaves the library also under the name NCCL
+# looks for (libnccl-net-<NCCL_NET_PLUGIN>.so).
+build_release() {
+  cargo build --release --lib --bins
+  local out
+  out=$(release_dir)
+  cp -f "$out/libnccl_net_erdma.so" "$out/libnccl-net-erdma.so"
+}
