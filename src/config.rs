@@ -325,20 +325,12 @@ impl Config {
 
     /// One line per setting, `NAME = value (env|default)`, for the INFO log and diagnostics.
     pub fn describe(&self) -> Vec<String> {
-        fn line<T: fmt::Debug>(name: &str, s: &Setting<T>) -> String {
+        fn line<T: Show>(name: &str, s: &Setting<T>) -> String {
             let src = if s.from_env { "env" } else { "default" };
-            format!("{name} = {:?} ({src})", s.value)
+            format!("{name} = {} ({src})", s.value.show())
         }
         vec![
-            format!(
-                "NCCL_ERDMA_TRANSPORT = {} ({})",
-                self.transport.value,
-                if self.transport.from_env {
-                    "env"
-                } else {
-                    "default"
-                }
-            ),
+            line("NCCL_ERDMA_TRANSPORT", &self.transport),
             line("NCCL_SOCKET_IFNAME", &self.socket_ifname),
             line("NCCL_SOCKET_FAMILY", &self.socket_family),
             line("NCCL_IB_HCA", &self.ib_hca),
@@ -359,6 +351,61 @@ impl Config {
             line("NCCL_ERDMA_STATS_INTERVAL", &self.stats_interval_s),
             line("NCCL_ERDMA_FORCE_FLUSH", &self.force_flush),
         ]
+    }
+}
+
+/// A setting's value as the user would write it.
+trait Show {
+    fn show(&self) -> String;
+}
+
+macro_rules! show_display {
+    ($($t:ty),*) => {$(
+        impl Show for $t {
+            fn show(&self) -> String {
+                self.to_string()
+            }
+        }
+    )*};
+}
+show_display!(u32, i32, u64, String, TransportChoice, NameFilter);
+
+impl Show for bool {
+    fn show(&self) -> String {
+        u8::from(*self).to_string()
+    }
+}
+
+impl Show for AddrFamily {
+    fn show(&self) -> String {
+        match self {
+            AddrFamily::Inet => "AF_INET".into(),
+            AddrFamily::Inet6 => "AF_INET6".into(),
+        }
+    }
+}
+
+/// The filter in NCCL's syntax, as the user would write it.
+impl fmt::Display for NameFilter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(if self.exclude { "^" } else { "" })?;
+        f.write_str(if self.exact { "=" } else { "" })?;
+        for (i, e) in self.entries.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            f.write_str(&e.name)?;
+            if let Some(p) = e.port {
+                write!(f, ":{p}")?;
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<T: Show> Show for Option<T> {
+    fn show(&self) -> String {
+        self.as_ref().map_or_else(|| "unset".into(), Show::show)
     }
 }
 

@@ -12,6 +12,7 @@
 
 pub mod abi;
 pub mod config;
+pub mod diag;
 pub mod error;
 pub mod log;
 pub mod oob;

@@ -28,6 +28,10 @@ pub struct VerbsDevice {
     pub ibv_name: String,
     /// Port number.
     pub port: u8,
+    /// Port state (`ibv_port_state`; 4 = active).
+    pub state: u32,
+    /// Whether `NCCL_IB_HCA` selects this port.
+    pub selected: bool,
     /// Link layer (IB or Ethernet).
     pub link_layer: u8,
     /// Active MTU (`ibv_mtu`).
@@ -38,8 +42,18 @@ pub struct VerbsDevice {
     pub gid_index: u8,
     /// That GID.
     pub gid: [u8; 16],
+    /// The whole GID table as the selection saw it.
+    pub gids: Vec<GidEntry>,
+    /// Network interface behind the chosen GID (RoCE).
+    pub netdev: Option<String>,
+    /// Its MTU.
+    pub netdev_mtu: Option<u32>,
     /// Realpath of the PCI device.
     pub pci_path: Option<String>,
+    /// Kernel driver.
+    pub driver: Option<String>,
+    /// NUMA node of the PCI device.
+    pub numa_node: Option<i32>,
     /// `sys_image_guid`.
     pub guid: u64,
     /// Speed in Mbps (port, or `NCCL_ERDMA_SPEED_MBPS`).
@@ -63,7 +77,37 @@ pub struct VerbsDevice {
 impl VerbsDevice {
     /// Whether this is an Alibaba eRDMA device.
     pub fn is_erdma(&self) -> bool {
-        self.vendor_id == ERDMA_VENDOR_ID
+        self.vendor_id == ERDMA_VENDOR_ID || self.driver.as_deref() == Some("erdma")
+    }
+
+    /// Whether the port is active.
+    pub fn active(&self) -> bool {
+        self.state == ibv_port_state::IBV_PORT_ACTIVE
+    }
+
+    /// Whether the plugin would use this port.
+    pub fn usable(&self) -> bool {
+        self.selected
+            && self.active()
+            && (self.link_layer == LINK_LAYER_IB || self.link_layer == LINK_LAYER_ETHERNET)
+    }
+
+    /// The chosen GID as an address (IPv4 for IPv4-mapped GIDs).
+    pub fn gid_ip(&self) -> IpAddr {
+        gid_ip(&self.gid)
+    }
+
+    /// RoCE version of the chosen GID, when sysfs says.
+    pub fn gid_roce_version(&self) -> Option<u32> {
+        self.gids
+            .iter()
+            .find(|g| g.index == self.gid_index)
+            .and_then(|g| g.roce_version)
+    }
+
+    /// Active MTU in bytes.
+    pub fn active_mtu_bytes(&self) -> u32 {
+        128u32 << self.active_mtu.clamp(1, 5)
     }
 }
 
@@ -203,8 +247,9 @@ fn roce_version(dev: &str, port: u8, index: usize) -> Option<u32> {
     }
 }
 
-/// Finds every usable port, in the order NCCL would number them.
-pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice>> {
+/// Every port of every device libibverbs sees, usable or not, with what the plugin would
+/// make of it (for `discover` and for the diagnostics command).
+pub fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice>> {
     let list = lib.device_list()?;
     if list.is_empty() {
         return Err(Error::NoDevice("no RDMA devices found".into()));
@@ -216,10 +261,8 @@ pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevi
     };
     let peermem = peermem_present();
     let mut found = Vec::new();
-    let mut seen = Vec::new();
     for i in 0..list.len() {
         let ibv_name = list.name(i);
-        seen.push(ibv_name.clone());
         let ctx = match list.open(i) {
             Ok(c) => Arc::new(c),
             Err(e) => {
@@ -238,12 +281,13 @@ pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevi
         let pci_path = std::fs::canonicalize(&sys)
             .ok()
             .map(|p| p.to_string_lossy().into_owned());
+        let driver = std::fs::read_link(format!("{sys}/driver"))
+            .ok()
+            .and_then(|p| p.file_name().map(|n| n.to_string_lossy().into_owned()));
+        let numa_node = sysfs(&format!("{sys}/numa_node")).and_then(|n| n.parse().ok());
         let pd = Pd::new(&ctx)?;
         let dmabuf = pd.dmabuf_supported();
         for port in 1..=dev_attr.phys_port_cnt {
-            if hca.is_some_and(|f| !f.accepts(&ibv_name, Some(u32::from(port)))) {
-                continue;
-            }
             let attr = match ctx.query_port(port) {
                 Ok(a) => a,
                 Err(e) => {
@@ -251,13 +295,6 @@ pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevi
                     continue;
                 }
             };
-            if attr.state != ibv_port_state::IBV_PORT_ACTIVE {
-                tracing::info!(target: crate::log::INIT, "skipping {ibv_name}:{port}: port not active");
-                continue;
-            }
-            if attr.link_layer != LINK_LAYER_IB && attr.link_layer != LINK_LAYER_ETHERNET {
-                continue;
-            }
             let mut gids = Vec::new();
             for idx in 0..attr.gid_tbl_len.clamp(0, 256) as usize {
                 if let Ok(gid) = ctx.query_gid(port, idx as i32) {
@@ -281,6 +318,13 @@ pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevi
                 0
             };
             let gid = ctx.query_gid(port, i32::from(gid_index)).unwrap_or([0; 16]);
+            let netdev = sysfs(&format!(
+                "/sys/class/infiniband/{ibv_name}/ports/{port}/gid_attrs/ndevs/{gid_index}"
+            ));
+            let netdev_mtu = netdev
+                .as_ref()
+                .and_then(|n| sysfs(&format!("/sys/class/net/{n}/mtu")))
+                .and_then(|m| m.parse().ok());
             let port_speed = port_speed_mbps(attr.active_speed, attr.active_width);
             let speed = config.speed_mbps.value.map_or(port_speed, |s| s as i32);
             let name = if dev_attr.phys_port_cnt > 1 {
@@ -292,12 +336,19 @@ pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevi
                 name,
                 ibv_name: ibv_name.clone(),
                 port,
+                state: attr.state,
+                selected: hca.is_none_or(|f| f.accepts(&ibv_name, Some(u32::from(port)))),
                 link_layer: attr.link_layer,
                 active_mtu: attr.active_mtu,
                 lid: attr.lid,
                 gid_index,
                 gid,
+                gids,
+                netdev,
+                netdev_mtu,
                 pci_path: pci_path.clone(),
+                driver: driver.clone(),
+                numa_node,
                 guid: u64::from_be(dev_attr.sys_image_guid),
                 speed_mbps: speed,
                 port_speed_mbps: port_speed,
@@ -310,11 +361,25 @@ pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevi
             });
         }
     }
+    Ok(found)
+}
+
+/// Finds every usable port (selected by `NCCL_IB_HCA`, active, IB or Ethernet), in the order
+/// NCCL would number them: by PCI path.
+pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice>> {
+    let all = survey(lib, config)?;
+    let seen: Vec<String> = all.iter().map(|d| d.name.clone()).collect();
+    let mut found: Vec<VerbsDevice> = all.into_iter().filter(VerbsDevice::usable).collect();
     if found.is_empty() {
-        let why = match hca {
+        let why = match config.ib_hca.value {
             Some(_) => format!(
-                "no active port matches NCCL_IB_HCA={} (devices here: {})",
-                config_hca_text(config),
+                "no active port matches NCCL_IB_HCA={} (ports here: {})",
+                config
+                    .ib_hca
+                    .value
+                    .as_ref()
+                    .map(|f| f.to_string())
+                    .unwrap_or_default(),
                 seen.join(", ")
             ),
             None => format!("no active port on RDMA devices {}", seen.join(", ")),
@@ -323,30 +388,6 @@ pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevi
     }
     found.sort_by(|a, b| (&a.pci_path, &a.name).cmp(&(&b.pci_path, &b.name)));
     Ok(found)
-}
-
-fn config_hca_text(config: &Config) -> String {
-    config
-        .ib_hca
-        .value
-        .as_ref()
-        .map(|f| {
-            let names: Vec<String> = f
-                .entries
-                .iter()
-                .map(|e| match e.port {
-                    Some(p) => format!("{}:{p}", e.name),
-                    None => e.name.clone(),
-                })
-                .collect();
-            format!(
-                "{}{}{}",
-                if f.exclude { "^" } else { "" },
-                if f.exact { "=" } else { "" },
-                names.join(",")
-            )
-        })
-        .unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! data, and re-run single tests in child processes (fresh plugin state, own environment,
 //! optionally an own network namespace).
 
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
 use std::{
     path::PathBuf,

@@ -1,0 +1,362 @@
+//! What `nccl-net-erdma-info` reports: the plugin's view of this host, as the plugin would
+//! use it (devices, ports, GID choice, MTUs, speed, GPUDirect readiness, every setting and
+//! where it came from), and warnings that each carry their fix.
+
+use std::fmt::Write as _;
+
+use crate::config::{AddrFamily, Config};
+use crate::oob::iface;
+use crate::plugin::Plugin;
+use crate::verbs::device::{self, VerbsDevice, LINK_LAYER_ETHERNET};
+use crate::verbs::VerbsLib;
+
+/// One problem and what to do about it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Warning {
+    /// What is wrong.
+    pub what: String,
+    /// How to fix it.
+    pub fix: String,
+}
+
+/// The whole report.
+#[derive(Debug, Default)]
+pub struct Report {
+    /// Titled sections of lines.
+    pub sections: Vec<(String, Vec<String>)>,
+    /// Problems found.
+    pub warnings: Vec<Warning>,
+    /// Whether the plugin's `init` succeeds with this environment.
+    pub plugin_runs: bool,
+    /// Why it does not, when it does not.
+    pub failure: Option<String>,
+}
+
+impl Report {
+    fn section(&mut self, title: &str, lines: Vec<String>) {
+        self.sections.push((title.to_string(), lines));
+    }
+    fn warn(&mut self, what: impl Into<String>, fix: impl Into<String>) {
+        self.warnings.push(Warning {
+            what: what.into(),
+            fix: fix.into(),
+        });
+    }
+
+    /// The report as text.
+    pub fn render(&self) -> String {
+        let mut out = String::new();
+        for (title, lines) in &self.sections {
+            let _ = writeln!(out, "== {title}");
+            for l in lines {
+                let _ = writeln!(out, "  {l}");
+            }
+        }
+        let _ = writeln!(out, "== warnings ({})", self.warnings.len());
+        for w in &self.warnings {
+            let _ = writeln!(out, "  WARNING: {}\n    fix: {}", w.what, w.fix);
+        }
+        match &self.failure {
+            None => {
+                let _ = writeln!(out, "== result: the plugin can run here");
+            }
+            Some(why) => {
+                let _ = writeln!(out, "== result: the plugin cannot run here: {why}");
+            }
+        }
+        out
+    }
+}
+
+fn port_state(state: u32) -> &'static str {
+    match state {
+        1 => "DOWN",
+        2 => "INIT",
+        3 => "ARMED",
+        4 => "ACTIVE",
+        5 => "ACTIVE_DEFER",
+        _ => "NOP",
+    }
+}
+
+fn in_vm() -> bool {
+    std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.contains(" hypervisor"))
+}
+
+fn has_nvidia_gpu() -> bool {
+    std::path::Path::new("/dev/nvidia0").exists()
+        || std::path::Path::new("/proc/driver/nvidia/version").exists()
+}
+
+/// MTUs that use the link fully: Alibaba requires 1400 or 8500 on eRDMA (LL128 can corrupt
+/// data otherwise); on other RoCE links the standard and usual jumbo sizes.
+fn mtu_ok(d: &VerbsDevice, mtu: u32) -> bool {
+    if d.is_erdma() {
+        matches!(mtu, 1400 | 8500)
+    } else {
+        matches!(mtu, 1500 | 4200 | 9000)
+    }
+}
+
+fn describe_port(d: &VerbsDevice, config: &Config) -> String {
+    let layer = if d.link_layer == LINK_LAYER_ETHERNET {
+        match d.gid_roce_version() {
+            Some(v) => format!("Ethernet (RoCE v{v})"),
+            None => "Ethernet (RoCE)".to_string(),
+        }
+    } else {
+        "InfiniBand".to_string()
+    };
+    let netdev = match (&d.netdev, d.netdev_mtu) {
+        (Some(n), Some(m)) => format!("netdev {n} MTU {m}"),
+        (Some(n), None) => format!("netdev {n}"),
+        _ => "no netdev".into(),
+    };
+    let speed = match config.speed_mbps.value {
+        Some(s) => format!(
+            "{s} Mbps (NCCL_ERDMA_SPEED_MBPS; port says {})",
+            d.port_speed_mbps
+        ),
+        None => format!("{} Mbps (from the port)", d.port_speed_mbps),
+    };
+    let gid_src = if config.gid_index.value >= 0 {
+        "NCCL_IB_GID_INDEX"
+    } else {
+        "automatic"
+    };
+    format!(
+        "{} port {}: {} {layer}, driver {}, vendor {:#06x}\n    \
+         active MTU {} ({netdev}), GID index {} {} ({gid_src}), speed {speed}\n    \
+         PCI {}, NUMA node {}, max QPs {}, {}",
+        d.ibv_name,
+        d.port,
+        port_state(d.state),
+        d.driver.as_deref().unwrap_or("?"),
+        d.vendor_id,
+        d.active_mtu_bytes(),
+        d.gid_index,
+        d.gid_ip(),
+        d.pci_path.as_deref().unwrap_or("none"),
+        d.numa_node.map_or("?".to_string(), |n| n.to_string()),
+        d.max_qp,
+        if d.usable() {
+            "used by the plugin"
+        } else if !d.selected {
+            "not selected by NCCL_IB_HCA"
+        } else {
+            "not usable"
+        }
+    )
+}
+
+fn check_port(r: &mut Report, d: &VerbsDevice, config: &Config) {
+    if !d.selected {
+        return;
+    }
+    if !d.active() {
+        r.warn(
+            format!(
+                "{} port {} is {}, not active",
+                d.ibv_name,
+                d.port,
+                port_state(d.state)
+            ),
+            "check the cable/ERI and the driver (`ibv_devinfo`), or exclude it with NCCL_IB_HCA",
+        );
+        return;
+    }
+    if d.link_layer == LINK_LAYER_ETHERNET {
+        let v4_v2 = d.gids.iter().any(|g| {
+            g.gid[..10].iter().all(|b| *b == 0)
+                && g.gid[10] == 0xff
+                && g.gid[11] == 0xff
+                && g.roce_version != Some(1)
+        });
+        if !v4_v2 {
+            r.warn(
+                format!("{} port {} has no IPv4 RoCE v2 GID", d.ibv_name, d.port),
+                "give the interface an IPv4 address (eRDMA: check the ERI's address), or set \
+                 NCCL_IB_ADDR_FAMILY=AF_INET6 on every node",
+            );
+        }
+        if let Some(mtu) = d.netdev_mtu {
+            if !mtu_ok(d, mtu) {
+                let fix = if d.is_erdma() {
+                    "set the ERI's MTU to 8500 (jumbo frames) or 1400: Alibaba warns that other \
+                     MTUs can corrupt data with NCCL's LL128 protocol"
+                } else {
+                    "use MTU 1500, or 4200/9000 with jumbo frames on the whole path"
+                };
+                r.warn(
+                    format!(
+                        "{} port {}: netdev {} has MTU {mtu} (RDMA path MTU {})",
+                        d.ibv_name,
+                        d.port,
+                        d.netdev.as_deref().unwrap_or("?"),
+                        d.active_mtu_bytes()
+                    ),
+                    fix,
+                );
+            }
+        }
+    }
+    if config.gid_index.value < 0 && d.gid.iter().all(|b| *b == 0) {
+        r.warn(
+            format!("{} port {}: no usable GID found", d.ibv_name, d.port),
+            "check `ibv_devinfo -v` for the GID table; set NCCL_IB_GID_INDEX if needed",
+        );
+    }
+    if d.is_erdma() && config.speed_mbps.value.is_none() {
+        r.warn(
+            format!(
+                "{} reports a fixed {} Mbps whatever the instance's real bandwidth",
+                d.ibv_name, d.port_speed_mbps
+            ),
+            "set NCCL_ERDMA_SPEED_MBPS to the instance's ERI bandwidth so NCCL tunes for it",
+        );
+    }
+}
+
+fn gpudirect(r: &mut Report, devices: &[VerbsDevice]) {
+    let peermem = device::peermem_present();
+    let dmabuf = devices.iter().filter(|d| d.usable()).any(|d| d.dmabuf);
+    let gpu = has_nvidia_gpu();
+    r.section(
+        "GPUDirect RDMA",
+        vec![
+            format!("NVIDIA GPU present: {}", if gpu { "yes" } else { "no" }),
+            format!(
+                "peer memory (nvidia_peermem): {}",
+                if peermem { "present" } else { "absent" }
+            ),
+            format!(
+                "DMA-BUF registration (ibv_reg_dmabuf_mr): {}",
+                if dmabuf { "supported" } else { "not supported" }
+            ),
+        ],
+    );
+    if !gpu {
+        return;
+    }
+    if !peermem && !dmabuf {
+        r.warn(
+            "GPUDirect RDMA is unavailable: NCCL will stage GPU data through host memory",
+            "load nvidia_peermem (`modprobe nvidia_peermem`; ACK's eRDMA controller does it in \
+             ofed mode), or use a driver stack with DMA-BUF support",
+        );
+    } else if in_vm() && std::env::var_os("NCCL_NET_GDR_LEVEL").is_none() {
+        r.warn(
+            "inside a VM NCCL sees the GPU-NIC distance as SYS and keeps GPUDirect RDMA off",
+            "set NCCL_NET_GDR_LEVEL=SYS",
+        );
+    }
+}
+
+/// Builds the report from this process's environment.
+pub fn collect() -> Report {
+    let mut r = Report::default();
+    r.section(
+        "plugin",
+        vec![
+            format!("nccl-net-erdma {}", env!("CARGO_PKG_VERSION")),
+            "ABI: ncclNetPlugin_v6 .. v11 (NCCL 2.19 - 2.30)".into(),
+        ],
+    );
+    let config = match Config::from_env() {
+        Ok(c) => c,
+        Err(e) => {
+            r.warn(e.to_string(), "fix the variable named above");
+            r.failure = Some(e.to_string());
+            return r;
+        }
+    };
+    match iface::pick(
+        config.socket_ifname.value.as_ref(),
+        config.socket_family.value,
+    ) {
+        Ok(a) => r.section(
+            "bootstrap",
+            vec![format!("interface {} address {}", a.ifname, a.ip)],
+        ),
+        Err(e) => r.warn(
+            e.to_string(),
+            "set NCCL_SOCKET_IFNAME to an interface with an address",
+        ),
+    }
+    let devices = match VerbsLib::get(config.ibverbs_lib.value.as_deref()) {
+        Err(e) => {
+            r.section("RDMA devices", vec![format!("none: {e}")]);
+            Vec::new()
+        }
+        Ok(lib) => match device::survey(lib, &config) {
+            Err(e) => {
+                r.section(
+                    "RDMA devices",
+                    vec![format!("libibverbs: {}", lib.name), format!("none: {e}")],
+                );
+                Vec::new()
+            }
+            Ok(devs) => {
+                let mut lines = vec![format!("libibverbs: {}", lib.name)];
+                lines.extend(devs.iter().map(|d| describe_port(d, &config)));
+                r.section("RDMA devices", lines);
+                devs
+            }
+        },
+    };
+    if config.ib_hca.value.is_some() && !devices.is_empty() && !devices.iter().any(|d| d.selected) {
+        let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
+        r.warn(
+            format!(
+                "NCCL_IB_HCA={} matches none of the ports here ({})",
+                config
+                    .ib_hca
+                    .value
+                    .as_ref()
+                    .map(|f| f.to_string())
+                    .unwrap_or_default(),
+                names.join(", ")
+            ),
+            "update NCCL_IB_HCA (eRDMA devices may be named erdma_N or rocepXsY), or unset it",
+        );
+    }
+    for d in &devices {
+        check_port(&mut r, d, &config);
+    }
+    if config.ib_addr_family.value == AddrFamily::Inet6 {
+        r.section(
+            "note",
+            vec!["GIDs are chosen from IPv6 addresses (NCCL_IB_ADDR_FAMILY)".into()],
+        );
+    }
+    gpudirect(&mut r, &devices);
+    r.section("settings", config.describe());
+    drop(devices);
+    match Plugin::from_config(config) {
+        Ok(p) => {
+            let mut lines = vec![format!("transport: {}", p.transport.name())];
+            for i in 0..p.device_count() {
+                if let Ok(d) = p.device(i as i32) {
+                    lines.push(format!(
+                        "device {i}: {} speed {} Mbps ptrSupport {:#x}",
+                        d.name(),
+                        d.speed_mbps,
+                        d.ptr_support
+                    ));
+                }
+            }
+            r.section("what NCCL would get", lines);
+            r.plugin_runs = true;
+        }
+        Err(e) => {
+            let why = e.to_string();
+            r.warn(
+                format!("the plugin's init fails here: {why}"),
+                "NCCL falls back to its own transports; fix the cause above or set \
+                 NCCL_ERDMA_TRANSPORT=auto to use TCP",
+            );
+            r.failure = Some(why);
+        }
+    }
+    r
+}

@@ -1,0 +1,128 @@
+//! `nccl-net-erdma-info`: its report and exit status, on a host without RDMA and (in the
+//! Soft-RoCE tier) on rxe0, including the warnings it must raise.
+
+mod common;
+
+use std::process::{Command, Output};
+
+use common::{require_verbs, verbs_device};
+
+fn info(env: &[(&str, &str)], unset: &[&str]) -> (i32, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nccl-net-erdma-info"));
+    cmd.env("NCCL_SOCKET_IFNAME", "lo");
+    for k in unset {
+        cmd.env_remove(k);
+    }
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let Output { status, stdout, .. } = cmd.output().expect("running nccl-net-erdma-info");
+    let text = String::from_utf8_lossy(&stdout).into_owned();
+    eprintln!("{text}");
+    (status.code().unwrap_or(-1), text)
+}
+
+fn host_without_rdma() -> bool {
+    verbs_device().is_none() && !std::path::Path::new("/sys/class/infiniband").exists()
+}
+
+#[test]
+fn without_rdma_it_says_why_and_fails() {
+    if !host_without_rdma() {
+        eprintln!("skipped: this host has RDMA devices");
+        return;
+    }
+    let (code, text) = info(&[], &["NCCL_ERDMA_TRANSPORT", "NCCL_IB_HCA"]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("the kernel has no RDMA support") || text.contains("cannot load libibverbs"),
+        "{text}"
+    );
+    assert!(
+        text.contains("== result: the plugin cannot run here"),
+        "{text}"
+    );
+    assert!(
+        text.contains("NCCL_ERDMA_TRANSPORT = verbs (default)"),
+        "{text}"
+    );
+}
+
+#[test]
+fn auto_transport_runs_over_tcp() {
+    if !host_without_rdma() {
+        eprintln!("skipped: this host has RDMA devices");
+        return;
+    }
+    let (code, text) = info(&[("NCCL_ERDMA_TRANSPORT", "auto")], &["NCCL_IB_HCA"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(text.contains("transport: tcp"), "{text}");
+    assert!(text.contains("device 0: erdma-tcp-lo"), "{text}");
+    assert!(text.contains("NCCL_ERDMA_TRANSPORT = auto (env)"), "{text}");
+    assert!(text.contains("NCCL_SOCKET_IFNAME = lo (env)"), "{text}");
+}
+
+#[test]
+fn a_bad_setting_is_named_and_fails() {
+    let (code, text) = info(&[("NCCL_IB_QPS_PER_CONNECTION", "abc")], &[]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("NCCL_IB_QPS_PER_CONNECTION=abc is not valid: an integer from 1 to 128"),
+        "{text}"
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device: NCCL_ERDMA_TEST_DEVICE (run by the Soft-RoCE tier)"]
+fn verbs_device_report() {
+    let dev = require_verbs();
+    let hca = format!("={dev}");
+    let (code, text) = info(&[("NCCL_IB_HCA", &hca)], &["NCCL_ERDMA_TRANSPORT"]);
+    assert_eq!(code, 0, "{text}");
+    assert!(
+        text.contains(&format!("{dev} port 1: ACTIVE Ethernet (RoCE v2)")),
+        "{text}"
+    );
+    assert!(text.contains("used by the plugin"), "{text}");
+    assert!(text.contains("transport: verbs"), "{text}");
+    assert!(text.contains(&format!("device 0: {dev}")), "{text}");
+    // A stale NCCL_IB_HCA is named, and the plugin cannot run with it.
+    let (code, text) = info(&[("NCCL_IB_HCA", "mlx5_9")], &["NCCL_ERDMA_TRANSPORT"]);
+    assert_eq!(code, 1, "{text}");
+    assert!(
+        text.contains("NCCL_IB_HCA=mlx5_9 matches none of the ports here"),
+        "{text}"
+    );
+}
+
+#[test]
+#[ignore = "needs an RDMA device: NCCL_ERDMA_TEST_DEVICE (run by the Soft-RoCE tier)"]
+fn verbs_odd_mtu_is_warned_about() {
+    let dev = require_verbs();
+    let netdev = std::fs::read_to_string(format!(
+        "/sys/class/infiniband/{dev}/ports/1/gid_attrs/ndevs/1"
+    ))
+    .expect("the netdev behind GID 1")
+    .trim()
+    .to_string();
+    let set_mtu = |mtu: &str| {
+        let ok = Command::new("ip")
+            .args(["link", "set", &netdev, "mtu", mtu])
+            .status()
+            .expect("ip link")
+            .success();
+        assert!(ok, "ip link set {netdev} mtu {mtu}");
+    };
+    set_mtu("1234");
+    let (code, text) = info(
+        &[("NCCL_IB_HCA", &format!("={dev}"))],
+        &["NCCL_ERDMA_TRANSPORT"],
+    );
+    set_mtu("1500");
+    assert_eq!(code, 0, "an odd MTU is a warning, not a failure: {text}");
+    assert!(
+        text.contains(&format!("netdev {netdev} has MTU 1234")),
+        "{text}"
+    );
+    assert!(text.contains("fix: use MTU 1500"), "{text}");
+}
