@@ -8,7 +8,10 @@ use std::process::{Command, Output};
 use common::{require_verbs, verbs_device};
 
 fn info(env: &[(&str, &str)], unset: &[&str]) -> (i32, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_nccl-net-erdma-info"));
+    // NCCL_ERDMA_INFO_BIN: where the binary is when the tests run elsewhere (the VM tier).
+    let bin = std::env::var("NCCL_ERDMA_INFO_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_nccl-net-erdma-info").to_string());
+    let mut cmd = Command::new(bin);
     cmd.env("NCCL_SOCKET_IFNAME", "lo");
     for k in unset {
         cmd.env_remove(k);
