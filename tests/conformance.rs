@@ -969,3 +969,65 @@ fn child_default_transport_verbs() {
     net.close_recv(r).unwrap();
     net.finalize().unwrap();
 }
+
+#[test]
+fn stats_lines_count_every_byte() {
+    run_child(
+        "child_stats_lines",
+        &[("NCCL_ERDMA_STATS_INTERVAL", "1")],
+        &[],
+        false,
+    );
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_stats_lines() {
+    if !is_child() {
+        return;
+    }
+    let mut net = open(11);
+    let (s, r) = connect_pair(&net);
+    // Long enough for at least one interval line, with a known byte count per message.
+    let start = Instant::now();
+    let mut sent = 0u64;
+    while start.elapsed() < Duration::from_millis(1300) {
+        transfer(&net, s, r, 1000, 4096, sent);
+        sent += 1;
+    }
+    net.close_send(s).unwrap();
+    net.close_recv(r).unwrap();
+    net.finalize().unwrap();
+    let lines = client::logged_lines();
+    for dir in ["tx", "rx"] {
+        let summary = format!("closed {dir} comm #");
+        let want = format!(": {} bytes in {sent} messages", 1000 * sent);
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.text.contains(&summary) && l.text.contains(&want)),
+            "no {dir} summary with {want}: {lines:#?}"
+        );
+        let rate = lines
+            .iter()
+            .find(|l| l.text.contains(&format!("stats {dir} #")))
+            .unwrap_or_else(|| panic!("no {dir} rate line"));
+        // "total N bytes in M messages": every message was 1000 bytes.
+        let total: Vec<u64> = rate
+            .text
+            .split("total ")
+            .nth(1)
+            .unwrap()
+            .split_whitespace()
+            .filter_map(|w| w.parse().ok())
+            .take(2)
+            .collect();
+        assert_eq!(total[0], 1000 * total[1], "{}", rate.text);
+        assert!(total[1] > 0 && total[1] <= sent, "{}", rate.text);
+        assert!(
+            rate.text.contains("MB/s") && rate.text.contains("msg/s"),
+            "{}",
+            rate.text
+        );
+    }
+}

@@ -12,6 +12,7 @@ use crate::transport::tcp::{TcpListen, TcpRecvComm, TcpSendComm};
 use crate::transport::verbs::{VerbsListen, VerbsRecvComm, VerbsSendComm};
 use crate::transport::{Completion, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS};
 
+use super::stats::{CommStats, Direction};
 use super::{Plugin, MAX_P2P_BYTES};
 
 /// Magic of a [`ListenComm`].
@@ -129,16 +130,23 @@ pub struct SendComm {
     plugin: Arc<Plugin>,
     inner: Send,
     tokens: Box<[RequestToken]>,
+    stats: CommStats,
 }
 
 impl SendComm {
     pub(super) fn new(plugin: Arc<Plugin>, inner: Send, dev: usize) -> Box<Self> {
+        let peer = match &inner {
+            Send::Tcp(t) => t.peer(),
+            Send::Verbs(v) => v.peer(),
+        };
+        let stats = plugin.comm_stats(Direction::Tx, dev, &peer);
         let mut comm = Box::new(SendComm {
             magic: SEND_MAGIC,
             dev,
             plugin,
             inner,
             tokens: Box::new([]),
+            stats,
         });
         let addr = &*comm as *const SendComm as usize;
         comm.tokens = tokens(RequestOwner::Send(addr), MAX_SEND_REQUESTS);
@@ -167,18 +175,25 @@ impl SendComm {
             .plugin
             .registration(mhandle, self.dev, buf.addr(), buf.len())?;
         let id = match &self.inner {
-            Send::Tcp(t) => t.isend(buf, tag)?,
-            Send::Verbs(v) => v.isend(buf, tag, reg.lkey)?,
+            Send::Tcp(t) => t.isend(buf, tag),
+            Send::Verbs(v) => v.isend(buf, tag, reg.lkey),
         };
-        Ok(id.map(|id| &self.tokens[id]))
+        match id {
+            Ok(None) => self.stats.waited(),
+            Err(_) => self.stats.failed(),
+            Ok(Some(_)) => {}
+        }
+        Ok(id?.map(|id| &self.tokens[id]))
     }
 
     /// `test` of one of this comm's requests.
     pub fn test(&self, id: usize) -> Result<Option<Completion>> {
-        match &self.inner {
+        let r = match &self.inner {
             Send::Tcp(t) => t.test(id),
             Send::Verbs(v) => v.test(id),
-        }
+        };
+        self.stats.record(&r, self.plugin.totals(self.dev));
+        r
     }
 
     /// Marks the comm dead before it is dropped, so a stale pointer fails the magic check.
@@ -202,16 +217,23 @@ pub struct RecvComm {
     plugin: Arc<Plugin>,
     inner: Recv,
     tokens: Box<[RequestToken]>,
+    stats: CommStats,
 }
 
 impl RecvComm {
     pub(super) fn new(plugin: Arc<Plugin>, inner: Recv, dev: usize) -> Box<Self> {
+        let peer = match &inner {
+            Recv::Tcp(t) => t.peer(),
+            Recv::Verbs(v) => v.peer(),
+        };
+        let stats = plugin.comm_stats(Direction::Rx, dev, &peer);
         let mut comm = Box::new(RecvComm {
             magic: RECV_MAGIC,
             dev,
             plugin,
             inner,
             tokens: Box::new([]),
+            stats,
         });
         let addr = &*comm as *const RecvComm as usize;
         // Receives, then flushes.
@@ -250,10 +272,13 @@ impl RecvComm {
         check_count(bufs.len(), "irecv")?;
         let rkeys = self.rkeys(bufs, mhandles)?;
         let id = match &self.inner {
-            Recv::Tcp(t) => t.irecv(bufs, tags)?,
-            Recv::Verbs(v) => v.irecv(bufs, tags, &rkeys[..bufs.len()])?,
+            Recv::Tcp(t) => t.irecv(bufs, tags),
+            Recv::Verbs(v) => v.irecv(bufs, tags, &rkeys[..bufs.len()]),
         };
-        Ok(id.map(|id| &self.tokens[id]))
+        if id.is_err() {
+            self.stats.failed();
+        }
+        Ok(id?.map(|id| &self.tokens[id]))
     }
 
     /// `iflush`: a request only when the verbs transport has something to flush.
@@ -271,10 +296,12 @@ impl RecvComm {
 
     /// `test` of one of this comm's requests.
     pub fn test(&self, id: usize) -> Result<Option<Completion>> {
-        match &self.inner {
+        let r = match &self.inner {
             Recv::Tcp(t) => t.test(id),
             Recv::Verbs(v) => v.test(id),
-        }
+        };
+        self.stats.record(&r, self.plugin.totals(self.dev));
+        r
     }
 
     /// Marks the comm dead before it is dropped, so a stale pointer fails the magic check.
@@ -290,4 +317,16 @@ fn check_count(n: usize, call: &str) -> Result<()> {
         )));
     }
     Ok(())
+}
+
+impl Drop for SendComm {
+    fn drop(&mut self) {
+        self.stats.close(self.plugin.totals(self.dev));
+    }
+}
+
+impl Drop for RecvComm {
+    fn drop(&mut self) {
+        self.stats.close(self.plugin.totals(self.dev));
+    }
 }

@@ -11,6 +11,7 @@
 
 pub mod comm;
 pub mod mr;
+pub mod stats;
 
 use std::{
     collections::HashMap,
@@ -125,6 +126,8 @@ pub struct Plugin {
     backend: Backend,
     /// Live memory registrations.
     pub mrs: MrTable,
+    totals: Vec<stats::DeviceTotals>,
+    next_comm: AtomicU64,
     connecting: Mutex<HashMap<u64, Connecting>>,
     next_stage: AtomicU64,
 }
@@ -270,9 +273,14 @@ impl Plugin {
             config,
             transport,
             bootstrap_ip: bootstrap.ip,
+            totals: devices
+                .iter()
+                .map(|_| stats::DeviceTotals::default())
+                .collect(),
             devices,
             backend,
             mrs: MrTable::default(),
+            next_comm: AtomicU64::new(1),
             connecting: Mutex::new(HashMap::new()),
             next_stage: AtomicU64::new(1),
         })
@@ -294,6 +302,22 @@ impl Plugin {
                     self.devices.len()
                 ))
             })
+    }
+
+    /// Traffic totals of device `dev`.
+    pub fn totals(&self, dev: usize) -> &stats::DeviceTotals {
+        &self.totals[dev.min(self.totals.len() - 1)]
+    }
+
+    /// Counters for a new comm on `dev` talking to `peer`.
+    fn comm_stats(&self, dir: stats::Direction, dev: usize, peer: &str) -> stats::CommStats {
+        let id = self.next_comm.fetch_add(1, Ordering::Relaxed);
+        let name = self.devices.get(dev).map_or("?", Device::name);
+        stats::CommStats::new(
+            dir,
+            format!("#{id} on {name} with {peer}"),
+            self.config.stats_interval_s.value,
+        )
     }
 
     /// Registration cache statistics per device: (hits, misses, live MRs).

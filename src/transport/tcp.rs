@@ -239,6 +239,11 @@ impl TcpRecvComm {
         }
     }
 
+    /// The peer's address.
+    pub fn peer(&self) -> String {
+        self.inner.lock().peer.to_string()
+    }
+
     /// Posts a grouped receive; `Ok(None)` when 32 are already in flight.
     pub fn irecv(&self, bufs: &[UserBuffer], tags: &[i32]) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
@@ -534,6 +539,11 @@ impl TcpSendComm {
                 failure: Failure::default(),
             }),
         }
+    }
+
+    /// The peer's address.
+    pub fn peer(&self) -> String {
+        self.inner.lock().peer.to_string()
     }
 
     /// Posts a send; `Ok(None)` until the receiver has posted a matching receive.

@@ -663,6 +663,11 @@ pub struct VerbsSendComm {
 }
 
 impl VerbsSendComm {
+    /// The peer (address and device).
+    pub fn peer(&self) -> String {
+        self.inner.lock().peer.clone()
+    }
+
     /// Posts a send of `buf` (registered with `lkey`); `Ok(None)` until the receiver has
     /// posted a matching receive. Returns a request id (slot * 8 + entry).
     pub fn isend(&self, buf: UserBuffer, tag: i32, lkey: u32) -> Result<Option<usize>> {
@@ -905,6 +910,11 @@ pub struct VerbsRecvComm {
 pub const FLUSH_ID_BASE: usize = SLOTS;
 
 impl VerbsRecvComm {
+    /// The peer (address and device).
+    pub fn peer(&self) -> String {
+        self.inner.lock().peer.clone()
+    }
+
     /// Posts a grouped receive of `bufs` with their remote keys; `Ok(None)` when 32 are in
     /// flight. Returns the request id (the slot).
     pub fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], rkeys: &[u32]) -> Result<Option<usize>> {

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Runs every test: lint, the host tier (unit tests and the conformance suite over tcp) and
+# the Soft-RoCE VM tier (real verbs on an rxe device in a qemu VM). Installs the Debian
+# packages it needs. NCCL_ERDMA_SKIP_VM=1 skips the VM tier for quick local loops; CI never
+# sets it.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
+
+start=$(date +%s)
+ensure_build_deps
+# The conformance suite uses unshare/ip for its network-namespace tests.
+ensure_packages util-linux iproute2
+rustup component add rustfmt clippy >/dev/null 2>&1 || true
+
+echo "== lint"
+cargo fmt --check
+cargo clippy --all-targets -- -D warnings
+
+echo "== build"
+build_release
+
+echo "== host tier"
+cargo test --release
+
+if [[ "${NCCL_ERDMA_SKIP_VM:-0}" == 1 ]]; then
+  echo "== Soft-RoCE VM tier: SKIPPED (NCCL_ERDMA_SKIP_VM=1)"
+else
+  echo "== Soft-RoCE VM tier"
+  bash scripts/vm-tier.sh
+fi
+echo "test.sh: all tiers passed in $(( $(date +%s) - start )) s"

@@ -1,0 +1,206 @@
+//! Traffic statistics per comm and per device, without a background thread.
+//!
+//! The data path bumps plain relaxed atomics of its own comm (one writer, so no contention).
+//! With `NCCL_ERDMA_STATS_INTERVAL=<s>` a comm logs a rate line through NCCL's logger, like
+//! `eadm stat`, from its own `test` calls once the interval has passed (the clock is read
+//! every 64 calls only); every comm logs a summary when it closes, and adds its counts to
+//! its device's totals.
+
+use std::{
+    sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed},
+    time::{Duration, Instant},
+};
+
+use parking_lot::Mutex;
+
+/// Totals of one device over all its closed comms (and reported intervals).
+#[derive(Debug, Default)]
+pub struct DeviceTotals {
+    /// Bytes sent.
+    pub tx_bytes: AtomicU64,
+    /// Messages sent.
+    pub tx_msgs: AtomicU64,
+    /// Bytes received.
+    pub rx_bytes: AtomicU64,
+    /// Messages received.
+    pub rx_msgs: AtomicU64,
+    /// Errors returned.
+    pub errors: AtomicU64,
+}
+
+/// Direction of a comm.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    /// A send comm.
+    Tx,
+    /// A receive comm.
+    Rx,
+}
+
+/// Counters of one comm.
+#[derive(Debug)]
+pub struct CommStats {
+    dir: Direction,
+    label: String,
+    interval: Option<Duration>,
+    msgs: AtomicU64,
+    bytes: AtomicU64,
+    waits: AtomicU64,
+    errors: AtomicU64,
+    calls: AtomicU32,
+    /// Time and counts of the last rate line, and what was already added to the device.
+    last: Mutex<(Instant, u64, u64)>,
+    credited: Mutex<(u64, u64, u64)>,
+}
+
+impl CommStats {
+    /// Counters for a comm called `label` (device and peer).
+    pub fn new(dir: Direction, label: String, interval_s: u64) -> Self {
+        CommStats {
+            dir,
+            label,
+            interval: (interval_s > 0).then(|| Duration::from_secs(interval_s)),
+            msgs: AtomicU64::new(0),
+            bytes: AtomicU64::new(0),
+            waits: AtomicU64::new(0),
+            errors: AtomicU64::new(0),
+            calls: AtomicU32::new(0),
+            last: Mutex::new((Instant::now(), 0, 0)),
+            credited: Mutex::new((0, 0, 0)),
+        }
+    }
+
+    /// `n` messages of `bytes` in all completed.
+    pub fn completed(&self, n: u64, bytes: u64) {
+        self.msgs.fetch_add(n, Relaxed);
+        self.bytes.fetch_add(bytes, Relaxed);
+    }
+
+    /// Counts the outcome of one `test` and logs a rate line when one is due.
+    pub fn record(
+        &self,
+        r: &crate::error::Result<Option<crate::transport::Completion>>,
+        device: &DeviceTotals,
+    ) {
+        match r {
+            Ok(Some(c)) if c.n > 0 => {
+                self.completed(c.n as u64, c.sizes[..c.n].iter().sum::<usize>() as u64)
+            }
+            Err(_) => self.failed(),
+            _ => {}
+        }
+        self.tick(device);
+    }
+
+    /// A send had to wait for the receiver's clear-to-send.
+    pub fn waited(&self) {
+        self.waits.fetch_add(1, Relaxed);
+    }
+
+    /// A call returned an error.
+    pub fn failed(&self) {
+        self.errors.fetch_add(1, Relaxed);
+    }
+
+    fn name(&self) -> &'static str {
+        match self.dir {
+            Direction::Tx => "tx",
+            Direction::Rx => "rx",
+        }
+    }
+
+    /// Logs a rate line when the interval has passed (checked every 64 calls).
+    pub fn tick(&self, device: &DeviceTotals) {
+        let Some(interval) = self.interval else {
+            return;
+        };
+        if self.calls.fetch_add(1, Relaxed) % 64 != 0 {
+            return;
+        }
+        let Some(mut last) = self.last.try_lock() else {
+            return;
+        };
+        let elapsed = last.0.elapsed();
+        if elapsed < interval {
+            return;
+        }
+        let (msgs, bytes) = (self.msgs.load(Relaxed), self.bytes.load(Relaxed));
+        let secs = elapsed.as_secs_f64();
+        tracing::info!(
+            "stats {} {}: {:.3} MB/s {:.0} msg/s (total {} bytes in {} messages, {} clear-to-send \
+             waits, {} errors)",
+            self.name(),
+            self.label,
+            (bytes - last.2) as f64 / secs / 1e6,
+            (msgs - last.1) as f64 / secs,
+            bytes,
+            msgs,
+            self.waits.load(Relaxed),
+            self.errors.load(Relaxed)
+        );
+        *last = (Instant::now(), msgs, bytes);
+        drop(last);
+        self.credit(device);
+    }
+
+    /// Adds what is new since the last credit to the device's totals.
+    fn credit(&self, device: &DeviceTotals) {
+        let mut c = self.credited.lock();
+        let now = (
+            self.msgs.load(Relaxed),
+            self.bytes.load(Relaxed),
+            self.errors.load(Relaxed),
+        );
+        let (msgs, bytes) = match self.dir {
+            Direction::Tx => (&device.tx_msgs, &device.tx_bytes),
+            Direction::Rx => (&device.rx_msgs, &device.rx_bytes),
+        };
+        msgs.fetch_add(now.0 - c.0, Relaxed);
+        bytes.fetch_add(now.1 - c.1, Relaxed);
+        device.errors.fetch_add(now.2 - c.2, Relaxed);
+        *c = now;
+    }
+
+    /// Logs the comm's summary and credits its device; called when the comm closes.
+    pub fn close(&self, device: &DeviceTotals) {
+        self.credit(device);
+        let (msgs, errors) = (self.msgs.load(Relaxed), self.errors.load(Relaxed));
+        if msgs == 0 && errors == 0 {
+            return;
+        }
+        tracing::info!(
+            "closed {} comm {}: {} bytes in {} messages, {} clear-to-send waits, {} errors; \
+             device totals: tx {} bytes / {} messages, rx {} bytes / {} messages",
+            self.name(),
+            self.label,
+            self.bytes.load(Relaxed),
+            msgs,
+            self.waits.load(Relaxed),
+            errors,
+            device.tx_bytes.load(Relaxed),
+            device.tx_msgs.load(Relaxed),
+            device.rx_bytes.load(Relaxed),
+            device.rx_msgs.load(Relaxed)
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn device_totals_get_each_byte_once() {
+        let dev = DeviceTotals::default();
+        let s = CommStats::new(Direction::Tx, "x".into(), 0);
+        s.completed(2, 300);
+        s.credit(&dev);
+        s.completed(1, 5);
+        s.failed();
+        s.close(&dev);
+        assert_eq!(dev.tx_msgs.load(Relaxed), 3);
+        assert_eq!(dev.tx_bytes.load(Relaxed), 305);
+        assert_eq!(dev.errors.load(Relaxed), 1);
+        assert_eq!(dev.rx_bytes.load(Relaxed), 0);
+    }
+}
