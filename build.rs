@@ -12,6 +12,7 @@ fn main() {
         .header(header)
         .allowlist_type("nccl.*")
         .allowlist_var("NCCL_.*")
+        .allowlist_var("ncclProfiler.*")
         .rustified_enum("ncclResult_t")
         .default_enum_style(bindgen::EnumVariation::Consts)
         .prepend_enum_name(false)

@@ -1031,3 +1031,51 @@ fn child_stats_lines() {
         );
     }
 }
+
+#[test]
+fn profiler_gets_a_start_and_a_stop_per_request() {
+    run_child("child_profiler_events", &[], &[], false);
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_profiler_events() {
+    if !is_child() {
+        return;
+    }
+    for v in [10, 11] {
+        setup();
+        let mut net = Net::open(&lib(), v).unwrap();
+        net.init_profiled(0xabc0).unwrap();
+        let (s, r) = connect_pair(&net);
+        let before = client::profiler_events().len();
+        for (i, size) in [10usize, 2000, 0].into_iter().enumerate() {
+            transfer(&net, s, r, size, 4096, 40 + i as u64);
+        }
+        let events = &client::profiler_events()[before..];
+        let starts: Vec<_> = events.iter().filter(|e| e.start).collect();
+        assert_eq!(starts.len(), 6, "v{v}: 3 sends and 3 receives: {events:#?}");
+        for st in &starts {
+            assert_eq!(st.parent, 0xabc0, "v{v}: parent handle passed through");
+            assert_eq!(st.plugin_id, (0x45 << 16) | 1);
+            let stops = events
+                .iter()
+                .filter(|e| !e.start && e.handle == st.handle)
+                .count();
+            assert_eq!(stops, 1, "v{v}: exactly one Stop for {st:?}");
+        }
+        let sends: Vec<u64> = starts
+            .iter()
+            .filter_map(|e| e.descr.filter(|d| d.0 == 0).map(|d| d.2))
+            .collect();
+        assert_eq!(sends, vec![10, 2000, 0], "v{v}: send sizes");
+        let recvs: Vec<(u32, u64)> = starts
+            .iter()
+            .filter_map(|e| e.descr.filter(|d| d.0 == 1).map(|d| (d.1, d.2)))
+            .collect();
+        assert_eq!(recvs, vec![(1, 4096); 3], "v{v}: posted receive sizes");
+        net.close_send(s).unwrap();
+        net.close_recv(r).unwrap();
+        net.finalize().unwrap();
+    }
+}

@@ -126,6 +126,67 @@ extern "C" fn test_logger(
     }
 }
 
+/// One call the plugin made to the recording profiler.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ProfilerEvent {
+    /// True for Start, false for Stop.
+    pub start: bool,
+    /// The event handle (given out at Start, passed back at Stop).
+    pub handle: usize,
+    /// Parent handle (Start).
+    pub parent: usize,
+    /// `pluginId`.
+    pub plugin_id: i64,
+    /// The descriptor (Start): kind, n, size, tag.
+    pub descr: Option<(u32, u32, u64, i32)>,
+}
+
+static PROFILED: Mutex<Vec<ProfilerEvent>> = Mutex::new(Vec::new());
+
+/// Events the plugin reported to [`Net::init_profiled`]'s profiler so far.
+pub fn profiler_events() -> Vec<ProfilerEvent> {
+    PROFILED.lock().map(|l| l.clone()).unwrap_or_default()
+}
+
+extern "C" fn test_profiler(
+    handle: *mut *mut c_void,
+    ty: c_int,
+    parent: *mut c_void,
+    plugin_id: i64,
+    ext: *mut c_void,
+) -> ncclResult_t {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    static NEXT: AtomicUsize = AtomicUsize::new(0x1000);
+    if handle.is_null() {
+        return ncclResult_t::ncclInvalidArgument;
+    }
+    let start = ty == ncclProfilerNetEventStart as c_int;
+    let descr = (start && !ext.is_null()).then(|| {
+        // SAFETY: the plugin passes its NetEvent descriptor, alive for the call.
+        let e = unsafe { *(ext as *const super::profiler::NetEvent) };
+        (e.kind, e.n, e.size, e.tag)
+    });
+    let h = if start {
+        let h = NEXT.fetch_add(1, Ordering::Relaxed);
+        // SAFETY: checked non-NULL; the plugin passes a writable handle slot.
+        unsafe { *handle = h as *mut c_void };
+        h
+    } else {
+        // SAFETY: checked non-NULL; holds the handle given out at Start.
+        unsafe { *handle as usize }
+    };
+    if let Ok(mut l) = PROFILED.lock() {
+        l.push(ProfilerEvent {
+            start,
+            handle: h,
+            parent: parent as usize,
+            plugin_id,
+            descr,
+        });
+    }
+    ncclResult_t::ncclSuccess
+}
+
 fn logger() -> ncclDebugLogger_t {
     type Fixed = extern "C" fn(
         ncclDebugLogLevel,
@@ -171,6 +232,8 @@ pub struct Net {
     table: Table,
     version: u32,
     ctx: *mut c_void,
+    /// Profiler parent handle passed to v10+ `isend`/`irecv` (NULL: none).
+    phandle: *mut c_void,
     /// The library's path.
     pub path: PathBuf,
 }
@@ -272,6 +335,7 @@ impl Net {
             table,
             version,
             ctx: std::ptr::null_mut(),
+            phandle: std::ptr::null_mut(),
             path: path.to_path_buf(),
         })
     }
@@ -300,6 +364,17 @@ impl Net {
 
     /// `init` with the recording logger (v11: creates the per-communicator context).
     pub fn init(&mut self) -> Result<(), Code> {
+        self.init_with(None)
+    }
+
+    /// `init` handing v10+ tables the recording profiler (see [`profiler_events`]), and
+    /// passing `phandle` as the parent of every later `isend`/`irecv`.
+    pub fn init_profiled(&mut self, phandle: usize) -> Result<(), Code> {
+        self.phandle = phandle as *mut c_void;
+        self.init_with(Some(test_profiler))
+    }
+
+    fn init_with(&mut self, prof: ncclProfilerCallback_t) -> Result<(), Code> {
         let log = logger();
         let mut ctx = std::ptr::null_mut();
         let mut config = ncclNetCommConfig_v11_t { trafficClass: -1 };
@@ -310,8 +385,8 @@ impl Net {
                 Table::V7(p) => (*p).init.unwrap()(log),
                 Table::V8(p) => (*p).init.unwrap()(log),
                 Table::V9(p) => (*p).init.unwrap()(log),
-                Table::V10(p) => (*p).init.unwrap()(log, None),
-                Table::V11(p) => (*p).init.unwrap()(&mut ctx, 42, &mut config, log, None),
+                Table::V10(p) => (*p).init.unwrap()(log, prof),
+                Table::V11(p) => (*p).init.unwrap()(&mut ctx, 42, &mut config, log, prof),
             }
         };
         if !ctx.is_null() {
@@ -510,7 +585,7 @@ impl Net {
         let mut req = std::ptr::null_mut();
         let d = data as *mut c_void;
         let int = || i32::try_from(size).map_err(|_| ncclResult_t::ncclInvalidArgument);
-        let null = std::ptr::null_mut();
+        let null = self.phandle;
         // SAFETY: as in `call!`.
         let r = unsafe {
             match self.table {
@@ -591,7 +666,12 @@ impl Net {
         } else {
             std::ptr::null_mut()
         };
-        let null = std::ptr::null_mut();
+        let mut parents = [self.phandle; MAX_CLIENT_RECVS];
+        let null = if self.phandle.is_null() {
+            std::ptr::null_mut()
+        } else {
+            parents.as_mut_ptr()
+        };
         // SAFETY: as in `call!`; every array holds n elements and lives across the call.
         let r = unsafe {
             match self.table {

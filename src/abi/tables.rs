@@ -17,6 +17,7 @@ use parking_lot::Mutex;
 
 use super::buffer::UserBuffer;
 use super::ffi::*;
+use super::profiler::{self, NetEvent};
 use super::{boundary, data_comm_owner, install_logging, non_null, recv_comm, send_comm};
 use crate::error::{Error, Result};
 use crate::oob::HANDLE_SIZE;
@@ -312,6 +313,7 @@ fn isend(
     size: Result<usize>,
     tag: c_int,
     mhandle: *mut c_void,
+    phandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
     boundary("isend", || {
@@ -322,6 +324,13 @@ fn isend(
         let comm = unsafe { send_comm(comm)? };
         let buf = user_buffer(data, size?)?;
         if let Some(token) = comm.isend(buf, tag, mhandle as usize as u64)? {
+            let event = NetEvent {
+                kind: 0,
+                n: 1,
+                size: buf.len() as u64,
+                tag,
+            };
+            profiler::start(token, phandle, event);
             // SAFETY: as above.
             unsafe { *request = token as *const _ as *mut c_void };
         }
@@ -337,7 +346,15 @@ extern "C" fn isend_int(
     mhandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    isend(comm, data, int_size(size), tag, mhandle, request)
+    isend(
+        comm,
+        data,
+        int_size(size),
+        tag,
+        mhandle,
+        std::ptr::null_mut(),
+        request,
+    )
 }
 
 extern "C" fn isend_size_t(
@@ -348,7 +365,15 @@ extern "C" fn isend_size_t(
     mhandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    isend(comm, data, Ok(size), tag, mhandle, request)
+    isend(
+        comm,
+        data,
+        Ok(size),
+        tag,
+        mhandle,
+        std::ptr::null_mut(),
+        request,
+    )
 }
 
 extern "C" fn isend_v10(
@@ -357,13 +382,14 @@ extern "C" fn isend_v10(
     size: usize,
     tag: c_int,
     mhandle: *mut c_void,
-    _phandle: *mut c_void,
+    phandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    isend(comm, data, Ok(size), tag, mhandle, request)
+    isend(comm, data, Ok(size), tag, mhandle, phandle, request)
 }
 
 /// `irecv` for any version; `size_at(i)` reads the i-th size in the version's integer type.
+#[allow(clippy::too_many_arguments)] // the C signature's arguments, plus the size reader
 fn irecv(
     comm: *mut c_void,
     n: c_int,
@@ -371,6 +397,7 @@ fn irecv(
     size_at: impl Fn(usize) -> Result<usize>,
     tags: *mut c_int,
     mhandles: *mut *mut c_void,
+    phandles: *mut *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
     boundary("irecv", || {
@@ -380,14 +407,7 @@ fn irecv(
         unsafe { *request = std::ptr::null_mut() };
         // SAFETY: NCCL passes back a receive comm we returned (checked by magic).
         let comm = unsafe { recv_comm(comm)? };
-        let n = usize::try_from(n)
-            .ok()
-            .filter(|n| (1..=MAX_RECVS).contains(n))
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "irecv of {n} buffers; 1 to {MAX_RECVS} are allowed"
-                ))
-            })?;
+        let n = buffer_count(n, "irecv")?;
         non_null(data, "data")?;
         non_null(tags, "tags")?;
         non_null(mhandles, "mhandles")?;
@@ -402,6 +422,16 @@ fn irecv(
             mh_v[i] = m as usize as u64;
         }
         if let Some(token) = comm.irecv(&bufs[..n], &tag_v[..n], &mh_v[..n])? {
+            if !phandles.is_null() {
+                let event = NetEvent {
+                    kind: 1,
+                    n: n as u32,
+                    size: bufs[..n].iter().map(|b| b.len() as u64).sum(),
+                    tag: tag_v[0],
+                };
+                // SAFETY: NCCL's phandles array holds n (>= 1) parent handles.
+                profiler::start(token, unsafe { *phandles }, event);
+            }
             // SAFETY: as above.
             unsafe { *request = token as *const _ as *mut c_void };
         }
@@ -429,6 +459,7 @@ extern "C" fn irecv_int(
         },
         tags,
         mhandles,
+        std::ptr::null_mut(),
         request,
     )
 }
@@ -442,6 +473,30 @@ extern "C" fn irecv_size_t(
     mhandles: *mut *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
+    irecv_sizes(
+        comm,
+        n,
+        data,
+        sizes,
+        tags,
+        mhandles,
+        std::ptr::null_mut(),
+        request,
+    )
+}
+
+/// `irecv` with `size_t` sizes (v9+), under profiler parents `phandles` (v10+, may be NULL).
+#[allow(clippy::too_many_arguments)] // the C signature's arguments
+fn irecv_sizes(
+    comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut usize,
+    tags: *mut c_int,
+    mhandles: *mut *mut c_void,
+    phandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
     irecv(
         comm,
         n,
@@ -453,6 +508,7 @@ extern "C" fn irecv_size_t(
         },
         tags,
         mhandles,
+        phandles,
         request,
     )
 }
@@ -464,10 +520,10 @@ extern "C" fn irecv_v10(
     sizes: *mut usize,
     tags: *mut c_int,
     mhandles: *mut *mut c_void,
-    _phandles: *mut *mut c_void,
+    phandles: *mut *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    irecv_size_t(comm, n, data, sizes, tags, mhandles, request)
+    irecv_sizes(comm, n, data, sizes, tags, mhandles, phandles, request)
 }
 
 extern "C" fn iflush(
@@ -555,8 +611,9 @@ extern "C" fn init_v6(logger: ncclDebugLogger_t) -> ncclResult_t {
 
 extern "C" fn init_v10(
     logger: ncclDebugLogger_t,
-    _profiler: ncclProfilerCallback_t,
+    profiler_fn: ncclProfilerCallback_t,
 ) -> ncclResult_t {
+    profiler::set(profiler_fn);
     boundary("init", || init_common(logger).map(|_| ()))
 }
 
@@ -624,8 +681,9 @@ extern "C" fn init_v11(
     _comm_id: u64,
     config: *mut ncclNetCommConfig_v11_t,
     logger: ncclDebugLogger_t,
-    _profiler: ncclProfilerCallback_t,
+    profiler_fn: ncclProfilerCallback_t,
 ) -> ncclResult_t {
+    profiler::set(profiler_fn);
     boundary("init", || {
         non_null(ctx, "ctx")?;
         let plugin = init_common(logger)?;

@@ -3,7 +3,10 @@
 //! pointer of the wrong kind; a request is a slot of its comm's fixed token table, so the
 //! data path never allocates.
 
-use std::sync::Arc;
+use std::sync::{
+    atomic::{AtomicUsize, Ordering::Relaxed},
+    Arc,
+};
 
 use crate::abi::buffer::UserBuffer;
 use crate::error::{Error, Result};
@@ -96,9 +99,21 @@ pub struct RequestToken {
     pub owner: RequestOwner,
     /// Request id in the comm.
     pub slot: usize,
+    /// NCCL profiler event of the request in flight (0 = none).
+    profiler_event: AtomicUsize,
 }
 
 impl RequestToken {
+    /// Records the profiler event started for the request.
+    pub fn set_profiler_event(&self, handle: usize) {
+        self.profiler_event.store(handle, Relaxed);
+    }
+
+    /// Takes the request's profiler event (0 when none).
+    pub fn take_profiler_event(&self) -> usize {
+        self.profiler_event.swap(0, Relaxed)
+    }
+
     /// Errors unless this is a request token.
     pub fn check(&self) -> Result<()> {
         check_magic(self.magic, REQUEST_MAGIC, "request")
@@ -111,6 +126,7 @@ fn tokens(owner: RequestOwner, n: usize) -> Box<[RequestToken]> {
             magic: REQUEST_MAGIC,
             owner,
             slot,
+            profiler_event: AtomicUsize::new(0),
         })
         .collect()
 }
