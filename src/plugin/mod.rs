@@ -502,7 +502,7 @@ impl Plugin {
                 Some(Box::new(held))
             }
         };
-        Ok(self.mrs.insert(reg, hold))
+        self.mrs.insert(reg, hold)
     }
 
     /// `regMrDmaBuf` on device `dev` (verbs devices that support DMA-BUF).
@@ -533,7 +533,7 @@ impl Plugin {
             lkey: mr.lkey(),
             rkey: mr.rkey(),
         };
-        Ok(self.mrs.insert(reg, Some(Box::new(mr))))
+        self.mrs.insert(reg, Some(Box::new(mr)))
     }
 
     /// `deregMr`; a NULL handle (0) is accepted, as NCCL may pass one.

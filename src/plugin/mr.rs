@@ -3,8 +3,21 @@
 //! A handle is a generation-tagged slot index, never a pointer, so an unknown, forged or
 //! already-released handle is an error code instead of a crash. `regIsGlobal` is 1: a
 //! registration is not tied to the comm it was made on.
+//!
+//! The data path looks a handle up on every `isend`/`irecv`, from several progress threads at
+//! once, while service threads register and deregister: lookups take no lock and write no
+//! shared memory. Slots live in chunks that are never freed or moved, and each slot is a
+//! small seqlock: a reader checks the slot's state word before and after reading its fields.
 
-use parking_lot::RwLock;
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{fence, AtomicU64, Ordering},
+        OnceLock,
+    },
+};
+
+use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
 
@@ -19,7 +32,7 @@ pub struct Registration {
     pub ptr_type: i32,
     /// Device index the registration belongs to.
     pub dev: usize,
-    /// Local and remote keys (verbs transport).
+    /// Local key (verbs transport).
     pub lkey: u32,
     /// Remote key (verbs transport).
     pub rkey: u32,
@@ -35,89 +48,48 @@ impl Registration {
 /// What keeps a registration's verbs MR alive; dropped at deregistration.
 pub type Hold = Box<dyn std::any::Any + Send + Sync>;
 
+const CHUNK: usize = 1024;
+const CHUNKS: usize = 4096;
+const LIVE: u64 = 1;
+const WRITING: u64 = 2;
+
+/// One slot. `state` is `generation << 2 | WRITING | LIVE`.
 #[derive(Default)]
 struct Slot {
-    generation: u32,
-    reg: Option<Registration>,
-    hold: Option<Hold>,
+    state: AtomicU64,
+    addr: AtomicU64,
+    len: AtomicU64,
+    /// `ptr_type` (low 32 bits) and device (high 32 bits).
+    kind: AtomicU64,
+    /// `lkey` (low 32 bits) and `rkey` (high 32 bits).
+    keys: AtomicU64,
+}
+
+#[derive(Default)]
+struct Writer {
+    next: usize,
+    free: Vec<usize>,
+    holds: HashMap<usize, Option<Hold>>,
 }
 
 /// All live registrations of the process.
-#[derive(Default)]
 pub struct MrTable {
-    slots: RwLock<(Vec<Slot>, Vec<u32>)>,
+    chunks: Box<[OnceLock<Box<[Slot]>>]>,
+    writer: Mutex<Writer>,
 }
 
-fn split(handle: u64) -> Option<(usize, u32)> {
+impl Default for MrTable {
+    fn default() -> Self {
+        MrTable {
+            chunks: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
+            writer: Mutex::new(Writer::default()),
+        }
+    }
+}
+
+fn split(handle: u64) -> Option<(usize, u64)> {
     let index = (handle & 0xffff_ffff) as usize;
-    let generation = (handle >> 32) as u32;
-    index.checked_sub(1).map(|i| (i, generation))
-}
-
-impl MrTable {
-    /// Records a registration and returns its handle (never 0).
-    pub fn insert(&self, reg: Registration, hold: Option<Hold>) -> u64 {
-        let mut guard = self.slots.write();
-        let (slots, free) = &mut *guard;
-        let index = match free.pop() {
-            Some(i) => i as usize,
-            None => {
-                slots.push(Slot::default());
-                slots.len() - 1
-            }
-        };
-        let slot = &mut slots[index];
-        slot.reg = Some(reg);
-        slot.hold = hold;
-        (u64::from(slot.generation) << 32) | (index as u64 + 1)
-    }
-
-    /// Looks a handle up.
-    pub fn get(&self, handle: u64) -> Result<Registration> {
-        let guard = self.slots.read();
-        split(handle)
-            .and_then(|(i, generation)| {
-                guard
-                    .0
-                    .get(i)
-                    .filter(|s| s.generation == generation)
-                    .and_then(|s| s.reg)
-            })
-            .ok_or_else(|| unknown(handle))
-    }
-
-    /// Releases a handle.
-    pub fn remove(&self, handle: u64) -> Result<Registration> {
-        let mut guard = self.slots.write();
-        let (slots, free) = &mut *guard;
-        let (i, generation) = split(handle).ok_or_else(|| unknown(handle))?;
-        let slot = slots
-            .get_mut(i)
-            .filter(|s| s.generation == generation && s.reg.is_some())
-            .ok_or_else(|| unknown(handle))?;
-        let reg = slot.reg.take().expect("checked above");
-        // Dropping the hold deregisters (or releases the cache entry) outside no lock but
-        // ours; the verbs cache takes its own lock, never this one.
-        drop(slot.hold.take());
-        slot.generation = slot.generation.wrapping_add(1);
-        free.push(i as u32);
-        Ok(reg)
-    }
-
-    /// Number of live registrations.
-    pub fn len(&self) -> usize {
-        self.slots
-            .read()
-            .0
-            .iter()
-            .filter(|s| s.reg.is_some())
-            .count()
-    }
-
-    /// True when nothing is registered.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
+    index.checked_sub(1).map(|i| (i, handle >> 32))
 }
 
 fn unknown(handle: u64) -> Error {
@@ -126,34 +98,195 @@ fn unknown(handle: u64) -> Error {
     ))
 }
 
+impl MrTable {
+    fn slot(&self, index: usize) -> Option<&Slot> {
+        self.chunks
+            .get(index / CHUNK)?
+            .get()
+            .map(|c| &c[index % CHUNK])
+    }
+
+    /// Records a registration and returns its handle (never 0).
+    pub fn insert(&self, reg: Registration, hold: Option<Hold>) -> Result<u64> {
+        let mut w = self.writer.lock();
+        let index = match w.free.pop() {
+            Some(i) => i,
+            None if w.next < CHUNK * CHUNKS => {
+                w.next += 1;
+                w.next - 1
+            }
+            None => {
+                return Err(Error::Usage(format!(
+                    "more than {} memory registrations at once",
+                    CHUNK * CHUNKS
+                )))
+            }
+        };
+        let chunk = self.chunks[index / CHUNK]
+            .get_or_init(|| (0..CHUNK).map(|_| Slot::default()).collect());
+        let slot = &chunk[index % CHUNK];
+        let generation = slot.state.load(Ordering::Relaxed) >> 2;
+        slot.state
+            .store(generation << 2 | WRITING, Ordering::Relaxed);
+        fence(Ordering::Release);
+        slot.addr.store(reg.addr as u64, Ordering::Relaxed);
+        slot.len.store(reg.len as u64, Ordering::Relaxed);
+        slot.kind.store(
+            u64::from(reg.ptr_type as u32) | (reg.dev as u64) << 32,
+            Ordering::Relaxed,
+        );
+        slot.keys.store(
+            u64::from(reg.lkey) | u64::from(reg.rkey) << 32,
+            Ordering::Relaxed,
+        );
+        slot.state.store(generation << 2 | LIVE, Ordering::Release);
+        w.holds.insert(index, hold);
+        Ok(generation << 32 | (index as u64 + 1))
+    }
+
+    /// Looks a handle up without taking a lock.
+    pub fn get(&self, handle: u64) -> Result<Registration> {
+        let (index, generation) = split(handle).ok_or_else(|| unknown(handle))?;
+        let slot = self.slot(index).ok_or_else(|| unknown(handle))?;
+        let before = slot.state.load(Ordering::Acquire);
+        if before != (generation << 2 | LIVE) {
+            return Err(unknown(handle));
+        }
+        let reg = Registration {
+            addr: slot.addr.load(Ordering::Relaxed) as usize,
+            len: slot.len.load(Ordering::Relaxed) as usize,
+            ptr_type: slot.kind.load(Ordering::Relaxed) as u32 as i32,
+            dev: (slot.kind.load(Ordering::Relaxed) >> 32) as usize,
+            lkey: slot.keys.load(Ordering::Relaxed) as u32,
+            rkey: (slot.keys.load(Ordering::Relaxed) >> 32) as u32,
+        };
+        fence(Ordering::Acquire);
+        if slot.state.load(Ordering::Relaxed) != before {
+            // Released (and perhaps reused) while we read it.
+            return Err(unknown(handle));
+        }
+        Ok(reg)
+    }
+
+    /// Releases a handle (dropping what held its MR).
+    pub fn remove(&self, handle: u64) -> Result<Registration> {
+        let mut w = self.writer.lock();
+        let reg = self.get(handle)?;
+        let (index, generation) = split(handle).ok_or_else(|| unknown(handle))?;
+        let slot = self.slot(index).ok_or_else(|| unknown(handle))?;
+        // A new generation, not live: every copy of the old handle is now unknown.
+        slot.state
+            .store(((generation + 1) % (1 << 30)) << 2, Ordering::Release);
+        let hold = w.holds.remove(&index);
+        w.free.push(index);
+        drop(w);
+        drop(hold);
+        Ok(reg)
+    }
+
+    /// Number of live registrations.
+    pub fn len(&self) -> usize {
+        self.writer.lock().holds.len()
+    }
+
+    /// True when nothing is registered.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::Arc;
+
+    fn reg(addr: usize) -> Registration {
+        Registration {
+            addr,
+            len: 100,
+            ptr_type: 1,
+            dev: 3,
+            lkey: 7,
+            rkey: 9,
+        }
+    }
 
     #[test]
     fn handles_are_checked_and_not_reused_after_release() {
         let t = MrTable::default();
-        let r = Registration {
-            addr: 4096,
-            len: 100,
-            ptr_type: 1,
-            dev: 0,
-            lkey: 0,
-            rkey: 0,
-        };
-        let h = t.insert(r, None);
+        let r = reg(4096);
+        let h = t.insert(r, None).unwrap();
         assert_ne!(h, 0);
         assert_eq!(t.get(h).unwrap(), r);
         assert!(t.get(h + 1).is_err());
         assert!(t.get(0).is_err());
+        assert!(t.get(u64::MAX).is_err());
         assert_eq!(t.remove(h).unwrap(), r);
         assert!(t.get(h).is_err(), "released");
         assert!(t.remove(h).is_err(), "double release");
-        let h2 = t.insert(r, None);
+        let h2 = t.insert(r, None).unwrap();
         assert_ne!(h, h2, "slot reused with a new generation");
         assert!(t.get(h).is_err());
         assert_eq!(t.len(), 1);
         assert!(r.covers(4096, 100) && r.covers(4100, 4) && r.covers(0, 0));
         assert!(!r.covers(4095, 2) && !r.covers(4190, 7));
+    }
+
+    #[test]
+    fn holds_are_dropped_at_release() {
+        let t = MrTable::default();
+        let held = Arc::new(());
+        let h = t.insert(reg(1), Some(Box::new(Arc::clone(&held)))).unwrap();
+        assert_eq!(Arc::strong_count(&held), 2);
+        t.remove(h).unwrap();
+        assert_eq!(Arc::strong_count(&held), 1);
+    }
+
+    #[test]
+    fn concurrent_lookups_see_whole_registrations_or_errors() {
+        let t = Arc::new(MrTable::default());
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let readers: Vec<_> = (0..2)
+            .map(|_| {
+                let (t, stop) = (Arc::clone(&t), Arc::clone(&stop));
+                std::thread::spawn(move || {
+                    let mut seen = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        for h in 1..64u64 {
+                            for generation in 0..4u64 {
+                                if let Ok(r) = t.get(generation << 32 | h) {
+                                    // Fields written together are read together.
+                                    assert_eq!(r.len, r.addr * 2);
+                                    assert_eq!(r.lkey as usize, r.addr);
+                                    seen += 1;
+                                }
+                            }
+                        }
+                    }
+                    seen
+                })
+            })
+            .collect();
+        for round in 1..2000usize {
+            let a = round % 1000 + 1;
+            let h = t
+                .insert(
+                    Registration {
+                        addr: a,
+                        len: a * 2,
+                        ptr_type: 1,
+                        dev: 0,
+                        lkey: a as u32,
+                        rkey: 0,
+                    },
+                    None,
+                )
+                .unwrap();
+            t.remove(h).unwrap();
+        }
+        stop.store(true, Ordering::Relaxed);
+        for r in readers {
+            r.join().unwrap();
+        }
     }
 }
