@@ -263,6 +263,11 @@ impl Channel {
         }
     }
 
+    /// Another handle on the stream (the setup state keeps this one until it is dropped).
+    pub fn try_clone_stream(&self) -> Option<TcpStream> {
+        self.stream.try_clone().ok()
+    }
+
     /// Gives up the framing and returns the stream for the data path.
     pub fn into_stream(self) -> TcpStream {
         self.stream

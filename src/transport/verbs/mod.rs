@@ -18,7 +18,8 @@
 pub mod mr_cache;
 
 use std::{
-    net::SocketAddr,
+    io::Read,
+    net::{SocketAddr, TcpStream},
     sync::Arc,
     time::{Duration, Instant},
 };
@@ -336,10 +337,7 @@ impl VerbsConnecting {
             return Ok(None);
         }
         if self.accepted {
-            let s = self.sender.take().expect("present until finished");
-            return Ok(Some(VerbsSendComm {
-                inner: Mutex::new(s),
-            }));
+            return Ok(Some(self.finish()));
         }
         let Some(m) = self.chan.poll_recv()? else {
             return Ok(None);
@@ -384,10 +382,17 @@ impl VerbsConnecting {
         if !self.chan.flush()? {
             return Ok(None);
         }
-        let s = self.sender.take().expect("present until finished");
-        Ok(Some(VerbsSendComm {
+        Ok(Some(self.finish()))
+    }
+
+    fn finish(&mut self) -> VerbsSendComm {
+        let mut s = self.sender.take().expect("present until finished");
+        if let Some(stream) = self.chan.try_clone_stream() {
+            s.cq.watch(stream);
+        }
+        VerbsSendComm {
             inner: Mutex::new(s),
-        }))
+        }
     }
 }
 
@@ -452,7 +457,8 @@ impl VerbsListen {
         match chan.poll_recv()? {
             None => Ok(None),
             Some(m) if m.kind == MsgKind::Ready => {
-                let (_, state) = self.accepting.take().expect("set above");
+                let (chan, mut state) = self.accepting.take().expect("set above");
+                state.cq.watch(chan.into_stream());
                 Ok(Some(VerbsRecvComm {
                     inner: Mutex::new(state),
                 }))
@@ -556,11 +562,16 @@ fn cqe_error(dev: &VerbsDevice, peer: &str, c: &crate::verbs::dma::Completion) -
 
 /// A comm's completion queue and what polling it needs: a batch to poll into, and the
 /// device's asynchronous events, read every so often (a syscall, so not on every call).
+/// The bootstrap socket stays open as a liveness signal: when the peer process dies its
+/// kernel closes the socket, which RDMA alone would only notice as a retry timeout on the
+/// sending side (and never on an idle receiving side).
 struct CqPoller {
     cq: Arc<Cq>,
     wc: WcBatch,
     epoch: u64,
     calls: u32,
+    oob: Option<TcpStream>,
+    peer_gone: bool,
 }
 
 impl CqPoller {
@@ -570,7 +581,39 @@ impl CqPoller {
             wc: WcBatch::new(),
             epoch: 0,
             calls: 0,
+            oob: None,
+            peer_gone: false,
         }
+    }
+
+    /// Keeps the (non-blocking) bootstrap socket to watch for the peer's exit.
+    fn watch(&mut self, stream: TcpStream) {
+        self.oob = Some(stream);
+    }
+
+    /// Whether the peer's bootstrap socket has closed (its process exited or closed the comm).
+    fn peer_gone(&mut self) -> bool {
+        if !self.peer_gone {
+            if let Some(s) = &mut self.oob {
+                let mut b = [0u8; 16];
+                self.peer_gone = match s.read(&mut b) {
+                    Ok(0) => true,
+                    Ok(_) => false,
+                    Err(e) => !matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                    ),
+                };
+            }
+        }
+        self.peer_gone
+    }
+
+    /// The error for work that can no longer complete because the peer is gone.
+    fn gone_error(peer: &str) -> Error {
+        Error::Remote(format!(
+            "peer {peer} closed its connection (its process exited or closed the comm) with              requests still in flight"
+        ))
     }
 
     /// Hands every successful completion to `on`; a failed one, or a fatal event on the
@@ -584,6 +627,7 @@ impl CqPoller {
     ) -> Result<()> {
         self.calls = self.calls.wrapping_add(1);
         if self.calls % 256 == 0 {
+            self.peer_gone();
             let now = dev.ctx.drain_async_events();
             if now != self.epoch {
                 self.epoch = now;
@@ -684,6 +728,11 @@ impl VerbsSendComm {
         }
         let first = s.fifo.get(slot * MAX_RECVS);
         if first.idx != want {
+            if s.cq.peer_gone {
+                let e = CqPoller::gone_error(&s.peer);
+                s.failure.set(e.to_string());
+                return Err(e);
+            }
             return Ok(None);
         }
         let n = first.nreqs as usize;
@@ -761,6 +810,11 @@ impl VerbsSendComm {
             return Ok(Some(Completion::single(size)));
         }
         s.failure.check()?;
+        if s.cq.peer_gone {
+            let e = CqPoller::gone_error(&s.peer);
+            s.failure.set(e.to_string());
+            return Err(e);
+        }
         Ok(None)
     }
 }
@@ -924,6 +978,11 @@ impl VerbsRecvComm {
             s.failure.set(e.to_string());
             return Err(e);
         }
+        if s.cq.peer_gone {
+            let e = CqPoller::gone_error(&s.peer);
+            s.failure.set(e.to_string());
+            return Err(e);
+        }
         let slot = s.seq as usize % SLOTS;
         if s.slots[slot].busy {
             return Ok(None);
@@ -988,16 +1047,35 @@ impl VerbsRecvComm {
                 ))),
             };
         }
-        let Some(st) = s.slots.get(id).copied().filter(|st| st.busy) else {
+        if !s.slots.get(id).is_some_and(|st| st.busy) {
             return Err(Error::Misuse(format!(
                 "test on receive request {id}, which is not in flight"
             )));
-        };
-        if st.imm_pending > 0 {
-            s.failure.check()?;
-            return Ok(None);
         }
-        s.slots[id] = RecvSlot::FREE;
+        if s.slots[id].imm_pending > 0 {
+            s.failure.check()?;
+            if !s.cq.peer_gone {
+                return Ok(None);
+            }
+            // Completions the peer caused before it left are already in the CQ: look once
+            // more before calling the request lost.
+            if let Err(e) = s.progress() {
+                s.failure.set(e.to_string());
+            }
+            if s.slots[id].imm_pending > 0 {
+                let e = CqPoller::gone_error(&s.peer);
+                s.failure.set(e.to_string());
+                return Err(e);
+            }
+        }
+        s.finish_receive(id)
+    }
+}
+
+impl RecvState {
+    /// Frees receive `id`, whose data has all arrived, and reports its sizes.
+    fn finish_receive(&mut self, id: usize) -> Result<Option<Completion>> {
+        let st = std::mem::replace(&mut self.slots[id], RecvSlot::FREE);
         let mut c = Completion {
             n: st.n,
             sizes: [0; MAX_RECVS],
@@ -1007,7 +1085,7 @@ impl VerbsRecvComm {
             let v = if st.n == 1 {
                 st.size0
             } else {
-                s.sizes_record.get(id * MAX_RECVS + i)
+                self.sizes_record.get(id * MAX_RECVS + i)
             };
             truncated |= v == TRUNCATED;
             c.sizes[i] = v as usize;
@@ -1015,14 +1093,12 @@ impl VerbsRecvComm {
         if truncated {
             return Err(Error::Truncated(format!(
                 "{} sent more bytes than the receive posted for them",
-                s.peer
+                self.peer
             )));
         }
         Ok(Some(c))
     }
-}
 
-impl RecvState {
     fn post_receive(
         &mut self,
         slot: usize,
