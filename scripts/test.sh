@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test: lint, the host tier (unit tests and the conformance suite over tcp) and
 # the Soft-RoCE VM tier (real verbs on an rxe device in a qemu VM). Installs the Debian
-# packages it needs. NCCL_ERDMA_SKIP_VM=1 skips the VM tier for quick local loops; CI never
-# sets it.
+# packages it needs. NCCL_ERDMA_SKIP_VM=1 skips the VM tier and NCCL_ERDMA_SKIP_RELIABILITY=1
+# the fuzzing and valgrind runs, for quick local loops; CI never sets them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
@@ -23,6 +23,14 @@ build_release
 
 echo "== host tier"
 cargo test --release
+
+# Fuzzing of the handle and handshake decoders, and the host suite under valgrind memcheck.
+if [[ "${NCCL_ERDMA_SKIP_RELIABILITY:-0}" == 1 ]]; then
+  echo "== reliability (fuzz, valgrind): SKIPPED (NCCL_ERDMA_SKIP_RELIABILITY=1)"
+else
+  echo "== reliability (fuzz, valgrind)"
+  bash scripts/reliability.sh
+fi
 
 if [[ "${NCCL_ERDMA_SKIP_VM:-0}" == 1 ]]; then
   echo "== Soft-RoCE VM tier: SKIPPED (NCCL_ERDMA_SKIP_VM=1)"

@@ -671,6 +671,9 @@ fn context(ctx: *mut c_void) -> Result<Arc<Plugin>> {
 }
 
 fn context_traffic_class(ctx: *mut c_void) -> Option<i32> {
+    if ctx.is_null() {
+        return None;
+    }
     // SAFETY: only called after `context` accepted ctx as a live registered NetContext.
     let tc = unsafe { (*(ctx as *const NetContext)).traffic_class };
     (tc >= 0).then_some(tc)
@@ -743,7 +746,7 @@ extern "C" fn connect_v11(
     send_comm: *mut *mut c_void,
     _dev_comm: *mut *mut ncclNetDeviceHandle_v11_t,
 ) -> ncclResult_t {
-    let traffic_class = context(ctx).ok().and(context_traffic_class(ctx));
+    let traffic_class = context(ctx).ok().and_then(|_| context_traffic_class(ctx));
     connect_with(context(ctx), dev, handle, send_comm, traffic_class)
 }
 

@@ -263,6 +263,11 @@ impl Channel {
         }
     }
 
+    /// Whether any byte of a message has arrived.
+    pub fn received_any(&self) -> bool {
+        self.hdr_len > 0 || self.want.is_some()
+    }
+
     /// Another handle on the stream (the setup state keeps this one until it is dropped).
     pub fn try_clone_stream(&self) -> Option<TcpStream> {
         self.stream.try_clone().ok()
@@ -364,31 +369,45 @@ impl Listener {
     /// reason it can report, and the error is returned here too.
     pub fn poll_hello(&mut self) -> Result<Option<(Channel, Hello)>> {
         loop {
-            match self.sock.accept() {
-                Ok((stream, peer)) => {
-                    stream
-                        .set_nonblocking(true)
-                        .map_err(|e| Error::io("making an accepted socket non-blocking", e))?;
-                    // Best effort: latency only.
-                    let _ = stream.set_nodelay(true);
-                    if self.pending.len() == MAX_PENDING {
-                        let old = self.pending.remove(0);
-                        tracing::warn!(
-                            "dropping unidentified bootstrap connection from {} \
-                             ({} connections waiting)",
-                            old.chan.peer(),
-                            MAX_PENDING
-                        );
-                    }
-                    self.pending.push(Pending {
-                        chan: Channel::new(stream, peer, true),
-                        since: Instant::now(),
-                    });
-                }
-                Err(e) if would_block(&e) => break,
-                Err(e) => return Err(Error::io("accepting a bootstrap connection", e)),
+            // Read what the waiting connections sent before admitting more, so a flood of
+            // new connections can never push out a peer whose hello has already arrived.
+            if let Some(found) = self.screen_pending()? {
+                return Ok(Some(found));
             }
+            let (stream, peer) = match self.sock.accept() {
+                Ok(c) => c,
+                Err(e) if would_block(&e) => return Ok(None),
+                Err(e) => return Err(Error::io("accepting a bootstrap connection", e)),
+            };
+            stream
+                .set_nonblocking(true)
+                .map_err(|e| Error::io("making an accepted socket non-blocking", e))?;
+            // Best effort: latency only.
+            let _ = stream.set_nodelay(true);
+            if self.pending.len() == MAX_PENDING {
+                // Make room by dropping the connection that has been silent the longest.
+                let victim = self
+                    .pending
+                    .iter()
+                    .position(|p| !p.chan.received_any())
+                    .unwrap_or(0);
+                let old = self.pending.remove(victim);
+                tracing::warn!(
+                    "dropping unidentified bootstrap connection from {} ({} connections waiting)",
+                    old.chan.peer(),
+                    MAX_PENDING
+                );
+            }
+            self.pending.push(Pending {
+                chan: Channel::new(stream, peer, true),
+                since: Instant::now(),
+            });
         }
+    }
+
+    /// Reads from every waiting connection; returns the first hello for this listener and
+    /// drops (with a WARN) every connection that sent something else or timed out.
+    fn screen_pending(&mut self) -> Result<Option<(Channel, Hello)>> {
         let mut i = 0;
         while i < self.pending.len() {
             let p = &mut self.pending[i];

@@ -612,7 +612,8 @@ impl CqPoller {
     /// The error for work that can no longer complete because the peer is gone.
     fn gone_error(peer: &str) -> Error {
         Error::Remote(format!(
-            "peer {peer} closed its connection (its process exited or closed the comm) with              requests still in flight"
+            "peer {peer} closed its connection (its process exited or closed the comm) with \
+             requests still in flight"
         ))
     }
 
