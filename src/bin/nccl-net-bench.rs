@@ -86,6 +86,8 @@ const LAT_MAX_ITERS: usize = 2_000;
 /// Receive buffers in flight get their own memory up to this many bytes per process (all
 /// connections); beyond it in-flight receives share buffers (the checked ones stay private).
 const POOL_BYTES: usize = 512 << 20;
+/// Most idle calls per side of `--idle-probe`.
+const MAX_PROBE: usize = 10_000_000;
 /// Pattern streams (part of the seed), so no two phases' patterns coincide.
 const STREAM_BW: u64 = 1;
 const STREAM_PING: u64 = 2;
@@ -110,7 +112,23 @@ options:
                     keeps W x group sends in flight
   --group N         messages per grouped receive, 1..8 (default 1)
   --conns K         connections used at once for bandwidth, 1..64 (default 1)
-  --csv FILE        also write size_bytes,bandwidth_gbps,latency_us to FILE
+  --phases LIST     what to measure per size: bw, lat or bw,lat (default bw,lat)
+  --bytes N         with scaled iterations: about N payload bytes per size for bandwidth
+                    (default 512M) and N/4 per direction for latency (default 64M)
+  --csv FILE        also write size_bytes,bandwidth_gbps,latency_us to FILE (an empty
+                    field for a phase not run)
+  --svg FILE        also draw bandwidth and latency against size into FILE (SVG)
+  --compare CSV[=LABEL]  add the rows of CSV (the --csv format) to the plot as a reference
+                    series named LABEL (default: the file name); may be repeated
+  --plot CSV        run nothing: draw CSV (the --csv format) into the --svg file
+  --title TEXT      the plot's title (default: transport, device, window, conns)
+  --label TEXT      the legend name of this run's series (default: the plugin's name)
+  --note TEXT       a line under the plot's title (replaces the default ones); may be
+                    repeated
+  --stats           print the plugin calls per message of each side (bandwidth phase)
+  --idle-probe K    before the sizes, K isend calls that must return NULL (side A) and
+                    then K test calls of a receive not yet sent to (side B): the cost of
+                    idle calls, for instruction counts (scripts/cpu-cost.sh)
   --listen [PORT]   be side A on control port PORT (default 18515; 0 = any, printed)
   --connect H:P     be side B; its run options come from side A
   --cpus A[,B]      pin this process to CPU A and, in the local run, the child to CPU B
@@ -119,8 +137,9 @@ options:
   --help            this text
 
 environment: NCCL_ERDMA_TRANSPORT (unset: try the default, fall back to tcp without an RDMA
-device), NCCL_SOCKET_IFNAME (set to lo for the local run when unset), and every other
-setting the plugin reads.
+device), NCCL_SOCKET_IFNAME (set to lo for the local run when unset), NCCL_NET_BENCH_IDLE
+(what a poll loop does once idle for 256 polls: yield (default), spin or sleep), and every
+other setting the plugin reads.
 ";
 
 // ---------------------------------------------------------------------------------------
@@ -154,6 +173,66 @@ struct Options {
     cpus: Option<(usize, Option<usize>)>,
     /// Run options given explicitly (ignored with a note on side B).
     run_options_given: bool,
+    /// `--phases`.
+    phases: Phases,
+    /// `--bytes`: per-size payload that scaled iterations aim at.
+    bytes: Option<usize>,
+    /// `--svg`.
+    svg: Option<PathBuf>,
+    /// `--compare`: reference series for the plot.
+    compare: Vec<(PathBuf, String)>,
+    /// `--plot`: draw this CSV instead of running.
+    plot: Option<PathBuf>,
+    /// `--title`.
+    title: Option<String>,
+    /// `--label`.
+    label: Option<String>,
+    /// `--note`s.
+    notes: Vec<String>,
+    /// `--stats`.
+    stats: bool,
+    /// `--idle-probe`.
+    probe: usize,
+}
+
+/// Which measurements run per size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Phases {
+    bw: bool,
+    lat: bool,
+}
+
+impl Phases {
+    const BOTH: Phases = Phases {
+        bw: true,
+        lat: true,
+    };
+
+    fn parse(s: &str) -> Res<Self> {
+        let mut p = Phases {
+            bw: false,
+            lat: false,
+        };
+        for w in s.split(',').map(str::trim).filter(|w| !w.is_empty()) {
+            match w {
+                "bw" | "bandwidth" => p.bw = true,
+                "lat" | "latency" => p.lat = true,
+                _ => return Err(format!("--phases: unknown phase {w:?} (bw, lat)")),
+            }
+        }
+        if !(p.bw || p.lat) {
+            return Err("--phases needs bw, lat or both".into());
+        }
+        Ok(p)
+    }
+
+    fn encode(&self) -> &'static str {
+        match (self.bw, self.lat) {
+            (true, true) => "bw,lat",
+            (true, false) => "bw",
+            _ => "lat",
+        }
+    }
 }
 
 /// Parses `8`, `64K`, `1M`, `2G`, `16KiB`, `4kb` (binary units).
@@ -234,6 +313,16 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Res<Option<Options>> {
         quiet: false,
         cpus: None,
         run_options_given: false,
+        phases: Phases::BOTH,
+        bytes: None,
+        svg: None,
+        compare: Vec::new(),
+        plot: None,
+        title: None,
+        label: None,
+        notes: Vec::new(),
+        stats: false,
+        probe: 0,
     };
     let mut lib = None;
     let mut it = args.into_iter().peekable();
@@ -277,6 +366,39 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Res<Option<Options>> {
                 o.run_options_given = true;
             }
             "--csv" => o.csv = Some(PathBuf::from(value(&mut it).ok_or("--csv needs a file")?)),
+            "--phases" => {
+                o.phases = Phases::parse(&value(&mut it).ok_or("--phases needs a list")?)?;
+                o.run_options_given = true;
+            }
+            "--bytes" => {
+                let b = parse_size(&value(&mut it).ok_or("--bytes needs a size")?)?;
+                o.bytes = Some(in_range("--bytes", b, 1, MAX_SIZE)?);
+                o.run_options_given = true;
+            }
+            "--svg" => o.svg = Some(PathBuf::from(value(&mut it).ok_or("--svg needs a file")?)),
+            "--compare" => {
+                let v = value(&mut it).ok_or("--compare needs CSV[=LABEL]")?;
+                let (file, label) = match v.split_once('=') {
+                    Some((f, l)) => (f.to_string(), l.to_string()),
+                    None => {
+                        let name = Path::new(&v)
+                            .file_stem()
+                            .map_or_else(|| v.clone(), |n| n.to_string_lossy().into_owned());
+                        (v.clone(), name)
+                    }
+                };
+                o.compare.push((PathBuf::from(file), label));
+            }
+            "--plot" => o.plot = Some(PathBuf::from(value(&mut it).ok_or("--plot needs a CSV")?)),
+            "--title" => o.title = Some(value(&mut it).ok_or("--title needs a text")?),
+            "--label" => o.label = Some(value(&mut it).ok_or("--label needs a text")?),
+            "--note" => o.notes.push(value(&mut it).ok_or("--note needs a text")?),
+            "--stats" => o.stats = true,
+            "--idle-probe" => {
+                let n = parse_num("--idle-probe", value(&mut it))?;
+                o.probe = in_range("--idle-probe", n, 0, MAX_PROBE)?;
+                o.run_options_given = true;
+            }
             "--listen" => {
                 let port = match inline.clone() {
                     Some(p) => Some(p),
@@ -308,23 +430,36 @@ fn parse_args(args: impl IntoIterator<Item = String>) -> Res<Option<Options>> {
         }
     }
     o.lib = lib.unwrap_or_else(client::default_library);
+    if o.plot.is_some() && o.svg.is_none() {
+        return Err("--plot needs --svg FILE (where to draw)".into());
+    }
     Ok(Some(o))
 }
 
 /// Bandwidth iterations (grouped receives per connection) for `size`: by default about
-/// [`BW_BYTES`] and at most [`BW_MAX_MSGS`] messages over all connections, at least
-/// [`BW_MIN_ITERS`].
-fn bw_iters(size: usize, group: usize, conns: usize, iters: Option<usize>) -> usize {
+/// `bytes` ([`BW_BYTES`]) and at most [`BW_MAX_MSGS`] messages over all connections, at
+/// least [`BW_MIN_ITERS`].
+fn bw_iters(
+    size: usize,
+    group: usize,
+    conns: usize,
+    iters: Option<usize>,
+    bytes: Option<usize>,
+) -> usize {
     iters.unwrap_or_else(|| {
         let per_iter = group * conns;
         let most = (BW_MAX_MSGS / per_iter).max(BW_MIN_ITERS);
-        (BW_BYTES / (size * per_iter).max(1)).clamp(BW_MIN_ITERS, most)
+        (bytes.unwrap_or(BW_BYTES) / (size * per_iter).max(1)).clamp(BW_MIN_ITERS, most)
     })
 }
 
-/// Latency round trips for `size` (warm-up not included).
-fn lat_iters(size: usize, iters: Option<usize>) -> usize {
-    iters.unwrap_or_else(|| (LAT_BYTES / size.max(1)).clamp(LAT_MIN_ITERS, LAT_MAX_ITERS))
+/// Latency round trips for `size` (warm-up not included): about `bytes / 4`
+/// ([`LAT_BYTES`]) per direction, clamped.
+fn lat_iters(size: usize, iters: Option<usize>, bytes: Option<usize>) -> usize {
+    iters.unwrap_or_else(|| {
+        let bytes = bytes.map_or(LAT_BYTES, |b| b / 4);
+        (bytes / size.max(1)).clamp(LAT_MIN_ITERS, LAT_MAX_ITERS)
+    })
 }
 
 /// Untimed round trips before the timed ones.
@@ -351,6 +486,10 @@ struct Params {
     conns: usize,
     /// `--iters` of side A, if given (else iterations scale with the size).
     iters: Option<usize>,
+    /// What runs per size.
+    phases: Phases,
+    /// `--idle-probe`: idle calls per side before the sizes (0: none).
+    probe: usize,
     transport: String,
     plan: Vec<SizePlan>,
 }
@@ -362,14 +501,16 @@ impl Params {
             group: o.group,
             conns: o.conns,
             iters: o.iters,
+            phases: o.phases,
+            probe: o.probe,
             transport: transport.to_string(),
             plan: o
                 .sizes
                 .iter()
                 .map(|&size| SizePlan {
                     size,
-                    bw_iters: bw_iters(size, o.group, o.conns, o.iters),
-                    lat_iters: lat_iters(size, o.iters),
+                    bw_iters: bw_iters(size, o.group, o.conns, o.iters, o.bytes),
+                    lat_iters: lat_iters(size, o.iters, o.bytes),
                 })
                 .collect(),
         }
@@ -425,11 +566,13 @@ impl Params {
             .map(|p| format!("{}:{}:{}", p.size, p.bw_iters, p.lat_iters))
             .collect();
         format!(
-            "params window={} group={} conns={} iters={} transport={} plan={}",
+            "params window={} group={} conns={} iters={} phases={} probe={} transport={} plan={}",
             self.window,
             self.group,
             self.conns,
             self.iters.map_or("scaled".into(), |n| n.to_string()),
+            self.phases.encode(),
+            self.probe,
             self.transport,
             plan.join(",")
         )
@@ -442,6 +585,8 @@ impl Params {
             group: 0,
             conns: 0,
             iters: None,
+            phases: Phases::BOTH,
+            probe: 0,
             transport: String::new(),
             plan: Vec::new(),
         };
@@ -457,6 +602,8 @@ impl Params {
                 "conns" => p.conns = v.parse().map_err(|_| bad())?,
                 "iters" if v == "scaled" => p.iters = None,
                 "iters" => p.iters = Some(v.parse().map_err(|_| bad())?),
+                "phases" => p.phases = Phases::parse(v).map_err(|_| bad())?,
+                "probe" => p.probe = v.parse().map_err(|_| bad())?,
                 "transport" => p.transport = v.to_string(),
                 "plan" => {
                     for e in v.split(',') {
@@ -477,7 +624,8 @@ impl Params {
                 _ => {}
             }
         }
-        let ok = (1..=MAX_WINDOW).contains(&p.window)
+        let ok = p.probe <= MAX_PROBE
+            && (1..=MAX_WINDOW).contains(&p.window)
             && (1..=MAX_GROUP).contains(&p.group)
             && (1..=MAX_CONNS).contains(&p.conns)
             && !p.transport.is_empty()
@@ -842,6 +990,39 @@ struct Progress {
     done: usize,
 }
 
+/// What an idle poll does after [`YIELD_AFTER`] idle polls in a row
+/// (`NCCL_NET_BENCH_IDLE`, inherited by the local child).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum IdlePolicy {
+    /// `sched_yield` (the default).
+    Yield,
+    /// Keep polling (as perftest does).
+    Spin,
+    /// Sleep [`IDLE_SLEEP`] (lets the CPU go idle, e.g. for the kernel's soft RoCE work).
+    Sleep,
+}
+
+/// The sleep of [`IdlePolicy::Sleep`].
+const IDLE_SLEEP: Duration = Duration::from_micros(20);
+const IDLE_ENV: &str = "NCCL_NET_BENCH_IDLE";
+
+fn parse_idle(v: Option<&str>) -> Res<IdlePolicy> {
+    match v {
+        None | Some("" | "yield") => Ok(IdlePolicy::Yield),
+        Some("spin") => Ok(IdlePolicy::Spin),
+        Some("sleep") => Ok(IdlePolicy::Sleep),
+        Some(v) => Err(format!("{IDLE_ENV}={v:?}: expected yield, spin or sleep")),
+    }
+}
+
+/// The idle policy of this process, read once (checked in `main`).
+fn idle_policy() -> IdlePolicy {
+    static POLICY: std::sync::OnceLock<IdlePolicy> = std::sync::OnceLock::new();
+    *POLICY.get_or_init(|| {
+        parse_idle(std::env::var(IDLE_ENV).ok().as_deref()).unwrap_or(IdlePolicy::Yield)
+    })
+}
+
 /// Stall detection for polling loops, cheap enough for the timed loops.
 struct Watchdog {
     last: Instant,
@@ -874,7 +1055,11 @@ impl Watchdog {
         // Idle for a while: let the peer run if it shares our CPU (NCCL's progress thread
         // yields when idle too).
         if self.spins >= YIELD_AFTER {
-            std::thread::yield_now();
+            match idle_policy() {
+                IdlePolicy::Yield => std::thread::yield_now(),
+                IdlePolicy::Spin => std::hint::spin_loop(),
+                IdlePolicy::Sleep => std::thread::sleep(IDLE_SLEEP),
+            }
         }
         Ok(())
     }
@@ -982,12 +1167,61 @@ fn close_all(net: &Net, conns: Vec<Conn>) -> Res<()> {
 // ---------------------------------------------------------------------------------------
 // Data loops
 
+/// Plugin calls of one side's bandwidth phase (`--stats`): the posts (`isend` or `irecv`)
+/// and how many of them the plugin answered "not now" (NULL), the `test`s and how many of
+/// them found the request not done yet.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct Calls {
+    posts: u64,
+    posts_null: u64,
+    tests: u64,
+    tests_idle: u64,
+}
+
+impl Calls {
+    fn encode(&self) -> String {
+        format!(
+            "{} {} {} {}",
+            self.posts, self.posts_null, self.tests, self.tests_idle
+        )
+    }
+
+    fn decode<'a>(mut w: impl Iterator<Item = &'a str>) -> Option<Self> {
+        let mut next = || w.next()?.parse().ok();
+        Some(Calls {
+            posts: next()?,
+            posts_null: next()?,
+            tests: next()?,
+            tests_idle: next()?,
+        })
+    }
+
+    /// One `stats` line: calls per message of `msgs` messages.
+    fn line(&self, size: usize, side: &str, post: &str, msgs: usize) -> String {
+        let per = |n: u64| n as f64 / msgs.max(1) as f64;
+        format!(
+            "stats size={size} side={side} messages={msgs} {post}={} {post}_null={} test={} \
+             test_idle={} per_message: {post} {:.3} (NULL {:.3}), test {:.3} (idle {:.3})",
+            self.posts,
+            self.posts_null,
+            self.tests,
+            self.tests_idle,
+            per(self.posts),
+            per(self.posts_null),
+            per(self.tests),
+            per(self.tests_idle)
+        )
+    }
+}
+
 /// Preallocated state of the data loops, reused for every size.
 struct Scratch {
     /// Per connection, a ring of `window * group` requests in flight.
     rings: Vec<Vec<Opaque>>,
     progress: Vec<Progress>,
     samples: Vec<u64>,
+    /// This side's calls in the last bandwidth phase.
+    calls: Calls,
 }
 
 impl Scratch {
@@ -998,11 +1232,15 @@ impl Scratch {
             rings: vec![vec![Opaque::NULL; cap]; params.conns],
             progress: vec![Progress::default(); params.conns],
             samples: Vec::with_capacity(most),
+            calls: Calls::default(),
         }
     }
 }
 
-/// Side A of the bandwidth phase: `plan.bw_iters * group` sends per connection.
+/// Side A of the bandwidth phase: `plan.bw_iters * group` sends per connection. Never
+/// inlined: `scripts/cpu-cost.sh` counts instructions inside it with callgrind's
+/// `--toggle-collect`.
+#[inline(never)]
 fn bw_send(
     net: &Net,
     conns: &mut [Conn],
@@ -1026,6 +1264,7 @@ fn bw_send(
         .map(|c| std::array::from_fn(|i| c.tx.slot_ptr(&layout, i)))
         .collect();
     s.progress.fill(Progress::default());
+    s.calls = Calls::default();
     let mut sizes = [0 as c_int; 64];
     let mut left = conns.len();
     let mut dog = Watchdog::new();
@@ -1044,7 +1283,9 @@ fn bw_send(
                 let r = net
                     .isend(c.send, ptr, plan.size, tag, c.tx.mh)
                     .call(|| format!("isend (size {}, connection {k}, message {m})", plan.size))?;
+                s.calls.posts += 1;
                 if r.is_null() {
+                    s.calls.posts_null += 1;
                     break;
                 }
                 ring[m % cap] = r;
@@ -1060,7 +1301,9 @@ fn bw_send(
                         plan.size
                     )
                 })?;
+                s.calls.tests += 1;
                 if !done {
+                    s.calls.tests_idle += 1;
                     break;
                 }
                 if sizes[0] as usize != plan.size {
@@ -1104,8 +1347,9 @@ fn progress_text(p: &[Progress], total: usize) -> String {
         .join("; ")
 }
 
-/// Posts one receive of `n` buffers with tags `0..n` (the argument arrays live on the stack;
-/// the client's `irecv` itself still builds its C arrays in small vectors).
+/// Posts one receive of `n` buffers with tags `0..n`. Every argument array lives on the
+/// stack, and the client's `irecv_signed` builds its C arrays on the stack too (its
+/// `irecv` would allocate a vector per call), so the timed loops allocate nothing.
 fn irecv_group(
     net: &Net,
     comm: Opaque,
@@ -1115,13 +1359,15 @@ fn irecv_group(
     mh: Opaque,
 ) -> Result<Opaque, Code> {
     const TAGS: [i32; MAX_GROUP] = [0, 1, 2, 3, 4, 5, 6, 7];
-    let spans: [(*mut u8, usize); MAX_GROUP] = std::array::from_fn(|e| (bufs[e], size));
+    // Sizes are at most MAX_SIZE (1 GiB), so they fit an i64.
+    let spans: [(*mut u8, i64); MAX_GROUP] = std::array::from_fn(|e| (bufs[e], size as i64));
     let mhs = [mh; MAX_GROUP];
-    net.irecv(comm, &spans[..n], &TAGS[..n], &mhs[..n], false)
+    net.irecv_signed(comm, &spans[..n], &TAGS[..n], &mhs[..n], false)
 }
 
 /// Side B of the bandwidth phase: `plan.bw_iters` grouped receives per connection. Returns
-/// the time from the first `irecv` to the last completion.
+/// the time from the first `irecv` to the last completion. Never inlined (as `bw_send`).
+#[inline(never)]
 fn bw_recv(
     net: &Net,
     conns: &mut [Conn],
@@ -1141,6 +1387,7 @@ fn bw_recv(
         .map(|c| c.rx.slot_ptr(&layout, 0))
         .collect();
     s.progress.fill(Progress::default());
+    s.calls = Calls::default();
     let mut sizes = [0 as c_int; 64];
     let mut bufs = [std::ptr::null_mut::<u8>(); MAX_GROUP];
     let mut left = conns.len();
@@ -1161,7 +1408,9 @@ fn bw_recv(
                 }
                 let r = irecv_group(net, c.recv, &bufs, group, plan.size, c.rx.mh)
                     .call(|| format!("irecv (size {}, connection {k}, receive {i})", plan.size))?;
+                s.calls.posts += 1;
                 if r.is_null() {
+                    s.calls.posts_null += 1;
                     break;
                 }
                 ring[i % window] = r;
@@ -1177,7 +1426,9 @@ fn bw_recv(
                         plan.size
                     )
                 })?;
+                s.calls.tests += 1;
                 if !done {
+                    s.calls.tests_idle += 1;
                     break;
                 }
                 if let Some(e) = sizes[..group].iter().position(|&z| z as usize != plan.size) {
@@ -1251,6 +1502,94 @@ fn wait(net: &Net, req: Opaque, size: usize, what: &dyn Fn() -> String) -> Res<(
         }
         dog.idle(|| format!("{} does not complete", what()))?;
     }
+}
+
+/// `--idle-probe`, side A: `k` sends on connection 0 before the peer has posted a receive,
+/// each of which the plugin must answer "not now" (NULL): the cost of an idle `isend`.
+/// Never inlined, so callgrind can count inside it alone.
+#[inline(never)]
+fn probe_idle_send(net: &Net, c: &Conn, k: usize, calls: &mut Calls) -> Res<()> {
+    let ptr = c.tx.buf.as_ptr().cast_mut();
+    for i in 0..k {
+        let r = net
+            .isend(c.send, ptr, 8, 0, c.tx.mh)
+            .call(|| format!("isend (idle probe, call {i})"))?;
+        calls.posts += 1;
+        if !r.is_null() {
+            return Err(format!(
+                "idle probe: isend {i} was accepted before the peer posted a receive"
+            ));
+        }
+        calls.posts_null += 1;
+    }
+    Ok(())
+}
+
+/// `--idle-probe`, side B: `k` tests of a receive the peer has not sent to yet: the cost of
+/// an idle `test`. Never inlined (as `probe_idle_send`).
+#[inline(never)]
+fn probe_idle_recv(net: &Net, req: Opaque, k: usize, calls: &mut Calls) -> Res<()> {
+    let mut sizes = [0 as c_int; 64];
+    for i in 0..k {
+        let done = net
+            .test(req, Some(&mut sizes[..]))
+            .call(|| format!("test (idle probe, call {i})"))?;
+        calls.tests += 1;
+        if done {
+            return Err(format!(
+                "idle probe: test {i} completed a receive the peer never sent to"
+            ));
+        }
+        calls.tests_idle += 1;
+    }
+    Ok(())
+}
+
+/// `--idle-probe K` on connection 0, before the sizes: side A makes K idle `isend`s, then
+/// side B posts one 8-byte receive and makes K idle `test`s of it; then the message goes
+/// through. Prints (side A) what each side did.
+fn idle_probe(
+    net: &Net,
+    side: Side,
+    ctl: &mut Control,
+    c: &mut Conn,
+    k: usize,
+    quiet: bool,
+) -> Res<()> {
+    let mut calls = Calls::default();
+    let what = || "the idle probe's message".to_string();
+    match side {
+        Side::A => {
+            probe_idle_send(net, c, k, &mut calls)?;
+            ctl.send("probe-sent")?;
+            let peer = ctl.expect("probe-recv")?;
+            let peer = Calls::decode(peer.split_whitespace())
+                .ok_or_else(|| format!("bad idle probe counts from the peer: {peer:?}"))?;
+            let (send, mh) = (c.send, c.tx.mh);
+            let ptr = c.tx.buf.as_ptr().cast_mut();
+            let q = post(|| net.isend(send, ptr, 8, 0, mh).call(what), &what)?;
+            wait(net, q, 8, &what)?;
+            ctl.expect("probe-done")?;
+            if !quiet {
+                println!(
+                    "idle probe: side A {} idle isend calls, side B {} idle test calls",
+                    calls.posts_null, peer.tests_idle
+                );
+            }
+        }
+        Side::B => {
+            ctl.expect("probe-sent")?;
+            let (recv, mh) = (c.recv, c.rx.mh);
+            let mut bufs = [std::ptr::null_mut::<u8>(); MAX_GROUP];
+            bufs[0] = c.rx.buf.as_mut_ptr();
+            let r = post(|| irecv_group(net, recv, &bufs, 1, 8, mh).call(what), &what)?;
+            probe_idle_recv(net, r, k, &mut calls)?;
+            ctl.send(&format!("probe-recv {}", calls.encode()))?;
+            wait(net, r, 8, &what)?;
+            ctl.send("probe-done")?;
+        }
+    }
+    Ok(())
 }
 
 /// Retries a post while the plugin answers "not now" (NULL).
@@ -1371,18 +1710,24 @@ fn median(v: &mut [u64]) -> f64 {
 // ---------------------------------------------------------------------------------------
 // Results
 
-/// One line of the result table.
+/// One line of the result table; a phase that did not run is `None`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 struct Row {
     size: usize,
-    gbps: f64,
-    lat_us: f64,
+    gbps: Option<f64>,
+    lat_us: Option<f64>,
 }
 
-/// What a run produced, one row per size (what the table, the CSV file and, later, the
-/// plot are made from).
+/// What a run produced, one row per size (what the table, the CSV file and the plot are
+/// made from), with what the plot says about it.
 struct Report {
     rows: Vec<Row>,
+    /// The plot's title: transport, device, window, group, connections.
+    title: String,
+    /// Lines under the title.
+    notes: Vec<String>,
+    /// The legend name of this run's series.
+    label: String,
 }
 
 fn human(size: usize) -> String {
@@ -1397,25 +1742,691 @@ fn human(size: usize) -> String {
 const TABLE_HEAD: &str = "      size        GB/s      lat us";
 
 fn table_row(r: &Row) -> String {
-    format!("{:>10} {:>11.4} {:>11.2}", human(r.size), r.gbps, r.lat_us)
+    let cell = |v: Option<f64>, decimals: usize| {
+        v.map_or_else(|| format!("{:>11}", "-"), |v| format!("{v:>11.decimals$}"))
+    };
+    format!(
+        "{:>10} {} {}",
+        human(r.size),
+        cell(r.gbps, 4),
+        cell(r.lat_us, 2)
+    )
 }
 
+const CSV_HEAD: &str = "size_bytes,bandwidth_gbps,latency_us";
+
 fn write_csv(report: &Report, path: &Path) -> Res<()> {
-    let mut out = String::from("size_bytes,bandwidth_gbps,latency_us\n");
+    let mut out = format!("{CSV_HEAD}\n");
+    let cell =
+        |v: Option<f64>, decimals: usize| v.map_or(String::new(), |v| format!("{v:.decimals$}"));
     for r in &report.rows {
-        let _ = writeln!(out, "{},{:.6},{:.3}", r.size, r.gbps, r.lat_us);
+        let _ = writeln!(out, "{},{},{}", r.size, cell(r.gbps, 6), cell(r.lat_us, 3));
     }
     std::fs::write(path, out).map_err(|e| format!("writing {}: {e}", path.display()))
 }
 
-// LATER (`--svg FILE`): a plot of bandwidth and latency against size (log2 x axis, two y
-// axes) drawn from `Report` alone, next to `write_csv` (give `Report` the header lines
-// `session` prints if the plot should carry them as its caption).
+/// Reads rows in the `--csv` format (a header line, then `size,GB/s,us`; empty or `-`
+/// fields are phases not run).
+fn read_csv(path: &Path) -> Res<Vec<Row>> {
+    let text =
+        std::fs::read_to_string(path).map_err(|e| format!("reading {}: {e}", path.display()))?;
+    let mut rows = Vec::new();
+    for (n, line) in text.lines().enumerate() {
+        let line = line.trim();
+        if line.is_empty() || line.starts_with('#') || line.starts_with("size") {
+            continue;
+        }
+        let bad = || {
+            format!(
+                "{}:{}: expected {CSV_HEAD}, got {line:?}",
+                path.display(),
+                n + 1
+            )
+        };
+        let mut f = line.split(',').map(str::trim);
+        let size = f.next().and_then(|v| v.parse().ok()).ok_or_else(bad)?;
+        let mut value = || -> Res<Option<f64>> {
+            match f.next() {
+                None | Some("" | "-") => Ok(None),
+                Some(v) => v
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite() && *v >= 0.0)
+                    .map(Some)
+                    .ok_or_else(bad),
+            }
+        };
+        let (gbps, lat_us) = (value()?, value()?);
+        rows.push(Row { size, gbps, lat_us });
+    }
+    if rows.is_empty() {
+        return Err(format!("{}: no rows", path.display()));
+    }
+    Ok(rows)
+}
+
+// ---------------------------------------------------------------------------------------
+// Plot (`--svg`): bandwidth and latency against size, a self-contained SVG
+
+/// One named line of the plot.
+struct Series<'a> {
+    label: &'a str,
+    rows: Vec<Row>,
+}
+
+/// Series colours (the first is this run).
+const COLORS: [&str; 6] = [
+    "#1f6fb4", "#e8710a", "#2ca02c", "#9467bd", "#d62728", "#8c564b",
+];
+const FONT: &str = "DejaVu Sans, Helvetica, Arial, sans-serif";
+const SVG_W: f64 = 960.0;
+const MARGIN_L: f64 = 86.0;
+const MARGIN_R: f64 = 30.0;
+const PANEL_H: f64 = 240.0;
+/// Space between the two panels (tick labels, the second panel's title).
+const PANEL_GAP: f64 = 118.0;
+
+fn esc(s: &str) -> String {
+    s.chars().fold(String::with_capacity(s.len()), |mut o, c| {
+        match c {
+            '&' => o.push_str("&amp;"),
+            '<' => o.push_str("&lt;"),
+            '>' => o.push_str("&gt;"),
+            '"' => o.push_str("&quot;"),
+            '\'' => o.push_str("&apos;"),
+            c => o.push(c),
+        }
+        o
+    })
+}
+
+/// A round tick step of about `raw`: 1, 2, 2.5 or 5 times a power of ten.
+fn nice_step(raw: f64) -> f64 {
+    let raw = if raw.is_finite() && raw > 0.0 {
+        raw
+    } else {
+        1.0
+    };
+    let p = 10f64.powf(raw.log10().floor());
+    [1.0, 2.0, 2.5, 5.0, 10.0]
+        .iter()
+        .map(|m| m * p)
+        .find(|s| *s >= raw * 0.999)
+        .unwrap_or(10.0 * p)
+}
+
+/// `v` with as few decimals as needed (at most 6), no trailing zeros.
+fn short_num(v: f64) -> String {
+    let s = format!("{v:.6}");
+    let s = s.trim_end_matches('0').trim_end_matches('.');
+    if s == "-0" {
+        "0".into()
+    } else {
+        s.into()
+    }
+}
+
+/// A latency tick in microseconds, in us, ms or s.
+fn time_label(us: f64) -> String {
+    if us >= 1e6 {
+        format!("{} s", short_num(us / 1e6))
+    } else if us >= 1e3 {
+        format!("{} ms", short_num(us / 1e3))
+    } else {
+        format!("{} us", short_num(us))
+    }
+}
+
+/// Three significant digits.
+fn sig3(v: f64) -> String {
+    if v == 0.0 || !v.is_finite() {
+        return "0".into();
+    }
+    let decimals = (2 - v.abs().log10().floor() as i32).clamp(0, 6) as usize;
+    format!("{v:.decimals$}")
+}
+
+/// Maps message sizes to x on a log2 axis.
+struct XAxis {
+    lo: f64,
+    hi: f64,
+    left: f64,
+    width: f64,
+}
+
+impl XAxis {
+    fn new(sizes: &[usize], left: f64, width: f64) -> Self {
+        let logs = sizes.iter().filter(|s| **s > 0).map(|s| (*s as f64).log2());
+        let (mut lo, mut hi) = logs.fold((f64::MAX, f64::MIN), |(a, b), l| (a.min(l), b.max(l)));
+        if lo > hi {
+            (lo, hi) = (3.0, 26.0);
+        }
+        let (mut lo, mut hi) = (lo.floor(), hi.ceil());
+        if hi - lo < 2.0 {
+            lo -= 1.0;
+            hi += 1.0;
+        }
+        XAxis {
+            lo,
+            hi,
+            left,
+            width,
+        }
+    }
+
+    fn x(&self, size: usize) -> f64 {
+        let l = (size.max(1) as f64).log2();
+        self.left + (l - self.lo + 0.3) / (self.hi - self.lo + 0.6) * self.width
+    }
+
+    fn x_pow(&self, p: f64) -> f64 {
+        self.left + (p - self.lo + 0.3) / (self.hi - self.lo + 0.6) * self.width
+    }
+}
+
+/// A y axis: linear from 0, or log10.
+struct YAxis {
+    log: bool,
+    lo: f64,
+    hi: f64,
+    top: f64,
+    height: f64,
+    /// (value, label or "" for an unlabelled grid line).
+    ticks: Vec<(f64, String)>,
+}
+
+impl YAxis {
+    fn linear(max: f64, top: f64, height: f64) -> Self {
+        let max = if max.is_finite() && max > 0.0 {
+            max
+        } else {
+            1.0
+        };
+        let step = nice_step(max * 1.08 / 5.0);
+        let hi = (max * 1.08 / step).ceil() * step;
+        let n = (hi / step).round() as usize;
+        let ticks = (0..=n)
+            .map(|i| {
+                let v = i as f64 * step;
+                (v, short_num(v))
+            })
+            .collect();
+        YAxis {
+            log: false,
+            lo: 0.0,
+            hi,
+            top,
+            height,
+            ticks,
+        }
+    }
+
+    fn log10(min: f64, max: f64, top: f64, height: f64) -> Self {
+        let (min, max) = if min.is_finite() && max.is_finite() && min > 0.0 && max >= min {
+            (min, max)
+        } else {
+            (1.0, 10.0)
+        };
+        let lo = min.log10().floor();
+        let mut hi = max.log10().ceil();
+        if hi <= lo {
+            hi = lo + 1.0;
+        }
+        let decades = (hi - lo) as i32;
+        let mut ticks = Vec::new();
+        for d in lo as i32..=hi as i32 {
+            let p = 10f64.powi(d);
+            ticks.push((p, time_label(p)));
+            if d < hi as i32 {
+                for m in [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0] {
+                    let label = decades <= 2 && (m == 2.0 || m == 5.0);
+                    let v = m * p;
+                    ticks.push((v, if label { time_label(v) } else { String::new() }));
+                }
+            }
+        }
+        YAxis {
+            log: true,
+            lo,
+            hi,
+            top,
+            height,
+            ticks,
+        }
+    }
+
+    fn y(&self, v: f64) -> f64 {
+        let f = if self.log {
+            (v.max(1e-12).log10() - self.lo) / (self.hi - self.lo)
+        } else {
+            (v - self.lo) / (self.hi - self.lo)
+        };
+        self.top + self.height * (1.0 - f.clamp(-0.02, 1.02))
+    }
+}
+
+/// Where the x tick labels go: the measured sizes when there are few, else every k-th
+/// power of two; rotated when they would overlap.
+fn x_labels(xa: &XAxis, sizes: &[usize]) -> (Vec<(f64, String)>, bool) {
+    const MIN_GAP: f64 = 50.0;
+    let mut labels: Vec<(f64, String)> = if !sizes.is_empty() && sizes.len() <= 16 {
+        sizes.iter().map(|s| (xa.x(*s), human(*s))).collect()
+    } else {
+        let per_pow = xa.x_pow(1.0) - xa.x_pow(0.0);
+        let step = (MIN_GAP / per_pow).ceil().max(1.0) as usize;
+        (xa.lo as usize..=xa.hi as usize)
+            .step_by(step)
+            .map(|p| (xa.x_pow(p as f64), human(1usize << p.min(62))))
+            .collect()
+    };
+    labels.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let tight = labels.windows(2).any(|w| w[1].0 - w[0].0 < MIN_GAP);
+    (labels, tight)
+}
+
+/// Which value of a row a panel shows.
+#[derive(Clone, Copy)]
+enum Metric {
+    Bandwidth,
+    Latency,
+}
+
+impl Metric {
+    fn of(self, r: &Row) -> Option<f64> {
+        match self {
+            Metric::Bandwidth => r.gbps,
+            Metric::Latency => r.lat_us.filter(|v| *v > 0.0),
+        }
+    }
+}
+
+/// Draws one panel: frame, grid, ticks, lines, points, legend.
+fn svg_panel(
+    out: &mut String,
+    series: &[Series],
+    xa: &XAxis,
+    ya: &YAxis,
+    metric: Metric,
+    title: &str,
+    axis_title: &str,
+) {
+    let (left, width, top, height) = (xa.left, xa.width, ya.top, ya.height);
+    let bottom = top + height;
+    let _ = writeln!(
+        out,
+        r##"<text x="{left}" y="{:.1}" font-size="15" font-weight="600" fill="#222">{}</text>"##,
+        top - 12.0,
+        esc(title)
+    );
+    let _ = writeln!(
+        out,
+        r##"<rect x="{left}" y="{top}" width="{width}" height="{height}" fill="#fcfcfd" stroke="none"/>"##
+    );
+    // Grid: a vertical line per power of two, horizontal ones per y tick.
+    let _ = writeln!(out, r##"<g stroke="#e6e6e6" stroke-width="1">"##);
+    for p in xa.lo as i64..=xa.hi as i64 {
+        let x = xa.x_pow(p as f64);
+        let _ = writeln!(
+            out,
+            r#"<line x1="{x:.1}" y1="{top}" x2="{x:.1}" y2="{bottom}"/>"#
+        );
+    }
+    for (v, label) in &ya.ticks {
+        let y = ya.y(*v);
+        let stroke = if label.is_empty() {
+            "#f0f0f0"
+        } else {
+            "#dddddd"
+        };
+        let _ = writeln!(
+            out,
+            r#"<line x1="{left}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="{stroke}"/>"#,
+            left + width
+        );
+    }
+    let _ = writeln!(out, "</g>");
+    let _ = writeln!(
+        out,
+        r##"<rect x="{left}" y="{top}" width="{width}" height="{height}" fill="none" stroke="#888" stroke-width="1"/>"##
+    );
+    // Y tick labels and the axis title.
+    let _ = writeln!(out, r##"<g font-size="12" fill="#333" text-anchor="end">"##);
+    for (v, label) in ya.ticks.iter().filter(|t| !t.1.is_empty()) {
+        let y = ya.y(*v);
+        let _ = writeln!(
+            out,
+            r##"<line x1="{:.1}" y1="{y:.1}" x2="{left}" y2="{y:.1}" stroke="#888"/><text x="{:.1}" y="{:.1}">{}</text>"##,
+            left - 5.0,
+            left - 8.0,
+            y + 4.0,
+            esc(label)
+        );
+    }
+    let _ = writeln!(out, "</g>");
+    let _ = writeln!(
+        out,
+        r##"<text transform="translate({:.1},{:.1}) rotate(-90)" text-anchor="middle" font-size="13" fill="#333">{}</text>"##,
+        left - 62.0,
+        top + height / 2.0,
+        esc(axis_title)
+    );
+    // X tick labels: the sizes.
+    let sizes = all_sizes(series);
+    let (labels, tight) = x_labels(xa, &sizes);
+    let _ = writeln!(out, r##"<g font-size="12" fill="#333">"##);
+    for (x, label) in &labels {
+        let _ = write!(
+            out,
+            r##"<line x1="{x:.1}" y1="{bottom}" x2="{x:.1}" y2="{:.1}" stroke="#888"/>"##,
+            bottom + 5.0
+        );
+        if tight {
+            let _ = writeln!(
+                out,
+                r#"<text transform="translate({:.1},{:.1}) rotate(-35)" text-anchor="end">{}</text>"#,
+                x + 4.0,
+                bottom + 17.0,
+                esc(label)
+            );
+        } else {
+            let _ = writeln!(
+                out,
+                r#"<text x="{x:.1}" y="{:.1}" text-anchor="middle">{}</text>"#,
+                bottom + 19.0,
+                esc(label)
+            );
+        }
+    }
+    let _ = writeln!(out, "</g>");
+    // The series: reference series first, this run on top.
+    for (i, s) in series.iter().enumerate().rev() {
+        let color = COLORS[i % COLORS.len()];
+        let pts: Vec<(f64, f64, &Row)> = s
+            .rows
+            .iter()
+            .filter(|r| r.size > 0)
+            .filter_map(|r| metric.of(r).map(|v| (xa.x(r.size), ya.y(v), r)))
+            .collect();
+        if pts.len() > 1 {
+            let d: Vec<String> = pts
+                .iter()
+                .map(|(x, y, _)| format!("{x:.1},{y:.1}"))
+                .collect();
+            let dash = if i == 0 {
+                ""
+            } else {
+                r#" stroke-dasharray="7 4""#
+            };
+            let _ = writeln!(
+                out,
+                r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="{}"{dash} stroke-linejoin="round"/>"#,
+                d.join(" "),
+                if i == 0 { 2.6 } else { 2.0 }
+            );
+        }
+        for (x, y, r) in &pts {
+            let fill = if i == 0 { color } else { "#ffffff" };
+            let value = match metric {
+                Metric::Bandwidth => format!("{} GB/s", sig3(r.gbps.unwrap_or(0.0))),
+                Metric::Latency => format!("{} us", sig3(r.lat_us.unwrap_or(0.0))),
+            };
+            let _ = writeln!(
+                out,
+                r#"<circle cx="{x:.1}" cy="{y:.1}" r="4" fill="{fill}" stroke="{color}" stroke-width="1.8"><title>{}: {} ({})</title></circle>"#,
+                human(r.size),
+                value,
+                esc(s.label)
+            );
+        }
+    }
+    // Call-out for this run: the peak bandwidth, or the latency of the smallest size.
+    if let Some(s) = series.first() {
+        let pick = match metric {
+            Metric::Bandwidth => s
+                .rows
+                .iter()
+                .filter(|r| r.gbps.is_some())
+                .max_by(|a, b| a.gbps.unwrap_or(0.0).total_cmp(&b.gbps.unwrap_or(0.0))),
+            Metric::Latency => s
+                .rows
+                .iter()
+                .filter(|r| r.size > 0 && metric.of(r).is_some())
+                .min_by_key(|r| r.size),
+        };
+        if let Some(r) = pick {
+            let text = match metric {
+                Metric::Bandwidth => {
+                    format!(
+                        "peak {} GB/s at {}",
+                        sig3(r.gbps.unwrap_or(0.0)),
+                        human(r.size)
+                    )
+                }
+                Metric::Latency => {
+                    format!("{} us at {}", sig3(r.lat_us.unwrap_or(0.0)), human(r.size))
+                }
+            };
+            // The number in words at the panel title's right end (never over a line), and a
+            // ring around its point.
+            let (x, y) = (xa.x(r.size), ya.y(metric.of(r).unwrap_or(0.0)));
+            let _ = writeln!(
+                out,
+                r#"<circle cx="{x:.1}" cy="{y:.1}" r="8" fill="none" stroke="{}" stroke-width="1.4" stroke-opacity="0.7"/>"#,
+                COLORS[0]
+            );
+            let _ = writeln!(
+                out,
+                r##"<text x="{:.1}" y="{:.1}" text-anchor="end" font-size="13" font-weight="600" fill="{}">{}: {}</text>"##,
+                left + width,
+                top - 12.0,
+                COLORS[0],
+                esc(s.label),
+                esc(&text)
+            );
+        }
+    }
+    // Legend, top left inside the frame (small sizes: low bandwidth and low latency).
+    let row_h = 18.0;
+    let longest = series
+        .iter()
+        .map(|s| s.label.chars().count())
+        .max()
+        .unwrap_or(0);
+    let (lx, ly) = (left + 12.0, top + 10.0);
+    let lw = 44.0 + 6.8 * longest as f64;
+    let _ = writeln!(
+        out,
+        r##"<rect x="{lx:.1}" y="{ly:.1}" width="{lw:.1}" height="{:.1}" rx="4" fill="#ffffff" fill-opacity="0.9" stroke="#cccccc"/>"##,
+        8.0 + row_h * series.len() as f64
+    );
+    for (i, s) in series.iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        let y = ly + 4.0 + row_h * (i as f64 + 0.5);
+        let dash = if i == 0 {
+            ""
+        } else {
+            r#" stroke-dasharray="7 4""#
+        };
+        let fill = if i == 0 { color } else { "#ffffff" };
+        let _ = writeln!(
+            out,
+            r##"<line x1="{:.1}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="{color}" stroke-width="2.4"{dash}/><circle cx="{:.1}" cy="{y:.1}" r="3.5" fill="{fill}" stroke="{color}" stroke-width="1.6"/><text x="{:.1}" y="{:.1}" font-size="12" fill="#222">{}</text>"##,
+            lx + 8.0,
+            lx + 34.0,
+            lx + 21.0,
+            lx + 42.0,
+            y + 4.0,
+            esc(s.label)
+        );
+    }
+}
+
+/// Every size of every series, sorted, once.
+fn all_sizes(series: &[Series]) -> Vec<usize> {
+    let mut v: Vec<usize> = series
+        .iter()
+        .flat_map(|s| s.rows.iter().map(|r| r.size))
+        .filter(|s| *s > 0)
+        .collect();
+    v.sort_unstable();
+    v.dedup();
+    v
+}
+
+/// The whole picture: title, notes, a bandwidth panel (linear GB/s) above a latency panel
+/// (log us), both against the message size on a log2 axis.
+fn render_svg(title: &str, notes: &[String], series: &[Series]) -> String {
+    let sizes = all_sizes(series);
+    let width = SVG_W - MARGIN_L - MARGIN_R;
+    let xa = XAxis::new(&sizes, MARGIN_L, width);
+    let top1 = 70.0 + 17.0 * notes.len() as f64 + 24.0;
+    let top2 = top1 + PANEL_H + PANEL_GAP;
+    let height = top2 + PANEL_H + 76.0;
+    let values = |m: Metric| -> Vec<f64> {
+        series
+            .iter()
+            .flat_map(|s| {
+                s.rows
+                    .iter()
+                    .filter(|r| r.size > 0)
+                    .filter_map(move |r| m.of(r))
+            })
+            .collect()
+    };
+    let bw = values(Metric::Bandwidth);
+    let lat = values(Metric::Latency);
+    let ya_bw = YAxis::linear(bw.iter().copied().fold(0.0, f64::max), top1, PANEL_H);
+    let ya_lat = YAxis::log10(
+        lat.iter().copied().fold(f64::MAX, f64::min),
+        lat.iter().copied().fold(0.0, f64::max),
+        top2,
+        PANEL_H,
+    );
+    let mut out = String::with_capacity(32 << 10);
+    let _ = writeln!(
+        out,
+        r##"<svg xmlns="http://www.w3.org/2000/svg" width="{SVG_W}" height="{height}" viewBox="0 0 {SVG_W} {height}" font-family="{FONT}">"##
+    );
+    let _ = writeln!(out, "<title>{}</title>", esc(title));
+    let _ = writeln!(
+        out,
+        r##"<rect x="0" y="0" width="{SVG_W}" height="{height}" fill="#ffffff"/>"##
+    );
+    let _ = writeln!(
+        out,
+        r##"<text x="{MARGIN_L}" y="36" font-size="20" font-weight="700" fill="#111">{}</text>"##,
+        esc(title)
+    );
+    for (i, n) in notes.iter().enumerate() {
+        let n: String = if n.chars().count() > 140 {
+            n.chars().take(137).chain("...".chars()).collect()
+        } else {
+            n.clone()
+        };
+        let _ = writeln!(
+            out,
+            r##"<text x="{MARGIN_L}" y="{:.1}" font-size="12.5" fill="#555">{}</text>"##,
+            60.0 + 17.0 * i as f64,
+            esc(&n)
+        );
+    }
+    svg_panel(
+        &mut out,
+        series,
+        &xa,
+        &ya_bw,
+        Metric::Bandwidth,
+        "Bandwidth (higher is better)",
+        "bandwidth (GB/s)",
+    );
+    svg_panel(
+        &mut out,
+        series,
+        &xa,
+        &ya_lat,
+        Metric::Latency,
+        "Latency (lower is better; log scale)",
+        "latency (round trip / 2)",
+    );
+    let _ = writeln!(
+        out,
+        r##"<text x="{:.1}" y="{:.1}" text-anchor="middle" font-size="13" fill="#333">message size (bytes, log2 scale)</text>"##,
+        MARGIN_L + width / 2.0,
+        height - 14.0
+    );
+    out.push_str("</svg>\n");
+    out
+}
+
+/// Writes the report (and the `--compare` series) as an SVG plot.
+fn write_svg(report: &Report, compare: &[(PathBuf, String)], path: &Path) -> Res<()> {
+    let mut series = vec![Series {
+        label: &report.label,
+        rows: report.rows.clone(),
+    }];
+    for (file, label) in compare {
+        series.push(Series {
+            label,
+            rows: read_csv(file)?,
+        });
+    }
+    let svg = render_svg(&report.title, &report.notes, &series);
+    std::fs::write(path, svg).map_err(|e| format!("writing {}: {e}", path.display()))
+}
 
 // ---------------------------------------------------------------------------------------
 // The session both sides run
 
-/// Runs every size with the peer over `ctl` and returns the report (on both sides).
+/// `Some(v)` as `v`, `None` as `-` (the `result` line).
+fn opt_text(v: Option<f64>) -> String {
+    v.map_or_else(|| "-".into(), |v| v.to_string())
+}
+
+fn opt_parse(s: Option<&str>) -> Option<Option<f64>> {
+    match s? {
+        "-" => Some(None),
+        v => v.parse().ok().map(Some),
+    }
+}
+
+/// The plot's title and notes for this run.
+fn plot_text(p: &Plugin, params: &Params) -> (String, Vec<String>) {
+    let mut title = format!(
+        "{} on {}: window {}, group {}, {} conn{}",
+        p.transport,
+        p.props.name,
+        params.window,
+        params.group,
+        params.conns,
+        if params.conns == 1 { "" } else { "s" }
+    );
+    for (var, what) in [
+        ("NCCL_IB_QPS_PER_CONNECTION", "QPs/conn"),
+        ("NCCL_IB_SPLIT_DATA_ON_QPS", "split"),
+    ] {
+        if let Ok(v) = std::env::var(var) {
+            let _ = write!(title, ", {what} {v}");
+        }
+    }
+    let notes = vec![
+        format!(
+            "nccl-net-bench, {} (ncclNetPlugin_v{}, plugin \"{}\"), iterations {}",
+            p.net.path.display(),
+            p.net.version(),
+            p.net.name(),
+            params
+                .iters
+                .map_or_else(|| "scaled per size".into(), |n| format!("{n} per size"))
+        ),
+        "GB/s: payload of all connections / receiver time from first irecv to last completion; \
+         latency: median round trip / 2 on connection 0"
+            .into(),
+    ];
+    (title, notes)
+}
+
+/// Runs every size with the peer over `ctl` and returns the report (on both sides). Side A
+/// prints both sides' call counts per size with `stats`.
 fn session(
     p: &Plugin,
     side: Side,
@@ -1423,6 +2434,7 @@ fn session(
     params: &Params,
     mut header: Vec<String>,
     quiet: bool,
+    stats: bool,
 ) -> Res<Report> {
     let net = &p.net;
     let mut conns = connect_all(p, ctl, params)?;
@@ -1432,7 +2444,7 @@ fn session(
     let mut shared = params
         .plan
         .iter()
-        .filter(|s| params.pool(s.size) < params.window * params.group)
+        .filter(|s| params.phases.bw && params.pool(s.size) < params.window * params.group)
         .map(|s| human(s.size))
         .peekable();
     if shared.peek().is_some() {
@@ -1446,24 +2458,45 @@ fn session(
         for h in &header {
             println!("{h}");
         }
+    }
+    if params.probe > 0 {
+        idle_probe(net, side, ctl, &mut conns[0], params.probe, quiet)?;
+    }
+    if !quiet {
         println!("{TABLE_HEAD}");
     }
     let mut rows = Vec::with_capacity(params.plan.len());
+    let mut stats_lines = Vec::new();
     for plan in &params.plan {
-        let bytes = (plan.bw_iters * params.group * params.conns * plan.size) as f64;
+        let msgs = plan.bw_iters * params.group * params.conns;
+        let bytes = (msgs * plan.size) as f64;
         let row = match side {
             Side::A => {
-                ctl.expect("ready")?;
-                bw_send(net, &mut conns, &mut scratch, params, plan)?;
-                let ns: u64 = ctl
-                    .expect("bw")?
-                    .parse()
-                    .map_err(|_| "bad bandwidth result from the peer".to_string())?;
-                ping_pong(net, side, &mut conns[0], &mut scratch, plan)?;
-                let lat_us = median(&mut scratch.samples) / 2.0 / 1e3;
-                let gbps = bytes / ns.max(1) as f64;
-                ctl.expect("lat-ok")?;
-                ctl.send(&format!("result {gbps} {lat_us}"))?;
+                let mut gbps = None;
+                if params.phases.bw {
+                    ctl.expect("ready")?;
+                    bw_send(net, &mut conns, &mut scratch, params, plan)?;
+                    let bw = ctl.expect("bw")?;
+                    let mut w = bw.split_whitespace();
+                    let ns: u64 = w
+                        .next()
+                        .and_then(|v| v.parse().ok())
+                        .ok_or_else(|| format!("bad bandwidth result from the peer: {bw:?}"))?;
+                    let peer_calls = Calls::decode(w)
+                        .ok_or_else(|| format!("bad call counts from the peer: {bw:?}"))?;
+                    gbps = Some(bytes / ns.max(1) as f64);
+                    if stats {
+                        stats_lines.push(scratch.calls.line(plan.size, "A", "isend", msgs));
+                        stats_lines.push(peer_calls.line(plan.size, "B", "irecv", msgs));
+                    }
+                }
+                let mut lat_us = None;
+                if params.phases.lat {
+                    ping_pong(net, side, &mut conns[0], &mut scratch, plan)?;
+                    lat_us = Some(median(&mut scratch.samples) / 2.0 / 1e3);
+                    ctl.expect("lat-ok")?;
+                }
+                ctl.send(&format!("result {} {}", opt_text(gbps), opt_text(lat_us)))?;
                 Row {
                     size: plan.size,
                     gbps,
@@ -1471,15 +2504,19 @@ fn session(
                 }
             }
             Side::B => {
-                ctl.send("ready")?;
-                let t = bw_recv(net, &mut conns, &mut scratch, params, plan)?;
-                ctl.send(&format!("bw {}", t.as_nanos()))?;
-                ping_pong(net, side, &mut conns[0], &mut scratch, plan)?;
-                ctl.send("lat-ok")?;
+                if params.phases.bw {
+                    ctl.send("ready")?;
+                    let t = bw_recv(net, &mut conns, &mut scratch, params, plan)?;
+                    ctl.send(&format!("bw {} {}", t.as_nanos(), scratch.calls.encode()))?;
+                }
+                if params.phases.lat {
+                    ping_pong(net, side, &mut conns[0], &mut scratch, plan)?;
+                    ctl.send("lat-ok")?;
+                }
                 let r = ctl.expect("result")?;
-                let mut w = r.split_whitespace().map(str::parse::<f64>);
-                match (w.next(), w.next()) {
-                    (Some(Ok(gbps)), Some(Ok(lat_us))) => Row {
+                let mut w = r.split_whitespace();
+                match (opt_parse(w.next()), opt_parse(w.next())) {
+                    (Some(gbps), Some(lat_us)) => Row {
                         size: plan.size,
                         gbps,
                         lat_us,
@@ -1496,7 +2533,17 @@ fn session(
     close_all(net, conns)?;
     ctl.send("done")?;
     ctl.expect("done")?;
-    Ok(Report { rows })
+    // After the table, so a script can read both.
+    for l in &stats_lines {
+        println!("{l}");
+    }
+    let (title, notes) = plot_text(p, params);
+    Ok(Report {
+        rows,
+        title,
+        notes,
+        label: format!("{} plugin ({})", p.net.name(), p.transport),
+    })
 }
 
 fn header_lines(p: &Plugin, params: &Params, peer: &str) -> Vec<String> {
@@ -1525,8 +2572,15 @@ fn header_lines(p: &Plugin, params: &Params, peer: &str) -> Vec<String> {
             d.name, d.speed, d.max_recvs
         ),
         format!(
-            "window {}, group {}, conns {}, iterations {iters}",
-            params.window, params.group, params.conns
+            "window {}, group {}, conns {}, iterations {iters}{}",
+            params.window,
+            params.group,
+            params.conns,
+            if params.phases == Phases::BOTH {
+                String::new()
+            } else {
+                format!(", phases {}", params.phases.encode())
+            }
         ),
         "GB/s: payload of all connections / receiver time from first irecv to last \
          completion; lat: median round trip / 2 on connection 0"
@@ -1580,7 +2634,7 @@ fn run_a(o: &Options, p: &Plugin, ctl: &mut Control) -> Res<Report> {
     );
     let mut header = header_lines(p, &params, &peer);
     header.extend(cpus_line(o));
-    session(p, Side::A, ctl, &params, header, o.quiet)
+    session(p, Side::A, ctl, &params, header, o.quiet, o.stats)
 }
 
 /// Side B: receives the run, opens the plugin like side A, then runs it.
@@ -1615,7 +2669,7 @@ fn run_b(o: &Options, ctl: &mut Control) -> Res<Report> {
     );
     let mut header = header_lines(&p, &params, &peer);
     header.extend(cpus_line(o));
-    let report = session(&p, Side::B, ctl, &params, header, o.quiet);
+    let report = session(&p, Side::B, ctl, &params, header, o.quiet, false);
     finish_plugin(p, report)
 }
 
@@ -1804,7 +2858,23 @@ fn pin_self(cpu: usize) -> Res<()> {
     }
 }
 
+/// `--plot`: the report of an earlier run, from its CSV.
+fn plot_only(csv: &Path) -> Res<Report> {
+    let name = csv
+        .file_stem()
+        .map_or_else(|| "run".into(), |n| n.to_string_lossy().into_owned());
+    Ok(Report {
+        rows: read_csv(csv)?,
+        title: format!("nccl-net-bench: {name}"),
+        notes: vec![format!("from {}", csv.display())],
+        label: name,
+    })
+}
+
 fn run(o: &Options) -> Res<Report> {
+    if let Some(csv) = &o.plot {
+        return plot_only(csv);
+    }
     if let Some((a, _)) = o.cpus {
         pin_self(a)?;
     }
@@ -1820,6 +2890,10 @@ fn run(o: &Options) -> Res<Report> {
 }
 
 fn main() -> ExitCode {
+    if let Err(e) = parse_idle(std::env::var(IDLE_ENV).ok().as_deref()) {
+        eprintln!("nccl-net-bench: {e}");
+        return ExitCode::from(2);
+    }
     let o = match parse_args(std::env::args().skip(1)) {
         Ok(Some(o)) => o,
         Ok(None) => {
@@ -1835,13 +2909,31 @@ fn main() -> ExitCode {
         Role::Connect(_) => "nccl-net-bench (connecting side)",
         _ => "nccl-net-bench",
     };
-    let report = match run(&o) {
+    let mut report = match run(&o) {
         Ok(r) => r,
         Err(e) => {
             eprintln!("{who}: error: {e}");
             return ExitCode::FAILURE;
         }
     };
+    if let Some(t) = &o.title {
+        report.title.clone_from(t);
+    }
+    if let Some(l) = &o.label {
+        report.label.clone_from(l);
+    }
+    if !o.notes.is_empty() {
+        report.notes.clone_from(&o.notes);
+    }
+    if let Some(path) = &o.svg {
+        if let Err(e) = write_svg(&report, &o.compare, path) {
+            eprintln!("{who}: error: {e}");
+            return ExitCode::FAILURE;
+        }
+        if !o.quiet {
+            println!("svg: {}", path.display());
+        }
+    }
     if let Some(path) = &o.csv {
         if let Err(e) = write_csv(&report, path) {
             eprintln!("{who}: error: {e}");
@@ -1922,14 +3014,19 @@ mod tests {
 
     #[test]
     fn default_iterations_are_bounded() {
-        assert_eq!(bw_iters(8, 1, 1, None), BW_MAX_MSGS);
-        assert_eq!(bw_iters(8, 4, 2, None), BW_MAX_MSGS / 8);
-        assert_eq!(bw_iters(8, 8, 64, None), BW_MAX_MSGS / 512);
-        assert_eq!(bw_iters(1 << 20, 8, 64, None), BW_MIN_ITERS);
-        assert_eq!(bw_iters(64 << 20, 1, 1, None), BW_MIN_ITERS);
-        assert_eq!(bw_iters(1 << 20, 1, 1, None), 512);
-        assert_eq!(bw_iters(1 << 20, 1, 1, Some(3)), 3);
-        assert_eq!(lat_iters(64 << 20, None), LAT_MIN_ITERS);
+        assert_eq!(bw_iters(8, 1, 1, None, None), BW_MAX_MSGS);
+        assert_eq!(bw_iters(8, 4, 2, None, None), BW_MAX_MSGS / 8);
+        assert_eq!(bw_iters(8, 8, 64, None, None), BW_MAX_MSGS / 512);
+        assert_eq!(bw_iters(1 << 20, 8, 64, None, None), BW_MIN_ITERS);
+        assert_eq!(bw_iters(64 << 20, 1, 1, None, None), BW_MIN_ITERS);
+        assert_eq!(bw_iters(1 << 20, 1, 1, None, None), 512);
+        assert_eq!(bw_iters(1 << 20, 1, 1, Some(3), None), 3);
+        assert_eq!(lat_iters(64 << 20, None, None), LAT_MIN_ITERS);
+        // --bytes 24M: 24 MiB per size for bandwidth, 6 MiB per direction for latency.
+        assert_eq!(bw_iters(1 << 20, 1, 1, None, Some(24 << 20)), 24);
+        assert_eq!(bw_iters(4 << 20, 1, 1, None, Some(24 << 20)), BW_MIN_ITERS);
+        assert_eq!(lat_iters(4096, None, Some(24 << 20)), 1536);
+        assert_eq!(lat_iters(1 << 20, None, Some(24 << 20)), LAT_MIN_ITERS);
     }
 
     #[test]
@@ -1960,6 +3057,145 @@ mod tests {
             mismatch(&b, seed(1003, STREAM_BW, 0, 0)).map(|m| m.0),
             Some(1001)
         );
+    }
+
+    #[test]
+    fn phases_parse_and_travel_to_the_peer() {
+        assert_eq!(Phases::parse("bw,lat").unwrap(), Phases::BOTH);
+        assert_eq!(
+            Phases::parse("lat").unwrap(),
+            Phases {
+                bw: false,
+                lat: true
+            }
+        );
+        assert!(Phases::parse("").is_err());
+        assert!(Phases::parse("bw,x").is_err());
+        let o = args("--phases bw --bytes 24M --sizes 8,1M")
+            .unwrap()
+            .unwrap();
+        let p = Params::from_options(&o, "verbs");
+        assert_eq!(Params::decode(&p.encode()).unwrap(), p);
+        assert_eq!(p.phases.encode(), "bw");
+        assert_eq!(p.plan[1].bw_iters, 24);
+        // A params line without phases (an older peer) means both.
+        let old = p.encode().replace(" phases=bw", "");
+        assert_eq!(Params::decode(&old).unwrap().phases, Phases::BOTH);
+        assert!(args("--plot x.csv").is_err(), "--plot needs --svg");
+        let o = args("--compare a/perftest.csv --compare b.csv=ib_write_bw")
+            .unwrap()
+            .unwrap();
+        assert_eq!(
+            o.compare,
+            vec![
+                (PathBuf::from("a/perftest.csv"), "perftest".to_string()),
+                (PathBuf::from("b.csv"), "ib_write_bw".to_string())
+            ]
+        );
+    }
+
+    #[test]
+    fn csv_round_trips_with_missing_phases() {
+        let rows = vec![
+            Row {
+                size: 8,
+                gbps: Some(0.5),
+                lat_us: None,
+            },
+            Row {
+                size: 1 << 20,
+                gbps: None,
+                lat_us: Some(12.25),
+            },
+        ];
+        let report = Report {
+            rows: rows.clone(),
+            title: "t".into(),
+            notes: vec![],
+            label: "l".into(),
+        };
+        let path = std::env::temp_dir().join(format!("nccl-net-bench-{}.csv", std::process::id()));
+        write_csv(&report, &path).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert_eq!(
+            text,
+            "size_bytes,bandwidth_gbps,latency_us\n8,0.500000,\n1048576,,12.250\n"
+        );
+        assert_eq!(read_csv(&path).unwrap(), rows);
+        std::fs::write(&path, "size_bytes,bandwidth_gbps,latency_us\n8,x,1\n").unwrap();
+        assert!(read_csv(&path).is_err());
+        let _ = std::fs::remove_file(&path);
+        assert!(table_row(&rows[0]).ends_with('-'));
+    }
+
+    #[test]
+    fn plot_axes_and_labels() {
+        assert_eq!(nice_step(0.43), 0.5);
+        assert_eq!(nice_step(2.1), 2.5);
+        assert_eq!(nice_step(7.0), 10.0);
+        assert_eq!(short_num(0.30000000000000004), "0.3");
+        assert_eq!(short_num(2.0), "2");
+        assert_eq!(time_label(0.5), "0.5 us");
+        assert_eq!(time_label(2000.0), "2 ms");
+        assert_eq!(sig3(1.98163), "1.98");
+        assert_eq!(sig3(110.194), "110");
+        let y = YAxis::linear(1.98, 0.0, 100.0);
+        assert_eq!(y.ticks.last().unwrap().1, "2.5");
+        assert_eq!(y.y(0.0), 100.0);
+        let y = YAxis::log10(11.9, 25463.0, 0.0, 100.0);
+        assert_eq!((y.lo, y.hi), (1.0, 5.0));
+        let sizes = default_sizes();
+        let x = XAxis::new(&sizes, 0.0, 800.0);
+        assert_eq!((x.lo, x.hi), (3.0, 26.0));
+        assert!(x.x(8) > 0.0 && x.x(64 << 20) < 800.0 && x.x(8) < x.x(16));
+        let (labels, rotated) = x_labels(&x, &sizes);
+        assert_eq!(labels.first().unwrap().1, "8 B");
+        assert_eq!(labels.last().unwrap().1, "64 MiB");
+        assert!(rotated, "32 MiB and 64 MiB are one power of two apart");
+        let many: Vec<usize> = (3..27).map(|p| 1usize << p).collect();
+        let (labels, rotated) = x_labels(&x, &many);
+        assert!(!rotated && labels.len() < many.len());
+    }
+
+    #[test]
+    fn svg_is_self_contained_and_escaped() {
+        let rows = vec![
+            Row {
+                size: 8,
+                gbps: Some(0.001),
+                lat_us: Some(12.0),
+            },
+            Row {
+                size: 1 << 20,
+                gbps: Some(2.5),
+                lat_us: Some(400.0),
+            },
+        ];
+        let series = [
+            Series {
+                label: "plugin <tcp>",
+                rows: rows.clone(),
+            },
+            Series {
+                label: "ib_write_bw & lat",
+                rows,
+            },
+        ];
+        let svg = render_svg("a \"title\"", &["note".into()], &series);
+        assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
+        assert!(svg.trim_end().ends_with("</svg>"));
+        assert!(svg.contains("a &quot;title&quot;") && svg.contains("plugin &lt;tcp&gt;"));
+        assert!(svg.contains("ib_write_bw &amp; lat"));
+        assert!(svg.contains(">8 B<") && svg.contains(">1 MiB<"));
+        assert!(svg.contains("peak 2.50 GB/s at 1 MiB") && svg.contains("12.0 us at 8 B"));
+        assert!(!svg.contains("href"), "no external references");
+        assert_eq!(svg.matches("<text").count(), svg.matches("</text>").count());
+        // Without any data the axes still draw.
+        let empty = [Series {
+            label: "x",
+            rows: vec![],
+        }];
+        assert!(render_svg("t", &[], &empty).contains("</svg>"));
     }
 
     #[test]
