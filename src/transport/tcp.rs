@@ -247,7 +247,6 @@ impl TcpRecvComm {
     /// Posts a grouped receive; `Ok(None)` when 32 are already in flight.
     pub fn irecv(&self, bufs: &[UserBuffer], tags: &[i32]) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
-        s.progress();
         s.failure.check()?;
         let slot = s.next_seq as usize % MAX_REQUESTS;
         if s.reqs[slot].state != RecvState::Free {
@@ -340,8 +339,12 @@ impl RecvInner {
 
     fn read_data(&mut self) -> Result<()> {
         loop {
-            let n = match &mut self.rx {
-                RecvRx::Header { buf, have } => (&self.sock).read(&mut buf[*have..]),
+            let (n, asked) = match &mut self.rx {
+                RecvRx::Header { buf, have } => {
+                    let dst = &mut buf[*have..];
+                    let asked = dst.len();
+                    ((&self.sock).read(dst), asked)
+                }
                 RecvRx::Payload {
                     slot,
                     entry,
@@ -349,7 +352,8 @@ impl RecvInner {
                     size,
                 } => {
                     let dst = self.reqs[*slot].bufs[*entry].bytes_mut(*have, *size);
-                    (&self.sock).read(dst)
+                    let asked = dst.len();
+                    ((&self.sock).read(dst), asked)
                 }
             };
             let n = match n {
@@ -389,6 +393,10 @@ impl RecvInner {
                         self.finish_message(slot, entry, size);
                     }
                 }
+            }
+            if n < asked {
+                // The socket is drained: another read would only return EAGAIN.
+                return Ok(());
             }
         }
     }
@@ -632,6 +640,7 @@ impl SendInner {
 
     fn read_cts(&mut self) -> Result<()> {
         loop {
+            let asked = self.rx.len() - self.rx_len;
             let n = match (&self.sock).read(&mut self.rx[self.rx_len..]) {
                 Ok(0) => {
                     let busy = self.tx_seq != self.next_seq
@@ -690,6 +699,10 @@ impl SendInner {
             }
             self.rx.copy_within(at..self.rx_len, 0);
             self.rx_len -= at;
+            if n < asked {
+                // The socket is drained: another read would only return EAGAIN.
+                return Ok(());
+            }
         }
     }
 

@@ -226,6 +226,13 @@ impl SendChain {
         last.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
     }
 
+    /// Leaves the last request unsignaled (a later signaled one retires it).
+    pub fn unsignal_last(&mut self) {
+        if self.len > 0 {
+            self.wrs[self.len - 1].send_flags &= !ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+    }
+
     /// Posts the chain on `qp`.
     pub fn post(&mut self, qp: &Qp) -> Result<()> {
         if self.len == 0 {
