@@ -42,6 +42,13 @@ impl Failure {
             self.0 = Some(msg);
         }
     }
+    /// Passes `r` through, remembering its error as the comm's failure.
+    pub(crate) fn record<T>(&mut self, r: Result<T>) -> Result<T> {
+        if let Err(e) = &r {
+            self.set(e.to_string());
+        }
+        r
+    }
     pub(crate) fn check(&self) -> Result<()> {
         match &self.0 {
             Some(m) => Err(Error::Remote(m.clone())),

@@ -731,15 +731,12 @@ impl VerbsSendComm {
             // without paying for a CQ poll on every "not yet".
             s.idle_calls = s.idle_calls.wrapping_add(1);
             if s.idle_calls % 16 == 0 {
-                if let Err(e) = s.progress() {
-                    s.failure.set(e.to_string());
-                    return Err(e);
-                }
+                let r = s.progress();
+                s.failure.record(r)?;
             }
             if s.cq.peer_gone {
                 let e = CqPoller::gone_error(&s.peer);
-                s.failure.set(e.to_string());
-                return Err(e);
+                return s.failure.record(Err(e));
             }
             return Ok(None);
         }
@@ -749,8 +746,7 @@ impl VerbsSendComm {
                 "protocol error: clear-to-send from {} announces {n} buffers",
                 s.peer
             ));
-            s.failure.set(e.to_string());
-            return Err(e);
+            return s.failure.record(Err(e));
         }
         let mut entries = [CtsEntry::default(); MAX_RECVS];
         for (i, e) in entries.iter_mut().enumerate().take(n) {
@@ -779,10 +775,8 @@ impl VerbsSendComm {
             st.trunc |= 1 << e;
         }
         if st.matched.count_ones() as usize == n {
-            if let Err(err) = s.post_slot(slot, &entries[..n]) {
-                s.failure.set(err.to_string());
-                return Err(err);
-            }
+            let r = s.post_slot(slot, &entries[..n]);
+            s.failure.record(r)?;
         }
         if truncated {
             return Err(Error::Truncated(format!(
@@ -805,9 +799,8 @@ impl VerbsSendComm {
                 "test on send request {id}, which is not in flight"
             )));
         }
-        if let Err(err) = s.progress() {
-            s.failure.set(err.to_string());
-        }
+        let r = s.progress();
+        let _ = s.failure.record(r);
         let st = &mut s.slots[slot];
         if st.posted && st.cqe_pending == 0 {
             let size = st.sizes[e];
@@ -820,8 +813,7 @@ impl VerbsSendComm {
         s.failure.check()?;
         if s.cq.peer_gone {
             let e = CqPoller::gone_error(&s.peer);
-            s.failure.set(e.to_string());
-            return Err(e);
+            return s.failure.record(Err(e));
         }
         Ok(None)
     }
@@ -982,23 +974,18 @@ impl VerbsRecvComm {
     pub fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], rkeys: &[u32]) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.failure.check()?;
-        if let Err(e) = s.progress() {
-            s.failure.set(e.to_string());
-            return Err(e);
-        }
+        let r = s.progress();
+        s.failure.record(r)?;
         if s.cq.peer_gone {
             let e = CqPoller::gone_error(&s.peer);
-            s.failure.set(e.to_string());
-            return Err(e);
+            return s.failure.record(Err(e));
         }
         let slot = s.seq as usize % SLOTS;
         if s.slots[slot].busy {
             return Ok(None);
         }
-        if let Err(e) = s.post_receive(slot, bufs, tags, rkeys) {
-            s.failure.set(e.to_string());
-            return Err(e);
-        }
+        let r = s.post_receive(slot, bufs, tags, rkeys);
+        s.failure.record(r)?;
         Ok(Some(slot))
     }
 
@@ -1024,10 +1011,8 @@ impl VerbsRecvComm {
             .read(target, 1, lkey, bufs[last].addr() as u64, rkeys[last]);
         s.chain.finish(WR_FLUSH | fslot as u64, 0);
         let qp = s.flush_qp.as_ref().expect("checked above");
-        if let Err(e) = s.chain.post(qp) {
-            s.failure.set(e.to_string());
-            return Err(e);
-        }
+        let r = s.chain.post(qp);
+        s.failure.record(r)?;
         s.flush_slots[fslot] = FlushSlot::Pending;
         s.flush_seq = s.flush_seq.wrapping_add(1);
         Ok(Some(FLUSH_ID_BASE + fslot))
@@ -1036,9 +1021,8 @@ impl VerbsRecvComm {
     /// Tests receive or flush request `id`.
     pub fn test(&self, id: usize) -> Result<Option<Completion>> {
         let mut s = self.inner.lock();
-        if let Err(e) = s.progress() {
-            s.failure.set(e.to_string());
-        }
+        let r = s.progress();
+        let _ = s.failure.record(r);
         if id >= FLUSH_ID_BASE {
             let f = id - FLUSH_ID_BASE;
             return match s.flush_slots.get(f) {
@@ -1067,13 +1051,11 @@ impl VerbsRecvComm {
             }
             // Completions the peer caused before it left are already in the CQ: look once
             // more before calling the request lost.
-            if let Err(e) = s.progress() {
-                s.failure.set(e.to_string());
-            }
+            let r = s.progress();
+            let _ = s.failure.record(r);
             if s.slots[id].imm_pending > 0 {
                 let e = CqPoller::gone_error(&s.peer);
-                s.failure.set(e.to_string());
-                return Err(e);
+                return s.failure.record(Err(e));
             }
         }
         s.finish_receive(id)
