@@ -46,3 +46,23 @@ build_release() {
   out=$(release_dir)
   cp -f "$out/libnccl_net_erdma.so" "$out/libnccl-net-erdma.so"
 }
+
+# Step bookkeeping for the tier scripts: `step_prefix NAME`, then `result PASS|FAIL|SKIP STEP
+# START [NOTE]` after each step (START from `now`); the counts are in passed/failed/skipped.
+passed=0
+failed=0
+skipped=0
+step_name=steps
+step_prefix() {
+  step_name=$1
+}
+now() { date +%s.%N; }
+since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
+result() {
+  case $1 in
+    PASS) passed=$((passed + 1)) ;;
+    FAIL) failed=$((failed + 1)) ;;
+    SKIP) skipped=$((skipped + 1)) ;;
+  esac
+  echo "$step_name: $1 $2 ($(since "$3") s)${4:+ -- $4}"
+}

@@ -36,19 +36,8 @@ fuzz_seconds=${RELIABILITY_FUZZ_SECONDS:-60}
 fuzz_target_dir=${RELIABILITY_FUZZ_TARGET_DIR:-$HOME/.cache/nccl-net-erdma/fuzz-target}
 targets=(handle_decode handshake)
 
-start=$(date +%s.%N)
-passed=0
-failed=0
-now() { date +%s.%N; }
-since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-# result PASS|FAIL STEP START [NOTE]
-result() {
-  case $1 in
-    PASS) passed=$((passed + 1)) ;;
-    FAIL) failed=$((failed + 1)) ;;
-  esac
-  echo "reliability: $1 $2 ($(since "$3") s)${4:+ -- $4}"
-}
+step_prefix reliability
+start=$(now)
 finish() {
   echo "reliability: total $(since "$start") s"
   echo "reliability: $passed passed, $failed failed"

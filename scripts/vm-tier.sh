@@ -25,25 +25,11 @@ trap 'echo "vm-tier: error: line $LINENO: \`$BASH_COMMAND\` failed (exit $?)" >&
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
-if [[ -z "${LIBCLANG_PATH:-}" && -d /usr/lib/llvm-14/lib ]]; then
-  export LIBCLANG_PATH=/usr/lib/llvm-14/lib # bindgen (see scripts/common.sh)
-fi
+# shellcheck source=scripts/common.sh
+source scripts/common.sh
 
-tier_start=$(date +%s.%N)
-passed=0
-failed=0
-skipped=0
-now() { date +%s.%N; }
-since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-# result PASS|FAIL|SKIP STEP START [NOTE]
-result() {
-  case $1 in
-    PASS) passed=$((passed + 1)) ;;
-    FAIL) failed=$((failed + 1)) ;;
-    SKIP) skipped=$((skipped + 1)) ;;
-  esac
-  echo "vm-tier: $1 $2 ($(since "$3") s)${4:+ -- $4}"
-}
+step_prefix vm-tier
+tier_start=$(now)
 
 work=$(mktemp -d "${TMPDIR:-/tmp}/vm-tier.XXXXXX")
 stage=$work/stage
