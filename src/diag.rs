@@ -131,7 +131,11 @@ fn describe_port(d: &VerbsDevice, config: &Config) -> String {
         d.ibv_name,
         d.port,
         port_state(d.state),
-        d.driver.as_deref().unwrap_or("?"),
+        d.driver.as_deref().unwrap_or(if d.pci_path.is_none() {
+            "none (a software device)"
+        } else {
+            "?"
+        }),
         d.vendor_id,
         d.active_mtu_bytes(),
         d.gid_index,
