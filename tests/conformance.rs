@@ -664,25 +664,7 @@ fn two_processes_every_version() {
         let r = poll_until("accept", || net.accept(listen).unwrap());
         net.close_listen(listen).unwrap();
         let sizes = [0usize, 1, 4099, 1 << 20, (4 << 20) + 1];
-        for (i, &size) in sizes.iter().enumerate() {
-            let mut dst = reg(&net, r, vec![0u8; size + 16]);
-            let req = poll_until("irecv", || {
-                net.irecv(
-                    r,
-                    &[(dst.buf.as_mut_ptr(), size + 16)],
-                    &[7],
-                    &[dst.mh],
-                    false,
-                )
-                .unwrap()
-            });
-            assert_eq!(wait(&net, req, 1), vec![size as i32], "v{v} size");
-            assert!(
-                dst.buf[..size] == pattern(i as u64, size)[..],
-                "v{v}: {size} bytes"
-            );
-            dereg(&net, r, dst);
-        }
+        recv_patterns(&net, r, &sizes, 16);
         let mut out = String::new();
         for line in BufReader::new(child.stdout.take().unwrap()).lines() {
             out.push_str(&line.unwrap());
@@ -706,14 +688,7 @@ fn child_sender() {
     let mut net = open(v);
     let s = poll_until("connect", || net.connect(0, &mut handle).unwrap());
     let sizes = [0usize, 1, 4099, 1 << 20, (4 << 20) + 1];
-    for (i, &size) in sizes.iter().enumerate() {
-        let mut src = reg(&net, s, pattern(i as u64, size));
-        let req = poll_until("isend", || {
-            net.isend(s, src.buf.as_mut_ptr(), size, 7, src.mh).unwrap()
-        });
-        assert_eq!(wait(&net, req, 1), vec![size as i32]);
-        dereg(&net, s, src);
-    }
+    send_patterns(&net, s, &sizes);
     net.close_send(s).unwrap();
     net.finalize().unwrap();
     std::io::stdout().flush().unwrap();

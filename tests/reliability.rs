@@ -830,25 +830,7 @@ fn child_survivor_receives() {
     let r = poll_until("accept", || net.accept(listen).unwrap());
     net.close_listen(listen).unwrap();
     // Verified traffic first.
-    for (i, &size) in KILL_SIZES.iter().enumerate() {
-        let mut dst = reg(&net, r, vec![0u8; size + 8]);
-        let req = poll_until("irecv", || {
-            net.irecv(
-                r,
-                &[(dst.buf.as_mut_ptr(), size + 8)],
-                &[7],
-                &[dst.mh],
-                false,
-            )
-            .unwrap()
-        });
-        assert_eq!(wait(&net, req, 1), vec![size as i32]);
-        assert!(
-            dst.buf[..size] == pattern(i as u64, size)[..],
-            "message {i}"
-        );
-        dereg(&net, r, dst);
-    }
+    recv_patterns(&net, r, &KILL_SIZES, 8);
     // A grouped receive of two messages; the peer sends the first and is killed.
     let mut a = reg(&net, r, vec![0u8; HALF]);
     let mut b = reg(&net, r, vec![0u8; HALF]);
@@ -899,14 +881,7 @@ fn child_victim_sends() {
     let mut handle = unhex(&std::env::var("CHILD_HANDLE").unwrap());
     let net = open(11);
     let s = poll_until("connect", || net.connect(0, &mut handle).unwrap());
-    for (i, &size) in KILL_SIZES.iter().enumerate() {
-        let mut src = reg(&net, s, pattern(i as u64, size));
-        let req = poll_until("isend", || {
-            net.isend(s, src.buf.as_mut_ptr(), size, 7, src.mh).unwrap()
-        });
-        wait(&net, req, 1);
-        dereg(&net, s, src);
-    }
+    send_patterns(&net, s, &KILL_SIZES);
     // The first message of the group only.
     let mut src = reg(&net, s, pattern(50, HALF));
     poll_until("isend", || {
@@ -935,14 +910,7 @@ fn child_survivor_sends() {
     let mut victim = Victim::spawn("child_victim_receives", &[]);
     let mut handle = unhex(&victim.expect("HANDLE"));
     let s = poll_until("connect", || net.connect(0, &mut handle).unwrap());
-    for (i, &size) in KILL_SIZES.iter().enumerate() {
-        let mut src = reg(&net, s, pattern(i as u64, size));
-        let req = poll_until("isend", || {
-            net.isend(s, src.buf.as_mut_ptr(), size, 7, src.mh).unwrap()
-        });
-        wait(&net, req, 1);
-        dereg(&net, s, src);
-    }
+    send_patterns(&net, s, &KILL_SIZES);
     victim.expect("POSTED");
     // The peer posted a grouped receive of two: the first send matches its clear-to-send
     // (on verbs nothing is written until both have matched).
@@ -1015,25 +983,7 @@ fn child_victim_receives() {
     std::io::stdout().flush().unwrap();
     let r = poll_until("accept", || net.accept(listen).unwrap());
     net.close_listen(listen).unwrap();
-    for (i, &size) in KILL_SIZES.iter().enumerate() {
-        let mut dst = reg(&net, r, vec![0u8; size + 8]);
-        let req = poll_until("irecv", || {
-            net.irecv(
-                r,
-                &[(dst.buf.as_mut_ptr(), size + 8)],
-                &[7],
-                &[dst.mh],
-                false,
-            )
-            .unwrap()
-        });
-        assert_eq!(wait(&net, req, 1), vec![size as i32]);
-        assert!(
-            dst.buf[..size] == pattern(i as u64, size)[..],
-            "message {i}"
-        );
-        dereg(&net, r, dst);
-    }
+    recv_patterns(&net, r, &KILL_SIZES, 8);
     if std::env::var_os("VICTIM_IDLE").is_some() {
         // Posts nothing more: the survivor's next send waits for a receive.
         println!("VICTIM IDLE");
@@ -1068,14 +1018,7 @@ fn child_survivor_waits() {
     let mut victim = Victim::spawn("child_victim_receives", &[("VICTIM_IDLE", "1")]);
     let mut handle = unhex(&victim.expect("HANDLE"));
     let s = poll_until("connect", || net.connect(0, &mut handle).unwrap());
-    for (i, &size) in KILL_SIZES.iter().enumerate() {
-        let mut src = reg(&net, s, pattern(i as u64, size));
-        let req = poll_until("isend", || {
-            net.isend(s, src.buf.as_mut_ptr(), size, 7, src.mh).unwrap()
-        });
-        wait(&net, req, 1);
-        dereg(&net, s, src);
-    }
+    send_patterns(&net, s, &KILL_SIZES);
     victim.expect("IDLE");
     victim.kill();
     // NCCL's proxy calls isend again and again while it returns no request: that loop must

@@ -200,6 +200,42 @@ pub fn transfer(net: &Net, s: Opaque, r: Opaque, send_len: usize, recv_len: usiz
     dereg(net, r, dst);
 }
 
+/// Sends `pattern(i, sizes[i])` with tag 7 for each `i`, each checked complete with its size.
+pub fn send_patterns(net: &Net, s: Opaque, sizes: &[usize]) {
+    for (i, &size) in sizes.iter().enumerate() {
+        let mut src = reg(net, s, pattern(i as u64, size));
+        let req = poll_until("isend", || {
+            net.isend(s, src.buf.as_mut_ptr(), size, 7, src.mh).unwrap()
+        });
+        assert_eq!(wait(net, req, 1), vec![size as i32], "send {i}");
+        dereg(net, s, src);
+    }
+}
+
+/// Receives what [`send_patterns`] sends, into buffers `slack` bytes larger, checking every
+/// reported size and every byte.
+pub fn recv_patterns(net: &Net, r: Opaque, sizes: &[usize], slack: usize) {
+    for (i, &size) in sizes.iter().enumerate() {
+        let mut dst = reg(net, r, vec![0u8; size + slack]);
+        let req = poll_until("irecv", || {
+            net.irecv(
+                r,
+                &[(dst.buf.as_mut_ptr(), size + slack)],
+                &[7],
+                &[dst.mh],
+                false,
+            )
+            .unwrap()
+        });
+        assert_eq!(wait(net, req, 1), vec![size as i32], "receive {i}");
+        assert!(
+            dst.buf[..size] == pattern(i as u64, size)[..],
+            "message {i}"
+        );
+        dereg(net, r, dst);
+    }
+}
+
 /// True in a child started by [`run_child`].
 pub fn is_child() -> bool {
     std::env::var_os("CONFORMANCE_CHILD").is_some()
