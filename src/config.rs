@@ -77,25 +77,22 @@ impl NameFilter {
             let (name, port) = match item.split_once(':') {
                 Some((name, port)) if with_ports => {
                     let port = port.parse::<u32>().ok().filter(|p| *p > 0).ok_or_else(|| {
-                        Error::Config {
+                        Error::config(
                             var,
-                            value: raw.to_string(),
-                            accepted: "a list of device[:port] names, port a positive number"
-                                .into(),
-                        }
+                            raw,
+                            "a list of device[:port] names, port a positive number",
+                        )
                     })?;
                     (name, Some(port))
                 }
                 _ => (item, None),
             };
             if name.is_empty() {
-                return Err(Error::Config {
+                return Err(Error::config(
                     var,
-                    value: raw.to_string(),
-                    accepted:
-                        "a comma-separated list of names, optionally starting with ^ and/or ="
-                            .into(),
-                });
+                    raw,
+                    "a comma-separated list of names, optionally starting with ^ and/or =",
+                ));
             }
             entries.push(NameEntry {
                 name: name.to_string(),
@@ -210,22 +207,14 @@ where
         .ok()
         .filter(|v| (min..=max).contains(v))
         .and_then(|v| T::try_from(v).ok())
-        .ok_or_else(|| Error::Config {
-            var,
-            value: raw.to_string(),
-            accepted: format!("an integer from {min} to {max}"),
-        })
+        .ok_or_else(|| Error::config(var, raw, format!("an integer from {min} to {max}")))
 }
 
 fn family(var: &'static str, raw: &str) -> Result<AddrFamily> {
     match raw.trim() {
         "AF_INET" | "inet" | "ipv4" => Ok(AddrFamily::Inet),
         "AF_INET6" | "inet6" | "ipv6" => Ok(AddrFamily::Inet6),
-        _ => Err(Error::Config {
-            var,
-            value: raw.to_string(),
-            accepted: "AF_INET or AF_INET6".into(),
-        }),
+        _ => Err(Error::config(var, raw, "AF_INET or AF_INET6")),
     }
 }
 
@@ -256,11 +245,7 @@ impl Config {
                     "verbs" | "ib" | "rdma" => Ok(TransportChoice::Verbs),
                     "tcp" | "socket" => Ok(TransportChoice::Tcp),
                     "auto" => Ok(TransportChoice::Auto),
-                    _ => Err(Error::Config {
-                        var: TRANSPORT,
-                        value: raw.to_string(),
-                        accepted: "verbs, tcp or auto".into(),
-                    }),
+                    _ => Err(Error::config(TRANSPORT, raw, "verbs, tcp or auto")),
                 }
             })?,
             socket_ifname: read(get("NCCL_SOCKET_IFNAME"), None, |raw| {
@@ -411,10 +396,12 @@ impl<T: Show> Show for Option<T> {
 
 /// Parses `a.b.c.d/len` or `x:y::z/len` into (address, prefix length).
 pub fn parse_cidr(raw: &str) -> Result<(std::net::IpAddr, u8)> {
-    let bad = || Error::Config {
-        var: "NCCL_IB_ADDR_RANGE",
-        value: raw.to_string(),
-        accepted: "an address range in CIDR form, e.g. 10.0.0.0/24 or fd00::/64".into(),
+    let bad = || {
+        Error::config(
+            "NCCL_IB_ADDR_RANGE",
+            raw,
+            "an address range in CIDR form, e.g. 10.0.0.0/24 or fd00::/64",
+        )
     };
     let (addr, len) = raw.trim().split_once('/').ok_or_else(bad)?;
     let addr: std::net::IpAddr = addr.parse().map_err(|_| bad())?;

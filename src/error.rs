@@ -20,28 +20,39 @@ pub enum ErrorKind {
     Remote,
 }
 
-/// A plugin failure, with enough context for one useful WARN line.
+/// A setting with a value the plugin cannot use.
+#[derive(Debug, thiserror::Error)]
+#[error("{var}={value} is not valid: {accepted}")]
+pub struct ConfigError {
+    /// Environment variable name.
+    pub var: &'static str,
+    /// The value found.
+    pub value: String,
+    /// What would have been accepted.
+    pub accepted: String,
+}
+
+/// A failed system or library call.
+#[derive(Debug, thiserror::Error)]
+#[error("{context}: {source}")]
+pub struct OsError {
+    /// What the plugin was doing.
+    pub context: String,
+    /// The OS error.
+    #[source]
+    pub source: io::Error,
+}
+
+/// A plugin failure, with enough context for one useful WARN line. Every variant is at most
+/// one `String` wide (bigger payloads are boxed), so `Result`s stay small on the data path.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A setting has a value the plugin cannot use.
-    #[error("{var}={value} is not valid: {accepted}")]
-    Config {
-        /// Environment variable name.
-        var: &'static str,
-        /// The value found.
-        value: String,
-        /// What would have been accepted.
-        accepted: String,
-    },
+    #[error(transparent)]
+    Config(Box<ConfigError>),
     /// A system call or library call failed.
-    #[error("{context}: {source}")]
-    Os {
-        /// What the plugin was doing.
-        context: String,
-        /// The OS error.
-        #[source]
-        source: io::Error,
-    },
+    #[error(transparent)]
+    Os(Box<OsError>),
     /// No usable network device for the selected transport.
     #[error("{0}")]
     NoDevice(String),
@@ -67,28 +78,34 @@ pub enum Error {
 }
 
 impl Error {
+    /// Builds an [`Error::Config`].
+    pub fn config(var: &'static str, value: &str, accepted: impl Into<String>) -> Self {
+        Error::Config(Box::new(ConfigError {
+            var,
+            value: value.to_string(),
+            accepted: accepted.into(),
+        }))
+    }
+
     /// Builds an [`Error::Os`] from the last OS error.
     pub fn last_os(context: impl Into<String>) -> Self {
-        Error::Os {
-            context: context.into(),
-            source: io::Error::last_os_error(),
-        }
+        Self::io(context, io::Error::last_os_error())
     }
 
     /// Builds an [`Error::Os`] from an I/O error.
     pub fn io(context: impl Into<String>, source: io::Error) -> Self {
-        Error::Os {
+        Error::Os(Box::new(OsError {
             context: context.into(),
             source,
-        }
+        }))
     }
 
     /// The class NCCL is told about.
     pub fn kind(&self) -> ErrorKind {
         match self {
-            Error::Config { .. } | Error::Usage(_) | Error::Truncated(_) => ErrorKind::InvalidUsage,
-            Error::Os { source, .. } if is_peer_loss(source) => ErrorKind::Remote,
-            Error::Os { .. } | Error::NoDevice(_) | Error::Device(_) => ErrorKind::System,
+            Error::Config(_) | Error::Usage(_) | Error::Truncated(_) => ErrorKind::InvalidUsage,
+            Error::Os(e) if is_peer_loss(&e.source) => ErrorKind::Remote,
+            Error::Os(_) | Error::NoDevice(_) | Error::Device(_) => ErrorKind::System,
             Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
             Error::Misuse(_) => ErrorKind::Internal,
             Error::Remote(_) => ErrorKind::Remote,
@@ -121,11 +138,7 @@ mod tests {
 
     #[test]
     fn kinds_follow_nccl_guidance() {
-        let cfg = Error::Config {
-            var: "NCCL_ERDMA_TRANSPORT",
-            value: "foo".into(),
-            accepted: "verbs, tcp or auto".into(),
-        };
+        let cfg = Error::config("NCCL_ERDMA_TRANSPORT", "foo", "verbs, tcp or auto");
         assert_eq!(cfg.kind(), ErrorKind::InvalidUsage);
         assert_eq!(
             cfg.to_string(),
@@ -136,5 +149,7 @@ mod tests {
         let perm = Error::io("bind", io::Error::from(io::ErrorKind::PermissionDenied));
         assert_eq!(perm.kind(), ErrorKind::System);
         assert_eq!(Error::Misuse("x".into()).kind(), ErrorKind::Internal);
+        // Results stay small on the data path: no variant is wider than a String.
+        assert!(std::mem::size_of::<Error>() <= 32);
     }
 }

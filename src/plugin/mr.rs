@@ -152,13 +152,17 @@ impl MrTable {
         if before != (generation << 2 | LIVE) {
             return Err(unknown(handle));
         }
+        let (kind, keys) = (
+            slot.kind.load(Ordering::Relaxed),
+            slot.keys.load(Ordering::Relaxed),
+        );
         let reg = Registration {
             addr: slot.addr.load(Ordering::Relaxed) as usize,
             len: slot.len.load(Ordering::Relaxed) as usize,
-            ptr_type: slot.kind.load(Ordering::Relaxed) as u32 as i32,
-            dev: (slot.kind.load(Ordering::Relaxed) >> 32) as usize,
-            lkey: slot.keys.load(Ordering::Relaxed) as u32,
-            rkey: (slot.keys.load(Ordering::Relaxed) >> 32) as u32,
+            ptr_type: kind as u32 as i32,
+            dev: (kind >> 32) as usize,
+            lkey: keys as u32,
+            rkey: (keys >> 32) as u32,
         };
         fence(Ordering::Acquire);
         if slot.state.load(Ordering::Relaxed) != before {

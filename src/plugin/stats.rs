@@ -83,9 +83,7 @@ impl CommStats {
         device: &DeviceTotals,
     ) {
         match r {
-            Ok(Some(c)) if c.n > 0 => {
-                self.completed(c.n as u64, c.sizes[..c.n].iter().sum::<usize>() as u64)
-            }
+            Ok(Some(c)) if c.n > 0 => self.completed(c.n as u64, c.bytes()),
             Err(_) => self.failed(),
             _ => {}
         }

@@ -13,21 +13,33 @@ pub const MAX_REQUESTS: usize = 32;
 /// Sends in flight per send comm: one per entry of every in-flight grouped receive.
 pub const MAX_SEND_REQUESTS: usize = MAX_REQUESTS * MAX_RECVS;
 
-/// What `test` reports for a finished request: the size of each of its `n` messages.
+/// What `test` reports for a finished request: the size of each of its `n` messages. Sizes
+/// fit in 32 bits (`maxP2pBytes` is 1 GiB), which keeps the data path's results small.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Completion {
     /// Number of messages (1 for a send, `n` for a grouped receive, 0 for a flush).
     pub n: usize,
     /// Received (or sent) size of each message.
-    pub sizes: [usize; MAX_RECVS],
+    pub sizes: [u32; MAX_RECVS],
 }
 
 impl Completion {
     /// A completion of one message of `size` bytes.
     pub fn single(size: usize) -> Self {
         let mut sizes = [0; MAX_RECVS];
-        sizes[0] = size;
+        sizes[0] = size as u32;
         Completion { n: 1, sizes }
+    }
+
+    /// A completion with no message (a flush).
+    pub const EMPTY: Completion = Completion {
+        n: 0,
+        sizes: [0; MAX_RECVS],
+    };
+
+    /// Total bytes of the messages.
+    pub fn bytes(&self) -> u64 {
+        self.sizes[..self.n].iter().map(|s| u64::from(*s)).sum()
     }
 }
 

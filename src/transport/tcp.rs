@@ -294,10 +294,14 @@ impl TcpRecvComm {
                         "the peer sent {sent} bytes to a receive of {posted} bytes"
                     )));
                 }
-                Ok(Some(Completion {
+                let mut c = Completion {
                     n: req.n,
-                    sizes: req.sizes,
-                }))
+                    ..Completion::EMPTY
+                };
+                for (out, size) in c.sizes.iter_mut().zip(&req.sizes[..req.n]) {
+                    *out = *size as u32;
+                }
+                Ok(Some(c))
             }
             RecvState::Active => {
                 s.failure.check()?;

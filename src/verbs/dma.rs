@@ -45,10 +45,10 @@ impl<T: Copy> DmaBuffer<T> {
         // bytes are the initial value the protocol expects.
         let ptr = unsafe { alloc::alloc_zeroed(layout) } as *mut T;
         if ptr.is_null() {
-            return Err(Error::Os {
-                context: "allocating a registered buffer".into(),
-                source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
-            });
+            return Err(Error::io(
+                "allocating a registered buffer",
+                std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+            ));
         }
         let mut buf = DmaBuffer {
             mr: None,

@@ -410,10 +410,10 @@ impl Cq {
         // SAFETY: raw is live; wcs has room for len entries.
         let n = unsafe { poll(self.raw, wcs.len() as i32, wcs.as_mut_ptr()) };
         if n < 0 {
-            return Err(Error::Os {
-                context: format!("ibv_poll_cq({})", self.ctx.name),
-                source: std::io::Error::from_raw_os_error(-n),
-            });
+            return Err(Error::io(
+                format!("ibv_poll_cq({})", self.ctx.name),
+                std::io::Error::from_raw_os_error(-n),
+            ));
         }
         Ok(n as usize)
     }
@@ -592,14 +592,12 @@ impl Qp {
             | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC
             | ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER;
         self.modify(&mut a, mask, "RTR").map_err(|e| match e {
-            Error::Os { context, source } if source.raw_os_error() == Some(libc::EINVAL) => {
-                Error::Os {
-                    context: format!(
-                        "{context} (EINVAL usually means an unusable GID index: check \
-                         NCCL_IB_GID_INDEX / NCCL_IB_ADDR_FAMILY)"
-                    ),
-                    source,
-                }
+            Error::Os(mut os) if os.source.raw_os_error() == Some(libc::EINVAL) => {
+                os.context.push_str(
+                    " (EINVAL usually means an unusable GID index: check NCCL_IB_GID_INDEX / \
+                     NCCL_IB_ADDR_FAMILY)",
+                );
+                Error::Os(os)
             }
             e => e,
         })

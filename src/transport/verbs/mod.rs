@@ -1028,10 +1028,7 @@ impl VerbsRecvComm {
             return match s.flush_slots.get(f) {
                 Some(FlushSlot::Done) => {
                     s.flush_slots[f] = FlushSlot::Free;
-                    Ok(Some(Completion {
-                        n: 0,
-                        sizes: [0; MAX_RECVS],
-                    }))
+                    Ok(Some(Completion::EMPTY))
                 }
                 Some(FlushSlot::Pending) => s.failure.check().map(|()| None),
                 _ => Err(Error::Misuse(format!(
@@ -1078,7 +1075,7 @@ impl RecvState {
                 self.sizes_record.get(id * MAX_RECVS + i)
             };
             truncated |= v == TRUNCATED;
-            c.sizes[i] = v as usize;
+            c.sizes[i] = v;
         }
         if truncated {
             return Err(Error::Truncated(format!(
