@@ -55,11 +55,17 @@ impl Failure {
         }
     }
     /// Passes `r` through, remembering its error as the comm's failure.
+    #[inline]
     pub(crate) fn record<T>(&mut self, r: Result<T>) -> Result<T> {
         if let Err(e) = &r {
-            self.set(e.to_string());
+            self.note(e);
         }
         r
+    }
+
+    #[cold]
+    fn note(&mut self, e: &Error) {
+        self.set(e.to_string());
     }
     pub(crate) fn check(&self) -> Result<()> {
         match &self.0 {
