@@ -673,6 +673,16 @@ struct SendSlot {
 }
 
 impl SendSlot {
+    fn start(&mut self, n: usize) {
+        self.busy = true;
+        self.n = n;
+        self.matched = 0;
+        self.tested = 0;
+        self.cqe_pending = 0;
+        self.posted = false;
+        self.trunc = 0;
+    }
+
     const FREE: SendSlot = SendSlot {
         busy: false,
         n: 0,
@@ -757,11 +767,9 @@ impl VerbsSendComm {
         }
         let st = &mut s.slots[slot];
         if !st.busy {
-            *st = SendSlot {
-                busy: true,
-                n,
-                ..SendSlot::FREE
-            };
+            // Only the bookkeeping is reset: the per-message arrays are written as each
+            // send matches, and only the first n are read.
+            st.start(n);
         }
         let Some(e) = (0..n).find(|&i| st.matched & (1 << i) == 0 && entries[i].tag == tag) else {
             return Ok(None);
@@ -806,7 +814,7 @@ impl VerbsSendComm {
             let size = st.sizes[e];
             st.tested |= 1 << e;
             if st.tested == st.matched && st.matched.count_ones() as usize == st.n {
-                *st = SendSlot::FREE;
+                st.busy = false;
             }
             return Ok(Some(Completion::single(size)));
         }
