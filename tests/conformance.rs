@@ -113,9 +113,7 @@ fn loopback_one_thread_all_sizes_every_version() {
         // A receive larger than the send reports the real size.
         transfer(&net, s, r, 1000, 8192, 99);
         transfer(&net, s, r, 0, 64, 100);
-        net.close_send(s).unwrap();
-        net.close_recv(r).unwrap();
-        net.finalize().unwrap();
+        close_pair(&mut net, s, r);
     }
 }
 
@@ -165,9 +163,7 @@ fn grouped_receive_with_mixed_tags_fills_every_size() {
         for d in dst {
             dereg(&net, r, d);
         }
-        net.close_send(s).unwrap();
-        net.close_recv(r).unwrap();
-        net.finalize().unwrap();
+        close_pair(&mut net, s, r);
     }
 }
 
@@ -220,9 +216,7 @@ fn requests_are_null_when_they_cannot_be_posted_and_32_by_8_fit() {
     for d in dst {
         dereg(&net, r, d);
     }
-    net.close_send(s).unwrap();
-    net.close_recv(r).unwrap();
-    net.finalize().unwrap();
+    close_pair(&mut net, s, r);
 }
 
 #[test]
@@ -256,9 +250,7 @@ fn send_larger_than_receive_is_an_error_on_both_sides() {
     assert!(dst.buf.iter().all(|b| *b == 0), "nothing was written");
     src.buf.truncate(0);
     dst.buf.truncate(0);
-    net.close_send(s).unwrap();
-    net.close_recv(r).unwrap();
-    net.finalize().unwrap();
+    close_pair(&mut net, s, r);
 }
 
 #[test]
@@ -281,9 +273,7 @@ fn optional_receive_hint_is_always_overwritten() {
         assert_eq!(dst.buf, src.buf);
         dereg(&net, r, dst);
         dereg(&net, s, src);
-        net.close_send(s).unwrap();
-        net.close_recv(r).unwrap();
-        net.finalize().unwrap();
+        close_pair(&mut net, s, r);
     }
 }
 
@@ -304,9 +294,7 @@ fn iflush_returns_no_request_and_dereg_accepts_null() {
         ncclResult_t::ncclInternalError,
         "double deregistration is reported"
     );
-    net.close_send(s).unwrap();
-    net.close_recv(r).unwrap();
-    net.finalize().unwrap();
+    close_pair(&mut net, s, r);
 }
 
 #[test]
@@ -360,9 +348,7 @@ fn bad_arguments_are_error_codes() {
         "a send comm as recv comm"
     );
     net.dereg_mr(s, mh).unwrap();
-    net.close_send(s).unwrap();
-    net.close_recv(r).unwrap();
-    net.finalize().unwrap();
+    close_pair(&mut net, s, r);
 }
 
 #[test]
@@ -457,9 +443,7 @@ fn dlclose_dlopen_cycles_with_traffic() {
         let mut net = open(v);
         let (s, r) = connect_pair(&net);
         transfer(&net, s, r, 4096 + cycle, 8192, cycle as u64);
-        net.close_send(s).unwrap();
-        net.close_recv(r).unwrap();
-        net.finalize().unwrap();
+        close_pair(&mut net, s, r);
         net.close();
     }
 }
@@ -595,9 +579,7 @@ fn child_auto_transport_uses_tcp() {
     assert!(net.properties(0).unwrap().name.starts_with("erdma-tcp-"));
     let (s, r) = connect_pair(&net);
     transfer(&net, s, r, 12345, 12345, 1);
-    net.close_send(s).unwrap();
-    net.close_recv(r).unwrap();
-    net.finalize().unwrap();
+    close_pair(&mut net, s, r);
 }
 
 #[test]
@@ -801,9 +783,7 @@ fn child_verbs_traffic() {
     for src in srcs {
         dereg(&net, s, src);
     }
-    net.close_send(s).unwrap();
-    net.close_recv(r).unwrap();
-    net.finalize().unwrap();
+    close_pair(&mut net, s, r);
 }
 
 #[test]
@@ -856,9 +836,7 @@ fn child_verbs_flush() {
     assert!(dst.buf[..3000] == src.buf[..]);
     dereg(&net, r, dst);
     dereg(&net, s, src);
-    net.close_send(s).unwrap();
-    net.close_recv(r).unwrap();
-    net.finalize().unwrap();
+    close_pair(&mut net, s, r);
 }
 
 #[test]
@@ -940,9 +918,7 @@ fn child_default_transport_verbs() {
     );
     let (s, r) = connect_pair(&net);
     transfer(&net, s, r, 100_000, 100_000, 5);
-    net.close_send(s).unwrap();
-    net.close_recv(r).unwrap();
-    net.finalize().unwrap();
+    close_pair(&mut net, s, r);
 }
 
 #[test]
@@ -970,9 +946,7 @@ fn child_stats_lines() {
         transfer(&net, s, r, 1000, 4096, sent);
         sent += 1;
     }
-    net.close_send(s).unwrap();
-    net.close_recv(r).unwrap();
-    net.finalize().unwrap();
+    close_pair(&mut net, s, r);
     let lines = client::logged_lines();
     for dir in ["tx", "rx"] {
         let summary = format!("closed {dir} comm #");
@@ -1049,8 +1023,6 @@ fn child_profiler_events() {
             .filter_map(|e| e.descr.filter(|d| d.0 == 1).map(|d| (d.1, d.2)))
             .collect();
         assert_eq!(recvs, vec![(1, 4096); 3], "v{v}: posted receive sizes");
-        net.close_send(s).unwrap();
-        net.close_recv(r).unwrap();
-        net.finalize().unwrap();
+        close_pair(&mut net, s, r);
     }
 }

@@ -106,6 +106,14 @@ pub fn connect_pair(net: &Net) -> (Opaque, Opaque) {
     (send, recv)
 }
 
+/// Closes a pair from [`connect_pair`] and finalizes the client's context (v11), asserting
+/// each call succeeds.
+pub fn close_pair(net: &mut Net, s: Opaque, r: Opaque) {
+    net.close_send(s).expect("closeSend");
+    net.close_recv(r).expect("closeRecv");
+    net.finalize().expect("finalize");
+}
+
 /// Deterministic bytes for message `seed`.
 pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
     let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
