@@ -7,6 +7,14 @@ if [[ -z "${LIBCLANG_PATH:-}" && -d /usr/lib/llvm-14/lib ]]; then
   export LIBCLANG_PATH=/usr/lib/llvm-14/lib
 fi
 
+# `--help`/`-h`: prints the calling script's header comment (line 2 up to `set -`) and exits.
+help_from_header() {
+  if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    sed -n '2,/^set -/{/^set -/d;s/^# \{0,1\}//;p}' "$0"
+    exit 0
+  fi
+}
+
 # Where cargo leaves release artifacts.
 release_dir() {
   echo "${CARGO_TARGET_DIR:-target}/release"

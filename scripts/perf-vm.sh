@@ -30,10 +30,7 @@ cd "$root"
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
 
-if [[ ${1:-} == -h || ${1:-} == --help ]]; then
-  sed -n '2,/^set -/{/^set -/d;s/^# \{0,1\}//;p}' "$0"
-  exit 0
-fi
+help_from_header "$@"
 start=$SECONDS
 
 # Sizes in bytes (K/M suffixes allowed), checked here rather than in the VM.
