@@ -49,18 +49,28 @@ pub fn to_nccl(e: &Error) -> ncclResult_t {
 }
 
 /// Runs one export: panics and errors become result codes, each logged once.
+#[inline]
 pub(crate) fn boundary(call: &'static str, f: impl FnOnce() -> Result<()>) -> ncclResult_t {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => ncclResult_t::ncclSuccess,
-        Ok(Err(e)) => {
-            tracing::warn!("{call}: {e}");
-            to_nccl(&e)
-        }
-        Err(_) => {
-            tracing::warn!("{call}: internal error (a panic, reported above)");
-            ncclResult_t::ncclInternalError
-        }
+        Ok(Err(e)) => failed(call, &e),
+        Err(_) => panicked(call),
     }
+}
+
+// Out of line, so the success path of every export stays small.
+#[cold]
+#[inline(never)]
+fn failed(call: &str, e: &Error) -> ncclResult_t {
+    tracing::warn!("{call}: {e}");
+    to_nccl(e)
+}
+
+#[cold]
+#[inline(never)]
+fn panicked(call: &str) -> ncclResult_t {
+    tracing::warn!("{call}: internal error (a panic, reported above)");
+    ncclResult_t::ncclInternalError
 }
 
 /// Routes logging to NCCL's logger (when given) and installs the panic hook, once.
@@ -106,12 +116,23 @@ pub(crate) fn install_logging(logger: ffi::ncclDebugLogger_t) {
 }
 
 /// Errors unless `p` is non-NULL.
+#[inline]
 pub(crate) fn non_null<T>(p: *const T, what: &str) -> Result<()> {
     if p.is_null() {
-        Err(Error::InvalidArgument(format!("{what} is NULL")))
+        Err(null_argument(what))
     } else {
         Ok(())
     }
+}
+
+#[cold]
+fn null_argument(what: &str) -> Error {
+    Error::InvalidArgument(format!("{what} is NULL"))
+}
+
+#[cold]
+fn not_a(what: &str) -> Error {
+    Error::Misuse(format!("the pointer passed as a {what} is not one"))
 }
 
 /// Reads the magic number every comm starts with.
@@ -133,9 +154,7 @@ unsafe fn comm_magic(comm: *const c_void) -> Result<u64> {
 pub(crate) unsafe fn send_comm<'a>(comm: *mut c_void) -> Result<&'a SendComm> {
     // SAFETY: forwarded contract.
     if unsafe { comm_magic(comm)? } != SEND_MAGIC {
-        return Err(Error::Misuse(
-            "the pointer passed as a send comm is not one".into(),
-        ));
+        return Err(not_a("send comm"));
     }
     // SAFETY: the magic says it is a live SendComm allocated by us.
     Ok(unsafe { &*(comm as *const SendComm) })
@@ -148,9 +167,7 @@ pub(crate) unsafe fn send_comm<'a>(comm: *mut c_void) -> Result<&'a SendComm> {
 pub(crate) unsafe fn recv_comm<'a>(comm: *mut c_void) -> Result<&'a RecvComm> {
     // SAFETY: forwarded contract.
     if unsafe { comm_magic(comm)? } != RECV_MAGIC {
-        return Err(Error::Misuse(
-            "the pointer passed as a receive comm is not one".into(),
-        ));
+        return Err(not_a("receive comm"));
     }
     // SAFETY: the magic says it is a live RecvComm allocated by us.
     Ok(unsafe { &*(comm as *const RecvComm) })

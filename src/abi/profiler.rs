@@ -52,8 +52,17 @@ fn callback() -> Option<Callback> {
 }
 
 /// Starts an event for a request just posted under `phandle`.
-pub(crate) fn start(token: &RequestToken, phandle: *mut c_void, mut event: NetEvent) {
-    let Some(cb) = callback().filter(|_| !phandle.is_null()) else {
+#[inline]
+pub(crate) fn start(token: &RequestToken, phandle: *mut c_void, event: NetEvent) {
+    // The data path's common case, profiler off, is one load.
+    if !phandle.is_null() && CALLBACK.load(Ordering::Relaxed) != 0 {
+        start_event(token, phandle, event);
+    }
+}
+
+#[inline(never)]
+fn start_event(token: &RequestToken, phandle: *mut c_void, mut event: NetEvent) {
+    let Some(cb) = callback() else {
         return;
     };
     let mut handle: *mut c_void = std::ptr::null_mut();
@@ -72,7 +81,15 @@ pub(crate) fn start(token: &RequestToken, phandle: *mut c_void, mut event: NetEv
 }
 
 /// Stops the request's event, if it has one.
+#[inline]
 pub(crate) fn stop(token: &RequestToken) {
+    if token.has_profiler_event() {
+        stop_event(token);
+    }
+}
+
+#[inline(never)]
+fn stop_event(token: &RequestToken) {
     let handle = token.take_profiler_event();
     let Some(cb) = callback().filter(|_| handle != 0) else {
         return;

@@ -19,8 +19,11 @@
 //!   `group` messages) and `window * group` sends in flight per connection on A. Requests are
 //!   tested oldest first. B times from its first `irecv` to its last completion; GB/s counts
 //!   the payload of all connections (`bytes / 1e9 / s`).
-//! * latency: ping-pong on connection 0 (A `isend`, B `irecv` then `isend`, A `irecv`); the
-//!   reported value is the median round trip over two, after a few warm-up round trips.
+//! * latency: ping-pong on connection 0 (A `isend`, B `irecv` then `isend`, A `irecv`), with
+//!   receives posted `window` round trips ahead and each reply sent before the consumed
+//!   receive is re-posted, as NCCL's proxy keeps its steps posted; the reported value is the
+//!   median round trip (start to start, re-posting included) over two, after a few warm-up
+//!   round trips.
 //! * data check: the first and the last message of each size and phase carry a pattern that
 //!   depends on (size, connection, message) and are checked by the receiver; a mismatch, or a
 //!   size reported by `test` that differs from the size sent, fails the run.
@@ -1604,11 +1607,23 @@ fn post(mut f: impl FnMut() -> Res<Opaque>, what: &dyn Fn() -> String) -> Res<Op
     }
 }
 
-/// Ping-pong on connection 0. Side A returns the round-trip times in `s.samples`.
-fn ping_pong(net: &Net, side: Side, c: &mut Conn, s: &mut Scratch, plan: &SizePlan) -> Res<()> {
+/// Ping-pong on connection 0, run the way a latency-bound NCCL exchange runs: receives are
+/// posted `depth` round trips ahead (NCCL's proxy keeps up to 8 steps posted), and each side
+/// sends its next message before it re-posts the receive it last consumed. Side A returns in
+/// `s.samples` the time between the starts of consecutive round trips, so everything a round
+/// trip costs (re-posting included) is counted.
+fn ping_pong(
+    net: &Net,
+    side: Side,
+    c: &mut Conn,
+    s: &mut Scratch,
+    plan: &SizePlan,
+    depth: usize,
+) -> Res<()> {
     let size = plan.size;
     let warmup = lat_warmup(plan.lat_iters);
     let total = warmup + plan.lat_iters;
+    let depth = depth.clamp(1, total);
     let layout = Layout::new(size, 1, total);
     let (out_stream, in_stream) = match side {
         Side::A => (STREAM_PING, STREAM_PONG),
@@ -1622,6 +1637,8 @@ fn ping_pong(net: &Net, side: Side, c: &mut Conn, s: &mut Scratch, plan: &SizePl
     let rx: [*mut u8; 3] = std::array::from_fn(|i| c.rx.slot_ptr(&layout, i));
     let mut bufs = [std::ptr::null_mut::<u8>(); MAX_GROUP];
     s.samples.clear();
+    // The first ring holds window * group >= depth requests; taken, not reallocated.
+    let mut ring = std::mem::take(&mut s.rings[0]);
     let (send, recv, tx_mh, rx_mh) = (c.send, c.recv, c.tx.mh, c.rx.mh);
     let mut irecv = |i: usize| {
         bufs[0] = rx[layout.recv_slot(i).min(2)];
@@ -1642,39 +1659,45 @@ fn ping_pong(net: &Net, side: Side, c: &mut Conn, s: &mut Scratch, plan: &SizePl
             &|| format!("isend (latency, size {size}, round trip {i})"),
         )
     };
+    let waited = |r: Opaque, i: usize, what: &str| {
+        wait(net, r, size, &|| {
+            format!("{what} (latency, size {size}, round trip {i})")
+        })
+    };
+    for (i, r) in ring.iter_mut().enumerate().take(depth) {
+        *r = irecv(i)?;
+    }
     match side {
         Side::A => {
+            let mut start = Instant::now();
             for i in 0..total {
-                let t = Instant::now();
-                let r = irecv(i)?;
                 let q = isend(i)?;
-                wait(net, q, size, &|| {
-                    format!("isend (latency, size {size}, round trip {i})")
-                })?;
-                wait(net, r, size, &|| {
-                    format!("irecv (latency, size {size}, round trip {i})")
-                })?;
-                if i >= warmup {
-                    s.samples.push(t.elapsed().as_nanos() as u64);
+                // The receive consumed in the previous round trip is re-posted while the
+                // ping is on its way.
+                if i > 0 && i - 1 + depth < total {
+                    ring[(i - 1) % depth] = irecv(i - 1 + depth)?;
                 }
+                waited(q, i, "isend")?;
+                waited(ring[i % depth], i, "irecv")?;
+                let now = Instant::now();
+                if i >= warmup {
+                    s.samples.push(now.duration_since(start).as_nanos() as u64);
+                }
+                start = now;
             }
         }
         Side::B => {
-            let mut r = irecv(0)?;
             for i in 0..total {
-                wait(net, r, size, &|| {
-                    format!("irecv (latency, size {size}, round trip {i})")
-                })?;
-                if i + 1 < total {
-                    r = irecv(i + 1)?;
-                }
+                waited(ring[i % depth], i, "irecv")?;
                 let q = isend(i)?;
-                wait(net, q, size, &|| {
-                    format!("isend (latency, size {size}, round trip {i})")
-                })?;
+                if i + depth < total {
+                    ring[i % depth] = irecv(i + depth)?;
+                }
+                waited(q, i, "isend")?;
             }
         }
     }
+    s.rings[0] = ring;
     let what = |m: usize| {
         move || {
             format!(
@@ -2492,7 +2515,7 @@ fn session(
                 }
                 let mut lat_us = None;
                 if params.phases.lat {
-                    ping_pong(net, side, &mut conns[0], &mut scratch, plan)?;
+                    ping_pong(net, side, &mut conns[0], &mut scratch, plan, params.window)?;
                     lat_us = Some(median(&mut scratch.samples) / 2.0 / 1e3);
                     ctl.expect("lat-ok")?;
                 }
@@ -2510,7 +2533,7 @@ fn session(
                     ctl.send(&format!("bw {} {}", t.as_nanos(), scratch.calls.encode()))?;
                 }
                 if params.phases.lat {
-                    ping_pong(net, side, &mut conns[0], &mut scratch, plan)?;
+                    ping_pong(net, side, &mut conns[0], &mut scratch, plan, params.window)?;
                     ctl.send("lat-ok")?;
                 }
                 let r = ctl.expect("result")?;

@@ -27,14 +27,18 @@ pub const RECV_MAGIC: u64 = 0x5245_4356_434f_4d4d;
 /// Magic of a [`RequestToken`].
 pub const REQUEST_MAGIC: u64 = 0x5245_5155_4553_5421;
 
+#[inline]
 fn check_magic(have: u64, want: u64, what: &str) -> Result<()> {
     if have == want {
         Ok(())
     } else {
-        Err(Error::Misuse(format!(
-            "the pointer passed as a {what} is not one"
-        )))
+        Err(not_a(what))
     }
+}
+
+#[cold]
+fn not_a(what: &str) -> Error {
+    Error::Misuse(format!("the pointer passed as a {what} is not one"))
 }
 
 // Each lives inside a boxed comm made once per connection: size differences cost nothing.
@@ -107,6 +111,12 @@ impl RequestToken {
     /// Records the profiler event started for the request.
     pub fn set_profiler_event(&self, handle: usize) {
         self.profiler_event.store(handle, Relaxed);
+    }
+
+    /// Whether a profiler event is open for the request (one load, no write).
+    #[inline]
+    pub fn has_profiler_event(&self) -> bool {
+        self.profiler_event.load(Relaxed) != 0
     }
 
     /// Takes the request's profiler event (0 when none).
@@ -187,12 +197,12 @@ impl SendComm {
                 buf.len()
             )));
         }
-        let reg = self
+        let keys = self
             .plugin
-            .registration(mhandle, self.dev, buf.addr(), buf.len())?;
+            .mr_keys(mhandle, self.dev, buf.addr(), buf.len())?;
         let id = match &self.inner {
             Send::Tcp(t) => t.isend(buf, tag),
-            Send::Verbs(v) => v.isend(buf, tag, reg.lkey),
+            Send::Verbs(v) => v.isend(buf, tag, keys as u32),
         };
         match id {
             Ok(None) => self.stats.waited(),
@@ -208,7 +218,7 @@ impl SendComm {
             Send::Tcp(t) => t.test(id),
             Send::Verbs(v) => v.test(id),
         };
-        self.stats.record(&r, self.plugin.totals(self.dev));
+        self.stats.record(&r, || self.plugin.totals(self.dev));
         r
     }
 
@@ -267,15 +277,14 @@ impl RecvComm {
         (&self.plugin, self.dev)
     }
 
-    fn rkeys(&self, bufs: &[UserBuffer], mhandles: &[u64]) -> Result<[u32; MAX_RECVS]> {
-        let mut rkeys = [0u32; MAX_RECVS];
-        for (i, (buf, mh)) in bufs.iter().zip(mhandles).enumerate() {
-            rkeys[i] = self
-                .plugin
-                .registration(*mh, self.dev, buf.addr(), buf.len())?
-                .rkey;
+    /// Fills `rkeys` with the remote key of each buffer's registration.
+    #[inline]
+    fn rkeys(&self, bufs: &[UserBuffer], mhandles: &[u64], rkeys: &mut [u32]) -> Result<()> {
+        for ((buf, mh), rkey) in bufs.iter().zip(mhandles).zip(rkeys) {
+            let keys = self.plugin.mr_keys(*mh, self.dev, buf.addr(), buf.len())?;
+            *rkey = (keys >> 32) as u32;
         }
-        Ok(rkeys)
+        Ok(())
     }
 
     /// `irecv` of `bufs.len()` (1..=8) buffers: `Ok(None)` when 32 receives are in flight.
@@ -286,10 +295,12 @@ impl RecvComm {
         mhandles: &[u64],
     ) -> Result<Option<&RequestToken>> {
         check_count(bufs.len(), "irecv")?;
-        let rkeys = self.rkeys(bufs, mhandles)?;
+        let mut rkeys = [0u32; MAX_RECVS];
+        let rkeys = &mut rkeys[..bufs.len()];
+        self.rkeys(bufs, mhandles, rkeys)?;
         let id = match &self.inner {
             Recv::Tcp(t) => t.irecv(bufs, tags),
-            Recv::Verbs(v) => v.irecv(bufs, tags, &rkeys[..bufs.len()]),
+            Recv::Verbs(v) => v.irecv(bufs, tags, rkeys),
         };
         if id.is_err() {
             self.stats.failed();
@@ -303,8 +314,10 @@ impl RecvComm {
         let id = match &self.inner {
             Recv::Tcp(_) => None,
             Recv::Verbs(v) => {
-                let rkeys = self.rkeys(bufs, mhandles)?;
-                v.iflush(bufs, &rkeys[..bufs.len()])?
+                let mut rkeys = [0u32; MAX_RECVS];
+                let rkeys = &mut rkeys[..bufs.len()];
+                self.rkeys(bufs, mhandles, rkeys)?;
+                v.iflush(bufs, rkeys)?
             }
         };
         Ok(id.map(|id| &self.tokens[id]))
@@ -316,7 +329,7 @@ impl RecvComm {
             Recv::Tcp(t) => t.test(id),
             Recv::Verbs(v) => v.test(id),
         };
-        self.stats.record(&r, self.plugin.totals(self.dev));
+        self.stats.record(&r, || self.plugin.totals(self.dev));
         r
     }
 

@@ -544,6 +544,29 @@ impl Plugin {
         self.mrs.remove(handle).map(|_| ())
     }
 
+    /// `lkey` (low 32 bits) and `rkey` (high 32 bits) of `mhandle`, checked as
+    /// [`Plugin::registration`] checks it: the data path's lookup, a few loads when it holds.
+    #[inline]
+    pub fn mr_keys(&self, mhandle: u64, dev: usize, addr: usize, len: usize) -> Result<u64> {
+        let dev_check = (self.transport == TransportKind::Verbs).then_some(dev);
+        match self.mrs.keys(mhandle, addr, len, dev_check) {
+            Some(keys) => Ok(keys),
+            None => Err(self.registration_error(mhandle, dev, addr, len)),
+        }
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn registration_error(&self, mhandle: u64, dev: usize, addr: usize, len: usize) -> Error {
+        match self.registration(mhandle, dev, addr, len) {
+            Err(e) => e,
+            // Released and registered again between the two lookups.
+            Ok(_) => Error::Misuse(format!(
+                "memory handle {mhandle:#x} was released while a request used it"
+            )),
+        }
+    }
+
     /// The registration behind `mhandle`, checked to cover `addr..addr+len` on `dev`.
     pub fn registration(
         &self,

@@ -92,6 +92,7 @@ fn split(handle: u64) -> Option<(usize, u64)> {
     index.checked_sub(1).map(|i| (i, handle >> 32))
 }
 
+#[cold]
 fn unknown(handle: u64) -> Error {
     Error::Misuse(format!(
         "unknown or already released memory handle {handle:#x}"
@@ -99,6 +100,7 @@ fn unknown(handle: u64) -> Error {
 }
 
 impl MrTable {
+    #[inline]
     fn slot(&self, index: usize) -> Option<&Slot> {
         self.chunks
             .get(index / CHUNK)?
@@ -170,6 +172,34 @@ impl MrTable {
             return Err(unknown(handle));
         }
         Ok(reg)
+    }
+
+    /// The data path's lookup: the keys (`lkey`, `rkey`) of `handle` when it is live, covers
+    /// `addr..addr+len` and (with `dev`) belongs to that device; `None` otherwise, and the
+    /// caller asks [`MrTable::get`] why. Same seqlock reads as `get`, nothing copied out but
+    /// the keys.
+    #[inline]
+    pub fn keys(&self, handle: u64, addr: usize, len: usize, dev: Option<usize>) -> Option<u64> {
+        // Index 0 (no handle) wraps to an index no chunk has.
+        let index = (handle as u32 as usize).wrapping_sub(1);
+        let slot = self.slot(index)?;
+        let live = (handle >> 32) << 2 | LIVE;
+        if slot.state.load(Ordering::Acquire) != live {
+            return None;
+        }
+        let (start, size, kind, keys) = (
+            slot.addr.load(Ordering::Relaxed) as usize,
+            slot.len.load(Ordering::Relaxed) as usize,
+            slot.kind.load(Ordering::Relaxed),
+            slot.keys.load(Ordering::Relaxed),
+        );
+        fence(Ordering::Acquire);
+        if slot.state.load(Ordering::Relaxed) != live {
+            return None;
+        }
+        let covers = len == 0 || (addr >= start && addr.saturating_add(len) <= start + size);
+        let on_dev = dev.is_none_or(|d| (kind >> 32) as usize == d);
+        (covers && on_dev).then_some(keys)
     }
 
     /// Releases a handle (dropping what held its MR).

@@ -71,23 +71,27 @@ impl CommStats {
     }
 
     /// `n` messages of `bytes` in all completed.
+    #[inline]
     pub fn completed(&self, n: u64, bytes: u64) {
         self.msgs.fetch_add(n, Relaxed);
         self.bytes.fetch_add(bytes, Relaxed);
     }
 
     /// Counts the outcome of one `test` and logs a rate line when one is due.
-    pub fn record(
+    #[inline]
+    pub fn record<'d>(
         &self,
         r: &crate::error::Result<Option<crate::transport::Completion>>,
-        device: &DeviceTotals,
+        device: impl FnOnce() -> &'d DeviceTotals,
     ) {
         match r {
             Ok(Some(c)) if c.n > 0 => self.completed(c.n as u64, c.bytes()),
             Err(_) => self.failed(),
             _ => {}
         }
-        self.tick(device);
+        if let Some(interval) = self.interval {
+            self.tick_every(interval, device());
+        }
     }
 
     /// A send had to wait for the receiver's clear-to-send.
@@ -108,10 +112,8 @@ impl CommStats {
     }
 
     /// Logs a rate line when the interval has passed (checked every 64 calls).
-    pub fn tick(&self, device: &DeviceTotals) {
-        let Some(interval) = self.interval else {
-            return;
-        };
+    #[inline(never)]
+    fn tick_every(&self, interval: Duration, device: &DeviceTotals) {
         if self.calls.fetch_add(1, Relaxed) % 64 != 0 {
             return;
         }

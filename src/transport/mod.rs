@@ -67,10 +67,16 @@ impl Failure {
     fn note(&mut self, e: &Error) {
         self.set(e.to_string());
     }
+    #[inline]
     pub(crate) fn check(&self) -> Result<()> {
         match &self.0 {
-            Some(m) => Err(Error::Remote(m.clone())),
+            Some(m) => Err(Self::error(m)),
             None => Ok(()),
         }
+    }
+
+    #[cold]
+    fn error(m: &str) -> Error {
+        Error::Remote(m.to_string())
     }
 }

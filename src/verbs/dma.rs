@@ -226,11 +226,53 @@ impl SendChain {
         last.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
     }
 
-    /// Leaves the last request unsignaled (a later signaled one retires it).
-    pub fn unsignal_last(&mut self) {
-        if self.len > 0 {
-            self.wrs[self.len - 1].send_flags &= !ibv_send_flags::IBV_SEND_SIGNALED.0;
+    /// Posts one RDMA WRITE of `local` (address, length, lkey) to `remote` (address, rkey),
+    /// WITH IMMEDIATE when `imm` is given (host order), with `wr_id`, signaled or not, inline
+    /// when it is a non-empty write of at most `max_inline` bytes: the data path's common
+    /// case (one message, one clear-to-send), without building a chain. Empties the chain.
+    #[allow(clippy::too_many_arguments)] // one work request's fields
+    pub fn post_one(
+        &mut self,
+        qp: &Qp,
+        local: (u64, u32, u32),
+        remote: (u64, u32),
+        imm: Option<u32>,
+        wr_id: u64,
+        signaled: bool,
+        max_inline: u32,
+    ) -> Result<()> {
+        self.len = 0;
+        self.sges[0] = ibv_sge {
+            addr: local.0,
+            length: local.1,
+            lkey: local.2,
+        };
+        let sge = &mut self.sges[0] as *mut ibv_sge;
+        let wr = &mut self.wrs[0];
+        wr.wr_id = wr_id;
+        wr.next = std::ptr::null_mut();
+        wr.sg_list = sge;
+        wr.num_sge = i32::from(local.1 > 0);
+        let mut flags = 0;
+        if signaled {
+            flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
+        if local.1 > 0 && local.1 <= max_inline {
+            flags |= ibv_send_flags::IBV_SEND_INLINE.0;
+        }
+        wr.send_flags = flags;
+        match imm {
+            Some(v) => {
+                wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
+                wr.imm_data_invalidated_rkey_union.imm_data = v.to_be();
+            }
+            None => wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE,
+        }
+        wr.wr.rdma = rdma_t {
+            remote_addr: remote.0,
+            rkey: remote.1,
+        };
+        qp.post_send(wr)
     }
 
     /// Posts the chain on `qp`.

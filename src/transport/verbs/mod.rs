@@ -729,41 +729,21 @@ impl VerbsSendComm {
     /// Posts a send of `buf` (registered with `lkey`); `Ok(None)` until the receiver has
     /// posted a matching receive. Returns a request id (slot * 8 + entry).
     pub fn isend(&self, buf: UserBuffer, tag: i32, lkey: u32) -> Result<Option<usize>> {
-        let mut s = self.inner.lock();
+        let mut guard = self.inner.lock();
+        let s = &mut *guard;
         s.failure.check()?;
         let slot = s.seq as usize % SLOTS;
         let want = s.seq.wrapping_add(1);
+        let base = slot * MAX_RECVS;
         // The previous use of this slot must be tested, and the receiver's clear-to-send
         // for this one must have landed: one load decides, as in NCCL's IB transport.
-        let first = s.fifo.get(slot * MAX_RECVS);
+        let first = s.fifo.get(base);
         if (s.slots[slot].busy && s.slots[slot].posted) || first.idx != want {
-            // Nothing to post. Keep completions and the peer watch moving now and then,
-            // without paying for a CQ poll on every "not yet".
-            s.idle_calls = s.idle_calls.wrapping_add(1);
-            if s.idle_calls % 16 == 0 {
-                let r = s.progress();
-                s.failure.record(r)?;
-            }
-            if s.cq.peer_gone {
-                let e = CqPoller::gone_error(&s.peer);
-                return s.failure.record(Err(e));
-            }
-            return Ok(None);
+            return s.nothing_to_post();
         }
         let n = first.nreqs as usize;
         if n == 0 || n > MAX_RECVS {
-            let e = Error::Remote(format!(
-                "protocol error: clear-to-send from {} announces {n} buffers",
-                s.peer
-            ));
-            return s.failure.record(Err(e));
-        }
-        let mut entries = [CtsEntry::default(); MAX_RECVS];
-        for (i, e) in entries.iter_mut().enumerate().take(n) {
-            *e = s.fifo.get(slot * MAX_RECVS + i);
-            if e.idx != want {
-                return Ok(None); // not all entries have landed yet
-            }
+            return s.protocol_error(n);
         }
         let st = &mut s.slots[slot];
         if !st.busy {
@@ -771,31 +751,41 @@ impl VerbsSendComm {
             // send matches, and only the first n are read.
             st.start(n);
         }
-        let Some(e) = (0..n).find(|&i| st.matched & (1 << i) == 0 && entries[i].tag == tag) else {
+        // The first unmatched entry with this tag; each entry is read (32 bytes) only when
+        // reached, and one that has not landed yet means "not yet".
+        let mut found = None;
+        for i in 0..n {
+            if st.matched & (1 << i) != 0 {
+                continue;
+            }
+            let entry = if i == 0 { first } else { s.fifo.get(base + i) };
+            if entry.idx != want {
+                return Ok(None);
+            }
+            if entry.tag == tag {
+                found = Some((i, entry.size));
+                break;
+            }
+        }
+        let Some((e, room)) = found else {
             return Ok(None);
         };
         st.matched |= 1 << e;
         st.sizes[e] = buf.len();
         st.addrs[e] = buf.addr() as u64;
         st.lkeys[e] = lkey;
-        let truncated = buf.len() as u64 > entries[e].size;
+        let truncated = buf.len() as u64 > room;
         if truncated {
             st.trunc |= 1 << e;
         }
         if st.matched.count_ones() as usize == n {
-            let r = s.post_slot(slot, &entries[..n]);
+            let r = s.post_slot(slot, n);
             s.failure.record(r)?;
         }
         if truncated {
-            return Err(Error::Truncated(format!(
-                "send of {} bytes (tag {tag}) to {} is larger than the {}-byte receive \
-                 posted for it",
-                buf.len(),
-                s.peer,
-                entries[e].size
-            )));
+            return Err(truncation_error(buf.len(), tag, &s.peer, room));
         }
-        Ok(Some(slot * MAX_RECVS + e))
+        Ok(Some(base + e))
     }
 
     /// Tests send request `id`.
@@ -803,12 +793,15 @@ impl VerbsSendComm {
         let mut s = self.inner.lock();
         let (slot, e) = (id / MAX_RECVS, id % MAX_RECVS);
         if slot >= SLOTS || !s.slots[slot].busy || s.slots[slot].matched & (1 << e) == 0 {
-            return Err(Error::Misuse(format!(
-                "test on send request {id}, which is not in flight"
-            )));
+            return Err(not_in_flight("send", id));
         }
-        let r = s.progress();
-        let _ = s.failure.record(r);
+        // The CQ is polled only for a request not yet known to be done: a drain that
+        // completed it also completed the ones behind it.
+        let known_done = |st: &SendSlot| st.posted && st.cqe_pending == 0;
+        if !known_done(&s.slots[slot]) {
+            let r = s.progress();
+            let _ = s.failure.record(r);
+        }
         let st = &mut s.slots[slot];
         if st.posted && st.cqe_pending == 0 {
             let size = st.sizes[e];
@@ -827,7 +820,47 @@ impl VerbsSendComm {
     }
 }
 
+#[cold]
+fn not_in_flight(what: &str, id: usize) -> Error {
+    Error::Misuse(format!(
+        "test on {what} request {id}, which is not in flight"
+    ))
+}
+
+#[cold]
+fn truncation_error(len: usize, tag: i32, peer: &str, room: u64) -> Error {
+    Error::Truncated(format!(
+        "send of {len} bytes (tag {tag}) to {peer} is larger than the {room}-byte receive \
+         posted for it"
+    ))
+}
+
 impl SendState {
+    /// `isend` found nothing to post. Keeps completions and the peer watch moving now and
+    /// then, without paying for a CQ poll on every "not yet".
+    #[inline(never)]
+    fn nothing_to_post(&mut self) -> Result<Option<usize>> {
+        self.idle_calls = self.idle_calls.wrapping_add(1);
+        if self.idle_calls % 16 == 0 {
+            let r = self.progress();
+            self.failure.record(r)?;
+        }
+        if self.cq.peer_gone {
+            let e = CqPoller::gone_error(&self.peer);
+            return self.failure.record(Err(e));
+        }
+        Ok(None)
+    }
+
+    #[cold]
+    fn protocol_error(&mut self, n: usize) -> Result<Option<usize>> {
+        let e = Error::Remote(format!(
+            "protocol error: clear-to-send from {} announces {n} buffers",
+            self.peer
+        ));
+        self.failure.record(Err(e))
+    }
+
     fn progress(&mut self) -> Result<()> {
         let slots = &mut self.slots;
         self.cq.drain(&self.dev, &self.qps, &self.peer, |c| {
@@ -838,16 +871,32 @@ impl SendState {
         })
     }
 
-    /// Posts the writes of a fully matched slot.
-    fn post_slot(&mut self, slot: usize, entries: &[CtsEntry]) -> Result<()> {
-        let n = entries.len();
+    /// Posts the writes of a fully matched slot of `n` messages.
+    fn post_slot(&mut self, slot: usize, n: usize) -> Result<()> {
         let nqps = self.qps.len();
         let (first_qp, used) = if self.split {
             (0, nqps)
         } else {
             (self.seq as usize % nqps, 1)
         };
-        let st = self.slots[slot];
+        let base = slot * MAX_RECVS;
+        let st = &self.slots[slot];
+        if n == 1 && used == 1 && st.trunc == 0 {
+            // The common case: one WRITE_WITH_IMM carrying the data and its size.
+            let e = self.fifo.get(base);
+            let qp = &self.qps[first_qp];
+            let len = st.sizes[0] as u32;
+            self.chain.post_one(
+                qp,
+                (st.addrs[0], len, st.lkeys[0]),
+                (e.addr, e.rkey),
+                Some(len),
+                WR_SEND | slot as u64,
+                true,
+                qp.max_inline,
+            )?;
+            return self.posted(slot, 1);
+        }
         if n > 1 {
             for (i, size) in st.sizes[..n].iter().enumerate() {
                 let v = if st.trunc & (1 << i) != 0 {
@@ -855,16 +904,19 @@ impl SendState {
                 } else {
                     *size as u32
                 };
-                self.sizes_local.set(slot * MAX_RECVS + i, v);
+                self.sizes_local.set(base + i, v);
             }
         }
+        let chain = &mut self.chain;
         for k in 0..used {
             let qp = &self.qps[(first_qp + k) % nqps];
-            self.chain.clear();
-            for (i, e) in entries.iter().enumerate() {
+            chain.clear();
+            for i in 0..n {
                 if st.trunc & (1 << i) != 0 {
                     continue;
                 }
+                // Matched entries have landed and stay put until this slot completes.
+                let e = self.fifo.get(base + i);
                 let size = st.sizes[i];
                 let chunk = if used > 1 {
                     size.div_ceil(used).div_ceil(SPLIT_ALIGN) * SPLIT_ALIGN
@@ -874,7 +926,7 @@ impl SendState {
                 let off = (k * chunk).min(size);
                 let len = chunk.min(size - off);
                 if len > 0 {
-                    self.chain.write(
+                    chain.write(
                         st.addrs[i] + off as u64,
                         len as u32,
                         st.lkeys[i],
@@ -889,27 +941,32 @@ impl SendState {
                 } else {
                     st.sizes[0] as u32
                 };
-                if self.chain.is_empty() {
-                    self.chain
-                        .write_imm(0, 0, 0, entries[0].addr, entries[0].rkey, imm);
+                if chain.is_empty() {
+                    let e = self.fifo.get(base);
+                    chain.write_imm(0, 0, 0, e.addr, e.rkey, imm);
                 } else {
-                    self.chain.last_with_imm(imm);
+                    chain.last_with_imm(imm);
                 }
             } else {
-                self.chain.write_imm(
-                    self.sizes_local.addr(slot * MAX_RECVS),
+                chain.write_imm(
+                    self.sizes_local.addr(base),
                     (4 * n) as u32,
                     self.sizes_local.lkey(),
-                    self.remote_sizes.0 + (slot * MAX_RECVS * 4) as u64,
+                    self.remote_sizes.0 + (base * 4) as u64,
                     self.remote_sizes.1,
                     slot as u32,
                 );
             }
-            self.chain.finish(WR_SEND | slot as u64, qp.max_inline);
-            self.chain.post(qp)?;
+            chain.finish(WR_SEND | slot as u64, qp.max_inline);
+            chain.post(qp)?;
         }
+        self.posted(slot, used)
+    }
+
+    /// Records that `slot`'s writes are posted, `cqes` of them signaled.
+    fn posted(&mut self, slot: usize, cqes: usize) -> Result<()> {
         let st = &mut self.slots[slot];
-        st.cqe_pending = used as u32;
+        st.cqe_pending = cqes as u32;
         st.posted = true;
         self.seq = self.seq.wrapping_add(1);
         Ok(())
@@ -982,8 +1039,7 @@ impl VerbsRecvComm {
     pub fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], rkeys: &[u32]) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.failure.check()?;
-        let r = s.progress();
-        s.failure.record(r)?;
+        // No CQ poll here: `test` polls, and a free slot depends only on `test`.
         if s.cq.peer_gone {
             let e = CqPoller::gone_error(&s.peer);
             return s.failure.record(Err(e));
@@ -1029,25 +1085,28 @@ impl VerbsRecvComm {
     /// Tests receive or flush request `id`.
     pub fn test(&self, id: usize) -> Result<Option<Completion>> {
         let mut s = self.inner.lock();
-        let r = s.progress();
-        let _ = s.failure.record(r);
         if id >= FLUSH_ID_BASE {
             let f = id - FLUSH_ID_BASE;
+            if s.flush_slots.get(f) == Some(&FlushSlot::Pending) {
+                let r = s.progress();
+                let _ = s.failure.record(r);
+            }
             return match s.flush_slots.get(f) {
                 Some(FlushSlot::Done) => {
                     s.flush_slots[f] = FlushSlot::Free;
                     Ok(Some(Completion::EMPTY))
                 }
                 Some(FlushSlot::Pending) => s.failure.check().map(|()| None),
-                _ => Err(Error::Misuse(format!(
-                    "test on flush request {f}, which is not in flight"
-                ))),
+                _ => Err(not_in_flight("flush", f)),
             };
         }
         if !s.slots.get(id).is_some_and(|st| st.busy) {
-            return Err(Error::Misuse(format!(
-                "test on receive request {id}, which is not in flight"
-            )));
+            return Err(not_in_flight("receive", id));
+        }
+        // As for sends, the CQ is polled only for a receive not yet known to be done.
+        if s.slots[id].imm_pending > 0 {
+            let r = s.progress();
+            let _ = s.failure.record(r);
         }
         if s.slots[id].imm_pending > 0 {
             s.failure.check()?;
@@ -1125,22 +1184,25 @@ impl RecvState {
                 },
             );
         }
-        self.chain.clear();
-        self.chain.write(
-            self.cts_local.addr(slot * MAX_RECVS),
-            (n * CTS_BYTES) as u32,
-            self.cts_local.lkey(),
-            self.remote_fifo.0 + (slot * MAX_RECVS * CTS_BYTES) as u64,
-            self.remote_fifo.1,
-        );
         // Only every 8th clear-to-send is signaled, which also retires the unsignaled ones
         // before it (at most 32 + 8 in the send queue); errors complete regardless.
-        self.chain
-            .finish(WR_CTS | slot as u64, self.qps[0].max_inline);
-        if slot % 8 != 0 {
-            self.chain.unsignal_last();
-        }
-        self.chain.post(&self.qps[0])?;
+        let qp = &self.qps[0];
+        self.chain.post_one(
+            qp,
+            (
+                self.cts_local.addr(slot * MAX_RECVS),
+                (n * CTS_BYTES) as u32,
+                self.cts_local.lkey(),
+            ),
+            (
+                self.remote_fifo.0 + (slot * MAX_RECVS * CTS_BYTES) as u64,
+                self.remote_fifo.1,
+            ),
+            None,
+            WR_CTS | slot as u64,
+            slot % 8 == 0,
+            qp.max_inline,
+        )?;
         self.slots[slot] = RecvSlot {
             busy: true,
             n,
