@@ -196,6 +196,11 @@ pub struct Config {
     /// `NCCL_ERDMA_FORCE_FLUSH`: create the flush QP and flush after every receive that
     /// NCCL asks to flush, even without GPUDirect (diagnostics and tests).
     pub force_flush: Setting<bool>,
+    /// `NCCL_ERDMA_CTS_BATCH`: clear-to-send entries a receiver may hold back and post in
+    /// one RDMA write while the sender still holds at least two; 1 (default) = post each at
+    /// once, as NCCL's IB transport does. Above 1 the receiver must keep testing its oldest
+    /// receive (NCCL's proxy does): held-back entries go out from `irecv` and `test` only.
+    pub cts_batch: Setting<u32>,
 }
 
 fn int_in<T>(var: &'static str, raw: &str, min: i64, max: i64) -> Result<T>
@@ -305,6 +310,9 @@ impl Config {
             force_flush: read(get("NCCL_ERDMA_FORCE_FLUSH"), false, |raw| {
                 int_in::<u8>("NCCL_ERDMA_FORCE_FLUSH", raw, 0, 1).map(|v| v == 1)
             })?,
+            cts_batch: read(get("NCCL_ERDMA_CTS_BATCH"), 1, |raw| {
+                int_in("NCCL_ERDMA_CTS_BATCH", raw, 1, 16)
+            })?,
         })
     }
 
@@ -335,6 +343,7 @@ impl Config {
             line("NCCL_ERDMA_CONNECT_TIMEOUT_MS", &self.connect_timeout_ms),
             line("NCCL_ERDMA_STATS_INTERVAL", &self.stats_interval_s),
             line("NCCL_ERDMA_FORCE_FLUSH", &self.force_flush),
+            line("NCCL_ERDMA_CTS_BATCH", &self.cts_batch),
         ]
     }
 }
@@ -447,6 +456,7 @@ mod tests {
             ("NCCL_IB_QPS_PER_CONNECTION", "0", "from 1 to 128"),
             ("NCCL_IB_QPS_PER_CONNECTION", "abc", "from 1 to 128"),
             ("NCCL_IB_RETRY_CNT", "10", "from 0 to 7"),
+            ("NCCL_ERDMA_CTS_BATCH", "17", "from 1 to 16"),
             ("NCCL_SOCKET_FAMILY", "AF_UNIX", "AF_INET or AF_INET6"),
             ("NCCL_IB_ADDR_RANGE", "10.0.0.0/33", "CIDR"),
             ("NCCL_IB_HCA", "mlx5_0:x", "device[:port]"),

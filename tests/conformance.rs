@@ -487,6 +487,7 @@ fn bad_settings_fail_init_with_a_warn_naming_them() {
         ("NCCL_ERDMA_TRANSPORT", "foo"),
         ("NCCL_IB_QPS_PER_CONNECTION", "0"),
         ("NCCL_IB_QPS_PER_CONNECTION", "abc"),
+        ("NCCL_ERDMA_CTS_BATCH", "0"),
     ] {
         run_child(
             "child_init_fails_invalid_usage",
@@ -783,6 +784,104 @@ fn child_verbs_traffic() {
     for src in srcs {
         dereg(&net, s, src);
     }
+    close_pair(&mut net, s, r);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: NCCL_ERDMA_TEST_DEVICE (run by the Soft-RoCE tier)"]
+fn verbs_batched_clear_to_send_under_a_proxy_loop() {
+    require_verbs();
+    for (batch, group) in [("8", "1"), ("16", "1"), ("4", "3")] {
+        run_child(
+            "child_verbs_cts_batch",
+            &[("NCCL_ERDMA_CTS_BATCH", batch), ("CHILD_GROUP", group)],
+            &[],
+            false,
+        );
+    }
+}
+
+/// NCCL_ERDMA_CTS_BATCH > 1 holds clear-to-send entries back; driven the way NCCL's proxy
+/// drives a comm (one thread; each pass posts receives while fewer than 8 are in flight,
+/// posts the next send, tests the oldest receive and the oldest send), every message must
+/// arrive intact, across FIFO wrap-around (200 messages, 32 slots).
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_verbs_cts_batch() {
+    if !is_child() {
+        return;
+    }
+    let group: usize = std::env::var("CHILD_GROUP").unwrap().parse().unwrap();
+    let mut net = open(11);
+    let (s, r) = connect_pair(&net);
+    const MSGS: usize = 200;
+    const WINDOW: usize = 8;
+    const LEN: usize = 3000;
+    let mut dst = reg(&net, r, vec![0u8; MSGS * LEN]);
+    let src_data: Vec<u8> = (0..MSGS)
+        .flat_map(|m| pattern(4000 + m as u64, LEN))
+        .collect();
+    let mut src = reg(&net, s, src_data);
+    let size_of = |m: usize| 1 + (m * 37) % LEN;
+    let groups = MSGS / group;
+    let (mut posted, mut received, mut sent, mut send_done) = (0usize, 0usize, 0usize, 0usize);
+    let mut rreqs = std::collections::VecDeque::new();
+    let mut sreqs = std::collections::VecDeque::new();
+    let start = Instant::now();
+    while received < groups || send_done < groups * group {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "stalled: {received} received, {sent} sent"
+        );
+        if posted < groups && posted - received < WINDOW {
+            let base = dst.buf.as_mut_ptr();
+            let bufs: Vec<(*mut u8, usize)> = (0..group)
+                .map(|e| (base.wrapping_add((posted * group + e) * LEN), LEN))
+                .collect();
+            let tags: Vec<i32> = (0..group as i32).collect();
+            let mhs = vec![dst.mh; group];
+            let q = net.irecv(r, &bufs, &tags, &mhs, false).unwrap();
+            if !q.is_null() {
+                rreqs.push_back(q);
+                posted += 1;
+            }
+        }
+        if sent < groups * group {
+            let p = src.buf.as_mut_ptr().wrapping_add(sent * LEN);
+            let q = net
+                .isend(s, p, size_of(sent), (sent % group) as i32, src.mh)
+                .unwrap();
+            if !q.is_null() {
+                sreqs.push_back(q);
+                sent += 1;
+            }
+        }
+        if let Some(&q) = rreqs.front() {
+            let mut sizes = [0i32; 64];
+            if net.test(q, Some(&mut sizes[..])).unwrap() {
+                for (e, size) in sizes[..group].iter().enumerate() {
+                    assert_eq!(*size as usize, size_of(received * group + e), "sizes");
+                }
+                rreqs.pop_front();
+                received += 1;
+            }
+        }
+        if let Some(&q) = sreqs.front() {
+            if net.test(q, None).unwrap() {
+                sreqs.pop_front();
+                send_done += 1;
+            }
+        }
+    }
+    for m in 0..groups * group {
+        let n = size_of(m);
+        assert!(
+            dst.buf[m * LEN..m * LEN + n] == src.buf[m * LEN..m * LEN + n],
+            "message {m} payload"
+        );
+    }
+    dereg(&net, r, dst);
+    dereg(&net, s, src);
     close_pair(&mut net, s, r);
 }
 

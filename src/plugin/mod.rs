@@ -359,6 +359,7 @@ impl Plugin {
             pkey_index: c.ib_pkey.value as u16,
             flush: c.force_flush.value || dev.peermem || dev.dmabuf,
             connect_timeout: self.timeout(),
+            cts_batch: c.cts_batch.value,
         }
     }
 

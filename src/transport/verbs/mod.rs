@@ -89,6 +89,8 @@ pub struct VerbsParams {
     pub flush: bool,
     /// Bound on connection setup.
     pub connect_timeout: Duration,
+    /// `NCCL_ERDMA_CTS_BATCH`: clear-to-send entries the receiver may hold back.
+    pub cts_batch: u32,
 }
 
 // ---------------------------------------------------------------------------------------
@@ -518,6 +520,10 @@ impl VerbsListen {
             slots: [RecvSlot::FREE; SLOTS],
             flush_slots: [FlushSlot::Free; SLOTS],
             flush_seq: 0,
+            cts_batch: self.params.cts_batch.clamp(1, SLOTS as u32),
+            cts_posted: 0,
+            announced: 0,
+            cts_unsignaled: 0,
             chain: SendChain::new(),
             failure: Failure::default(),
             peer: format!("{peer} ({})", remote.device),
@@ -979,6 +985,8 @@ impl SendState {
 #[derive(Debug, Clone, Copy)]
 struct RecvSlot {
     busy: bool,
+    /// Its clear-to-send is written locally but not yet posted to the sender.
+    cts_pending: bool,
     n: usize,
     imm_pending: u32,
     size0: u32,
@@ -987,11 +995,16 @@ struct RecvSlot {
 impl RecvSlot {
     const FREE: RecvSlot = RecvSlot {
         busy: false,
+        cts_pending: false,
         n: 0,
         imm_pending: 0,
         size0: 0,
     };
 }
+
+/// Clear-to-send entries are held back (to be posted together) only while the sender holds
+/// at least this many posted receives it can fill.
+const CTS_HOLD_MIN: u32 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum FlushSlot {
@@ -1015,6 +1028,14 @@ struct RecvState {
     slots: [RecvSlot; SLOTS],
     flush_slots: [FlushSlot; SLOTS],
     flush_seq: u32,
+    /// Most clear-to-send entries held back before they are posted in one write.
+    cts_batch: u32,
+    /// Sequence number of the first receive whose clear-to-send is not posted yet.
+    cts_posted: u32,
+    /// Receives whose clear-to-send is posted and that have not finished.
+    announced: u32,
+    /// Clear-to-send writes posted unsignaled since the last signaled one.
+    cts_unsignaled: u32,
     chain: SendChain,
     failure: Failure,
     peer: String,
@@ -1107,6 +1128,12 @@ impl VerbsRecvComm {
         if s.slots[id].imm_pending > 0 {
             let r = s.progress();
             let _ = s.failure.record(r);
+            // A receive still waiting needs its clear-to-send at the sender, and the sender
+            // should keep holding a few.
+            if s.slots[id].cts_pending || s.announced < CTS_HOLD_MIN {
+                let r = s.post_pending_cts();
+                s.failure.record(r)?;
+            }
         }
         if s.slots[id].imm_pending > 0 {
             s.failure.check()?;
@@ -1130,6 +1157,8 @@ impl RecvState {
     /// Frees receive `id`, whose data has all arrived, and reports its sizes.
     fn finish_receive(&mut self, id: usize) -> Result<Option<Completion>> {
         let st = std::mem::replace(&mut self.slots[id], RecvSlot::FREE);
+        // Data arrived, so its clear-to-send had been posted.
+        self.announced = self.announced.saturating_sub(1);
         let mut c = Completion {
             n: st.n,
             sizes: [0; MAX_RECVS],
@@ -1184,32 +1213,63 @@ impl RecvState {
                 },
             );
         }
-        // Only every 8th clear-to-send is signaled, which also retires the unsignaled ones
-        // before it (at most 32 + 8 in the send queue); errors complete regardless.
-        let qp = &self.qps[0];
-        self.chain.post_one(
-            qp,
-            (
-                self.cts_local.addr(slot * MAX_RECVS),
-                (n * CTS_BYTES) as u32,
-                self.cts_local.lkey(),
-            ),
-            (
-                self.remote_fifo.0 + (slot * MAX_RECVS * CTS_BYTES) as u64,
-                self.remote_fifo.1,
-            ),
-            None,
-            WR_CTS | slot as u64,
-            slot % 8 == 0,
-            qp.max_inline,
-        )?;
         self.slots[slot] = RecvSlot {
             busy: true,
+            cts_pending: true,
             n,
             imm_pending: used as u32,
             size0: 0,
         };
         self.seq = self.seq.wrapping_add(1);
+        // Held back while the sender holds enough to work on, up to the batch size: one
+        // RDMA write (and, on Soft-RoCE, one system call) then announces several receives.
+        let pending = self.seq.wrapping_sub(self.cts_posted);
+        if pending >= self.cts_batch || self.announced < CTS_HOLD_MIN {
+            self.post_pending_cts()?;
+        }
+        Ok(())
+    }
+
+    /// Posts every clear-to-send held back, in FIFO order: one RDMA WRITE per contiguous run
+    /// of slots (whole 256-byte slots, then the last slot's entries; the sender reads only
+    /// the entries a slot announces, each checked by its sequence number).
+    fn post_pending_cts(&mut self) -> Result<()> {
+        while self.cts_posted != self.seq {
+            let first = self.cts_posted as usize % SLOTS;
+            let pending = self.seq.wrapping_sub(self.cts_posted) as usize;
+            let k = pending.min(SLOTS - first);
+            let last = first + k - 1;
+            let bytes = ((k - 1) * MAX_RECVS + self.slots[last].n) * CTS_BYTES;
+            // Only every 8th write is signaled, which also retires the unsignaled ones before
+            // it (at most 32 + 8 in the send queue); errors complete regardless.
+            self.cts_unsignaled += 1;
+            let signaled = self.cts_unsignaled >= 8;
+            if signaled {
+                self.cts_unsignaled = 0;
+            }
+            let qp = &self.qps[0];
+            self.chain.post_one(
+                qp,
+                (
+                    self.cts_local.addr(first * MAX_RECVS),
+                    bytes as u32,
+                    self.cts_local.lkey(),
+                ),
+                (
+                    self.remote_fifo.0 + (first * MAX_RECVS * CTS_BYTES) as u64,
+                    self.remote_fifo.1,
+                ),
+                None,
+                WR_CTS | first as u64,
+                signaled,
+                qp.max_inline,
+            )?;
+            for st in &mut self.slots[first..=last] {
+                st.cts_pending = false;
+            }
+            self.cts_posted = self.cts_posted.wrapping_add(k as u32);
+            self.announced += k as u32;
+        }
         Ok(())
     }
 
