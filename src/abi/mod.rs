@@ -33,7 +33,8 @@ use std::{
 use crate::error::{Error, ErrorKind, Result};
 use crate::log::{LogLevel, LogLine, Subsys};
 use crate::plugin::{
-    Plugin, RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC, SEND_MAGIC,
+    comm::check_magic, Plugin, RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC,
+    SEND_MAGIC,
 };
 use ffi::ncclResult_t;
 
@@ -130,11 +131,6 @@ fn null_argument(what: &str) -> Error {
     Error::InvalidArgument(format!("{what} is NULL"))
 }
 
-#[cold]
-fn not_a(what: &str) -> Error {
-    Error::Misuse(format!("the pointer passed as a {what} is not one"))
-}
-
 /// Reads the magic number every comm starts with.
 ///
 /// # Safety
@@ -153,9 +149,7 @@ unsafe fn comm_magic(comm: *const c_void) -> Result<u64> {
 /// `comm` must be NULL or a pointer this plugin returned and NCCL has not closed.
 pub(crate) unsafe fn send_comm<'a>(comm: *mut c_void) -> Result<&'a SendComm> {
     // SAFETY: forwarded contract.
-    if unsafe { comm_magic(comm)? } != SEND_MAGIC {
-        return Err(not_a("send comm"));
-    }
+    check_magic(unsafe { comm_magic(comm)? }, SEND_MAGIC, "send comm")?;
     // SAFETY: the magic says it is a live SendComm allocated by us.
     Ok(unsafe { &*(comm as *const SendComm) })
 }
@@ -166,9 +160,7 @@ pub(crate) unsafe fn send_comm<'a>(comm: *mut c_void) -> Result<&'a SendComm> {
 /// As [`send_comm`].
 pub(crate) unsafe fn recv_comm<'a>(comm: *mut c_void) -> Result<&'a RecvComm> {
     // SAFETY: forwarded contract.
-    if unsafe { comm_magic(comm)? } != RECV_MAGIC {
-        return Err(not_a("receive comm"));
-    }
+    check_magic(unsafe { comm_magic(comm)? }, RECV_MAGIC, "receive comm")?;
     // SAFETY: the magic says it is a live RecvComm allocated by us.
     Ok(unsafe { &*(comm as *const RecvComm) })
 }

@@ -27,8 +27,9 @@ pub const RECV_MAGIC: u64 = 0x5245_4356_434f_4d4d;
 /// Magic of a [`RequestToken`].
 pub const REQUEST_MAGIC: u64 = 0x5245_5155_4553_5421;
 
+/// Errors unless a comm's or request's magic `have` is `want` (`what` names the kind).
 #[inline]
-fn check_magic(have: u64, want: u64, what: &str) -> Result<()> {
+pub(crate) fn check_magic(have: u64, want: u64, what: &str) -> Result<()> {
     if have == want {
         Ok(())
     } else {
@@ -197,12 +198,12 @@ impl SendComm {
                 buf.len()
             )));
         }
-        let keys = self
+        let reg = self
             .plugin
-            .mr_keys(mhandle, self.dev, buf.addr(), buf.len())?;
+            .registration(mhandle, self.dev, buf.addr(), buf.len())?;
         let id = match &self.inner {
             Send::Tcp(t) => t.isend(buf, tag),
-            Send::Verbs(v) => v.isend(buf, tag, keys as u32),
+            Send::Verbs(v) => v.isend(buf, tag, reg.lkey),
         };
         match id {
             Ok(None) => self.stats.waited(),
@@ -281,8 +282,10 @@ impl RecvComm {
     #[inline]
     fn rkeys(&self, bufs: &[UserBuffer], mhandles: &[u64], rkeys: &mut [u32]) -> Result<()> {
         for ((buf, mh), rkey) in bufs.iter().zip(mhandles).zip(rkeys) {
-            let keys = self.plugin.mr_keys(*mh, self.dev, buf.addr(), buf.len())?;
-            *rkey = (keys >> 32) as u32;
+            *rkey = self
+                .plugin
+                .registration(*mh, self.dev, buf.addr(), buf.len())?
+                .rkey;
         }
         Ok(())
     }

@@ -545,30 +545,9 @@ impl Plugin {
         self.mrs.remove(handle).map(|_| ())
     }
 
-    /// `lkey` (low 32 bits) and `rkey` (high 32 bits) of `mhandle`, checked as
-    /// [`Plugin::registration`] checks it: the data path's lookup, a few loads when it holds.
-    #[inline]
-    pub fn mr_keys(&self, mhandle: u64, dev: usize, addr: usize, len: usize) -> Result<u64> {
-        let dev_check = (self.transport == TransportKind::Verbs).then_some(dev);
-        match self.mrs.keys(mhandle, addr, len, dev_check) {
-            Some(keys) => Ok(keys),
-            None => Err(self.registration_error(mhandle, dev, addr, len)),
-        }
-    }
-
-    #[cold]
-    #[inline(never)]
-    fn registration_error(&self, mhandle: u64, dev: usize, addr: usize, len: usize) -> Error {
-        match self.registration(mhandle, dev, addr, len) {
-            Err(e) => e,
-            // Released and registered again between the two lookups.
-            Ok(_) => Error::Misuse(format!(
-                "memory handle {mhandle:#x} was released while a request used it"
-            )),
-        }
-    }
-
-    /// The registration behind `mhandle`, checked to cover `addr..addr+len` on `dev`.
+    /// The registration behind `mhandle`, checked to cover `addr..addr+len` on `dev`. The
+    /// data path calls it on every `isend`/`irecv`: inlined, with its errors out of line.
+    #[inline(always)]
     pub fn registration(
         &self,
         mhandle: u64,
@@ -578,19 +557,29 @@ impl Plugin {
     ) -> Result<Registration> {
         let reg = self.mrs.get(mhandle)?;
         if !reg.covers(addr, len) {
-            return Err(Error::InvalidArgument(format!(
-                "buffer {addr:#x}+{len} lies outside its registration {:#x}+{}",
-                reg.addr, reg.len
-            )));
+            return Err(outside_registration(addr, len, &reg));
         }
         if reg.dev != dev && self.transport == TransportKind::Verbs {
-            return Err(Error::InvalidArgument(format!(
-                "buffer registered on device {} used on device {dev}",
-                reg.dev
-            )));
+            return Err(wrong_device(&reg, dev));
         }
         Ok(reg)
     }
+}
+
+#[cold]
+fn outside_registration(addr: usize, len: usize, reg: &Registration) -> Error {
+    Error::InvalidArgument(format!(
+        "buffer {addr:#x}+{len} lies outside its registration {:#x}+{}",
+        reg.addr, reg.len
+    ))
+}
+
+#[cold]
+fn wrong_device(reg: &Registration, dev: usize) -> Error {
+    Error::InvalidArgument(format!(
+        "buffer registered on device {} used on device {dev}",
+        reg.dev
+    ))
 }
 
 fn verbs_device(d: &VerbsDevice, config: &Config) -> Device {

@@ -40,6 +40,7 @@ pub struct Registration {
 
 impl Registration {
     /// Whether `addr..addr+len` lies inside this registration.
+    #[inline]
     pub fn covers(&self, addr: usize, len: usize) -> bool {
         len == 0 || (addr >= self.addr && addr.saturating_add(len) <= self.addr + self.len)
     }
@@ -87,6 +88,7 @@ impl Default for MrTable {
     }
 }
 
+#[inline]
 fn split(handle: u64) -> Option<(usize, u64)> {
     let index = (handle & 0xffff_ffff) as usize;
     index.checked_sub(1).map(|i| (i, handle >> 32))
@@ -146,7 +148,8 @@ impl MrTable {
         Ok(generation << 32 | (index as u64 + 1))
     }
 
-    /// Looks a handle up without taking a lock.
+    /// Looks a handle up without taking a lock (inlined: the data path calls it per message).
+    #[inline(always)]
     pub fn get(&self, handle: u64) -> Result<Registration> {
         let (index, generation) = split(handle).ok_or_else(|| unknown(handle))?;
         let slot = self.slot(index).ok_or_else(|| unknown(handle))?;
@@ -172,34 +175,6 @@ impl MrTable {
             return Err(unknown(handle));
         }
         Ok(reg)
-    }
-
-    /// The data path's lookup: the keys (`lkey`, `rkey`) of `handle` when it is live, covers
-    /// `addr..addr+len` and (with `dev`) belongs to that device; `None` otherwise, and the
-    /// caller asks [`MrTable::get`] why. Same seqlock reads as `get`, nothing copied out but
-    /// the keys.
-    #[inline]
-    pub fn keys(&self, handle: u64, addr: usize, len: usize, dev: Option<usize>) -> Option<u64> {
-        // Index 0 (no handle) wraps to an index no chunk has.
-        let index = (handle as u32 as usize).wrapping_sub(1);
-        let slot = self.slot(index)?;
-        let live = (handle >> 32) << 2 | LIVE;
-        if slot.state.load(Ordering::Acquire) != live {
-            return None;
-        }
-        let (start, size, kind, keys) = (
-            slot.addr.load(Ordering::Relaxed) as usize,
-            slot.len.load(Ordering::Relaxed) as usize,
-            slot.kind.load(Ordering::Relaxed),
-            slot.keys.load(Ordering::Relaxed),
-        );
-        fence(Ordering::Acquire);
-        if slot.state.load(Ordering::Relaxed) != live {
-            return None;
-        }
-        let covers = len == 0 || (addr >= start && addr.saturating_add(len) <= start + size);
-        let on_dev = dev.is_none_or(|d| (kind >> 32) as usize == d);
-        (covers && on_dev).then_some(keys)
     }
 
     /// Releases a handle (dropping what held its MR).

@@ -216,10 +216,8 @@ impl SendChain {
     /// Signals the last request with `wr_id`; marks small writes inline (`max_inline`).
     pub fn finish(&mut self, wr_id: u64, max_inline: u32) {
         for i in 0..self.len {
-            let is_write = self.wrs[i].opcode != ibv_wr_opcode::IBV_WR_RDMA_READ;
-            if is_write && self.sges[i].length > 0 && self.sges[i].length <= max_inline {
-                self.wrs[i].send_flags |= ibv_send_flags::IBV_SEND_INLINE.0;
-            }
+            self.wrs[i].send_flags |=
+                inline_flag(self.wrs[i].opcode, self.sges[i].length, max_inline);
         }
         let last = &mut self.wrs[self.len - 1];
         last.wr_id = wr_id;
@@ -229,7 +227,8 @@ impl SendChain {
     /// Posts one RDMA WRITE of `local` (address, length, lkey) to `remote` (address, rkey),
     /// WITH IMMEDIATE when `imm` is given (host order), with `wr_id`, signaled or not, inline
     /// when it is a non-empty write of at most `max_inline` bytes: the data path's common
-    /// case (one message, one clear-to-send), without building a chain. Empties the chain.
+    /// case (one message, one clear-to-send), without the chain's per-request loops. The
+    /// chain then holds that one request.
     #[allow(clippy::too_many_arguments)] // one work request's fields
     pub fn post_one(
         &mut self,
@@ -241,37 +240,19 @@ impl SendChain {
         signaled: bool,
         max_inline: u32,
     ) -> Result<()> {
-        self.len = 0;
-        self.sges[0] = ibv_sge {
-            addr: local.0,
-            length: local.1,
-            lkey: local.2,
-        };
+        self.clear();
+        match imm {
+            Some(v) => self.write_imm(local.0, local.1, local.2, remote.0, remote.1, v),
+            None => self.write(local.0, local.1, local.2, remote.0, remote.1),
+        }
         let sge = &mut self.sges[0] as *mut ibv_sge;
         let wr = &mut self.wrs[0];
         wr.wr_id = wr_id;
-        wr.next = std::ptr::null_mut();
         wr.sg_list = sge;
-        wr.num_sge = i32::from(local.1 > 0);
-        let mut flags = 0;
+        wr.send_flags = inline_flag(wr.opcode, local.1, max_inline);
         if signaled {
-            flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+            wr.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
-        if local.1 > 0 && local.1 <= max_inline {
-            flags |= ibv_send_flags::IBV_SEND_INLINE.0;
-        }
-        wr.send_flags = flags;
-        match imm {
-            Some(v) => {
-                wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
-                wr.imm_data_invalidated_rkey_union.imm_data = v.to_be();
-            }
-            None => wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE,
-        }
-        wr.wr.rdma = rdma_t {
-            remote_addr: remote.0,
-            rkey: remote.1,
-        };
         qp.post_send(wr)
     }
 
@@ -293,6 +274,17 @@ impl SendChain {
             };
         }
         qp.post_send(&mut self.wrs[0])
+    }
+}
+
+/// `IBV_SEND_INLINE` for a non-empty write of at most `max_inline` bytes, else 0.
+#[inline]
+fn inline_flag(opcode: ibv_wr_opcode::Type, length: u32, max_inline: u32) -> u32 {
+    let is_write = opcode != ibv_wr_opcode::IBV_WR_RDMA_READ;
+    if is_write && length > 0 && length <= max_inline {
+        ibv_send_flags::IBV_SEND_INLINE.0
+    } else {
+        0
     }
 }
 

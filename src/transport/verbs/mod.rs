@@ -803,13 +803,13 @@ impl VerbsSendComm {
         }
         // The CQ is polled only for a request not yet known to be done: a drain that
         // completed it also completed the ones behind it.
-        let known_done = |st: &SendSlot| st.posted && st.cqe_pending == 0;
-        if !known_done(&s.slots[slot]) {
+        let done = |st: &SendSlot| st.posted && st.cqe_pending == 0;
+        if !done(&s.slots[slot]) {
             let r = s.progress();
             let _ = s.failure.record(r);
         }
         let st = &mut s.slots[slot];
-        if st.posted && st.cqe_pending == 0 {
+        if done(st) {
             let size = st.sizes[e];
             st.tested |= 1 << e;
             if st.tested == st.matched && st.matched.count_ones() as usize == st.n {
@@ -985,8 +985,6 @@ impl SendState {
 #[derive(Debug, Clone, Copy)]
 struct RecvSlot {
     busy: bool,
-    /// Its clear-to-send is written locally but not yet posted to the sender.
-    cts_pending: bool,
     n: usize,
     imm_pending: u32,
     size0: u32,
@@ -995,7 +993,6 @@ struct RecvSlot {
 impl RecvSlot {
     const FREE: RecvSlot = RecvSlot {
         busy: false,
-        cts_pending: false,
         n: 0,
         imm_pending: 0,
         size0: 0,
@@ -1130,7 +1127,7 @@ impl VerbsRecvComm {
             let _ = s.failure.record(r);
             // A receive still waiting needs its clear-to-send at the sender, and the sender
             // should keep holding a few.
-            if s.slots[id].cts_pending || s.announced < CTS_HOLD_MIN {
+            if s.cts_held(id) || s.announced < CTS_HOLD_MIN {
                 let r = s.post_pending_cts();
                 s.failure.record(r)?;
             }
@@ -1215,7 +1212,6 @@ impl RecvState {
         }
         self.slots[slot] = RecvSlot {
             busy: true,
-            cts_pending: true,
             n,
             imm_pending: used as u32,
             size0: 0,
@@ -1230,9 +1226,17 @@ impl RecvState {
         Ok(())
     }
 
+    /// Whether busy receive `slot`'s clear-to-send is still held back: it is among the last
+    /// `seq - cts_posted` receives posted.
+    fn cts_held(&self, slot: usize) -> bool {
+        let held = self.seq.wrapping_sub(self.cts_posted) as usize;
+        (slot + SLOTS - self.cts_posted as usize % SLOTS) % SLOTS < held
+    }
+
     /// Posts every clear-to-send held back, in FIFO order: one RDMA WRITE per contiguous run
     /// of slots (whole 256-byte slots, then the last slot's entries; the sender reads only
     /// the entries a slot announces, each checked by its sequence number).
+    #[inline(always)] // into post_receive: once per receive at the default batch of 1
     fn post_pending_cts(&mut self) -> Result<()> {
         while self.cts_posted != self.seq {
             let first = self.cts_posted as usize % SLOTS;
@@ -1264,9 +1268,6 @@ impl RecvState {
                 signaled,
                 qp.max_inline,
             )?;
-            for st in &mut self.slots[first..=last] {
-                st.cts_pending = false;
-            }
             self.cts_posted = self.cts_posted.wrapping_add(k as u32);
             self.announced += k as u32;
         }
