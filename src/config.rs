@@ -316,6 +316,15 @@ impl Config {
         })
     }
 
+    /// `NCCL_IB_HCA` as the user wrote it, empty when unset (for messages).
+    pub fn ib_hca_text(&self) -> String {
+        self.ib_hca
+            .value
+            .as_ref()
+            .map(|f| f.to_string())
+            .unwrap_or_default()
+    }
+
     /// One line per setting, `NAME = value (env|default)`, for the INFO log and diagnostics.
     pub fn describe(&self) -> Vec<String> {
         fn line<T: Show>(name: &str, s: &Setting<T>) -> String {

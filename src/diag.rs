@@ -313,12 +313,7 @@ pub fn collect() -> Report {
         r.warn(
             format!(
                 "NCCL_IB_HCA={} matches none of the ports here ({})",
-                config
-                    .ib_hca
-                    .value
-                    .as_ref()
-                    .map(|f| f.to_string())
-                    .unwrap_or_default(),
+                config.ib_hca_text(),
                 names.join(", ")
             ),
             "update NCCL_IB_HCA (eRDMA devices may be named erdma_N or rocepXsY), or unset it",

@@ -374,12 +374,7 @@ pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevi
         let why = match config.ib_hca.value {
             Some(_) => format!(
                 "no active port matches NCCL_IB_HCA={} (ports here: {})",
-                config
-                    .ib_hca
-                    .value
-                    .as_ref()
-                    .map(|f| f.to_string())
-                    .unwrap_or_default(),
+                config.ib_hca_text(),
                 seen.join(", ")
             ),
             None => format!("no active port on RDMA devices {}", seen.join(", ")),
