@@ -197,10 +197,9 @@ pub struct Config {
     /// NCCL asks to flush, even without GPUDirect (diagnostics and tests).
     pub force_flush: Setting<bool>,
     /// `NCCL_ERDMA_CTS_BATCH`: clear-to-send entries a receiver may hold back and post in
-    /// one RDMA write while the sender still holds at least two; 1 (default) = post each at
-    /// once, as NCCL's IB transport does. Above 1 the receiver must keep testing its oldest
-    /// receive (NCCL's proxy does): held-back entries go out from `irecv` and `test` only.
-    pub cts_batch: Setting<u32>,
+    /// one RDMA write while the sender still holds at least two; 1 = post each at once, as
+    /// NCCL's IB transport does. Unset: chosen per device by the verbs transport.
+    pub cts_batch: Setting<Option<u32>>,
 }
 
 fn int_in<T>(var: &'static str, raw: &str, min: i64, max: i64) -> Result<T>
@@ -310,8 +309,8 @@ impl Config {
             force_flush: read(get("NCCL_ERDMA_FORCE_FLUSH"), false, |raw| {
                 int_in::<u8>("NCCL_ERDMA_FORCE_FLUSH", raw, 0, 1).map(|v| v == 1)
             })?,
-            cts_batch: read(get("NCCL_ERDMA_CTS_BATCH"), 1, |raw| {
-                int_in("NCCL_ERDMA_CTS_BATCH", raw, 1, 16)
+            cts_batch: read(get("NCCL_ERDMA_CTS_BATCH"), None, |raw| {
+                int_in("NCCL_ERDMA_CTS_BATCH", raw, 1, 16).map(Some)
             })?,
         })
     }
@@ -352,7 +351,12 @@ impl Config {
             line("NCCL_ERDMA_CONNECT_TIMEOUT_MS", &self.connect_timeout_ms),
             line("NCCL_ERDMA_STATS_INTERVAL", &self.stats_interval_s),
             line("NCCL_ERDMA_FORCE_FLUSH", &self.force_flush),
-            line("NCCL_ERDMA_CTS_BATCH", &self.cts_batch),
+            match self.cts_batch.value {
+                Some(_) => line("NCCL_ERDMA_CTS_BATCH", &self.cts_batch),
+                None => "NCCL_ERDMA_CTS_BATCH = per device: 8 on software RDMA (rxe, siw), 1 \
+                         on hardware (default)"
+                    .into(),
+            },
         ]
     }
 }

@@ -127,7 +127,7 @@ fn describe_port(d: &VerbsDevice, config: &Config) -> String {
     format!(
         "{} port {}: {} {layer}, driver {}, vendor {:#06x}\n    \
          active MTU {} ({netdev}), GID index {} {} ({gid_src}), speed {speed}\n    \
-         PCI {}, NUMA node {}, max QPs {}, {}",
+         PCI {}, NUMA node {}, max QPs {}, clear-to-send batch {}, {}",
         d.ibv_name,
         d.port,
         port_state(d.state),
@@ -143,6 +143,10 @@ fn describe_port(d: &VerbsDevice, config: &Config) -> String {
         d.pci_path.as_deref().unwrap_or("none"),
         d.numa_node.map_or("?".to_string(), |n| n.to_string()),
         d.max_qp,
+        config
+            .cts_batch
+            .value
+            .unwrap_or_else(|| crate::transport::verbs::default_cts_batch(d)),
         if d.usable() {
             "used by the plugin"
         } else if !d.selected {

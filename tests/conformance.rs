@@ -696,16 +696,21 @@ fn unhex(s: &str) -> [u8; 128] {
 #[ignore = "needs an RDMA device: NCCL_ERDMA_TEST_DEVICE (run by the Soft-RoCE tier)"]
 fn verbs_qps_per_connection_1_2_8_and_split() {
     require_verbs();
-    for (qps, split) in [("1", "0"), ("2", "0"), ("8", "0"), ("2", "1"), ("8", "1")] {
-        run_child(
-            "child_verbs_traffic",
-            &[
-                ("NCCL_IB_QPS_PER_CONNECTION", qps),
-                ("NCCL_IB_SPLIT_DATA_ON_QPS", split),
-            ],
-            &[],
-            false,
-        );
+    // The device's clear-to-send batch (8 on Soft-RoCE), then NCCL IB's one at a time.
+    for (qps, split, batch) in [
+        ("1", "0", None),
+        ("2", "0", None),
+        ("8", "0", None),
+        ("2", "1", None),
+        ("8", "1", None),
+        ("1", "0", Some("1")),
+    ] {
+        let mut env = vec![
+            ("NCCL_IB_QPS_PER_CONNECTION", qps),
+            ("NCCL_IB_SPLIT_DATA_ON_QPS", split),
+        ];
+        env.extend(batch.map(|b| ("NCCL_ERDMA_CTS_BATCH", b)));
+        run_child("child_verbs_traffic", &env, &[], false);
     }
 }
 

@@ -80,13 +80,25 @@ fn a_bad_setting_is_named_and_fails() {
 fn verbs_device_report() {
     let dev = require_verbs();
     let hca = format!("={dev}");
-    let (code, text) = info(&[("NCCL_IB_HCA", &hca)], &["NCCL_ERDMA_TRANSPORT"]);
+    let (code, text) = info(
+        &[("NCCL_IB_HCA", &hca)],
+        &["NCCL_ERDMA_TRANSPORT", "NCCL_ERDMA_CTS_BATCH"],
+    );
     assert_eq!(code, 0, "{text}");
     assert!(
         text.contains(&format!("{dev} port 1: ACTIVE Ethernet (RoCE v2)")),
         "{text}"
     );
     assert!(text.contains("used by the plugin"), "{text}");
+    // Soft-RoCE is recognised as a software device: clear-to-sends are batched there.
+    if dev.starts_with("rxe") {
+        assert!(text.contains("clear-to-send batch 8,"), "{text}");
+    }
+    let (_, text) = info(
+        &[("NCCL_IB_HCA", &hca), ("NCCL_ERDMA_CTS_BATCH", "3")],
+        &["NCCL_ERDMA_TRANSPORT"],
+    );
+    assert!(text.contains("clear-to-send batch 3,"), "{text}");
     assert!(text.contains("transport: verbs"), "{text}");
     assert!(text.contains(&format!("device 0: {dev}")), "{text}");
     // A stale NCCL_IB_HCA is named, and the plugin cannot run with it.

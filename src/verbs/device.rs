@@ -14,6 +14,10 @@ use crate::error::{Error, Result};
 
 /// PCI vendor id of Alibaba's eRDMA devices.
 pub const ERDMA_VENDOR_ID: u32 = 0x1ded;
+/// Vendor id the kernel's Soft-RoCE driver (rxe) reports.
+pub const RXE_VENDOR_ID: u32 = 0xff_ffff;
+/// Vendor id the kernel's Soft-iWARP driver (siw) reports ("bmt").
+pub const SIW_VENDOR_ID: u32 = 0x62_6d74;
 
 /// `IBV_LINK_LAYER_INFINIBAND`.
 pub const LINK_LAYER_IB: u8 = 1;
@@ -78,6 +82,12 @@ impl VerbsDevice {
     /// Whether this is an Alibaba eRDMA device.
     pub fn is_erdma(&self) -> bool {
         self.vendor_id == ERDMA_VENDOR_ID || self.driver.as_deref() == Some("erdma")
+    }
+
+    /// Whether this is a software RDMA device (Soft-RoCE, Soft-iWARP): each post is a
+    /// system call that runs the packet path in the kernel, not a doorbell.
+    pub fn is_software(&self) -> bool {
+        self.vendor_id == RXE_VENDOR_ID || self.vendor_id == SIW_VENDOR_ID
     }
 
     /// Whether the port is active.
