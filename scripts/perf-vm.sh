@@ -4,7 +4,8 @@
 # the same conditions,
 #   - per size: ib_write_bw -d rxe0 -x 1, then nccl-net-bench's bandwidth over the plugin
 #     (NCCL_ERDMA_TRANSPORT=verbs NCCL_IB_HCA==rxe0), same payload per measurement;
-#   - per size: ib_write_lat -d rxe0 -x 1, then the plugin's latency;
+#   - per size: ib_write_lat -d rxe0 -x 1, then the plugin's latency (and at 8 B ib_send_lat,
+#     the floor of a receiver that learns of arrival from a completion);
 #   - the plugin's bandwidth at 1 MiB and 4 MiB for NCCL_IB_QPS_PER_CONNECTION=1,2,4,8;
 # repeated $PERF_VM_REPS times (medians reported, with their ranges: the VM is emulated and
 # its speed follows the host's load). Prints per size perftest GB/s, plugin GB/s and their

@@ -6,8 +6,9 @@
 #
 # For each of REPS repetitions and each size of SIZES (bytes, comma-separated), one after the
 # other so both see the same conditions: ib_write_bw, then the plugin's bandwidth; then per
-# size ib_write_lat, then the plugin's latency. Then, per repetition, the plugin's bandwidth
-# at QPSIZES for each NCCL_IB_QPS_PER_CONNECTION in QPS. Each measurement moves about BYTES
+# size ib_write_lat, then the plugin's latency (at 8 B also ib_send_lat). Then, per
+# repetition, the plugin's bandwidth at QPSIZES for each NCCL_IB_QPS_PER_CONNECTION in QPS.
+# Each measurement moves about BYTES
 # payload bytes (at least 16 messages); the plugin keeps WINDOW receives in flight and
 # perftest TXDEPTH writes. Writes OUTDIR/raw.csv (every measurement), perftest.csv and
 # plugin.csv (medians, in nccl-net-bench's CSV format), qps.csv and summary.txt, and prints
@@ -118,6 +119,15 @@ for ((rep = 1; rep <= reps; rep++)); do
     else
       failures=$((failures + 1))
     fi
+    # The floor of a receiver that learns of arrival from a completion queue entry (as
+    # NCCL's IB transport and this plugin do), where ib_write_lat polls memory instead.
+    if ((size == 8)); then
+      if line=$(perftest_pair ib_send_lat 127.0.0.1 ib_send_lat -d rxe0 -x 1 -s "$size" -n "$n"); then
+        record perftest_send lat "$size" default "$rep" "$(awk '{ print $5 }' <<<"$line")"
+      else
+        failures=$((failures + 1))
+      fi
+    fi
   done
   for q in "${qp_list[@]}"; do
     for size in ${qp_sizes//,/ }; do
@@ -208,6 +218,13 @@ done
       "$(num "$bp")" "$(num "$bq")" "$rb" "$verdict"
   done
   echo "   (latency: ib_write_lat t_typical, one way; plugin: median round trip / 2)"
+  p=$(med perftest_send lat 8 default)
+  q=$(med plugin lat 8 default)
+  if [[ -n $p ]]; then
+    echo "   8 B against ib_send_lat (send/receive, completions on both sides: the floor of a"
+    echo "   receiver that learns of arrival from a completion queue, as NCCL's IB transport's does):"
+    echo "   $(num "$p") us [$(range perftest_send lat 8 default)], plugin/ib_send_lat $(ratio "$q" "$p")"
+  fi
   echo
   echo "== plugin bandwidth (GB/s) vs NCCL_IB_QPS_PER_CONNECTION (window $window; median of $reps [min..max])"
   printf "%10s" "QPs/conn"
