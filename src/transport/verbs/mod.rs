@@ -99,7 +99,7 @@ pub struct VerbsParams {
 /// The clear-to-send batch for `dev` when `NCCL_ERDMA_CTS_BATCH` is unset. On a software
 /// device every post is a system call that runs the whole packet path before it returns,
 /// so one write announcing several receives takes most clear-to-sends out of a round trip
-/// (8-byte ping-pong on Soft-RoCE: ~2.2x -> ~1.25x ib_write_lat). On hardware a post is a
+/// (8-byte ping-pong on Soft-RoCE: ~2.1x -> ~1.2x ib_write_lat). On hardware a post is a
 /// doorbell and the clear-to-send is off the critical path, while holding entries back
 /// could leave the sender waiting: post each at once, as NCCL's IB transport does.
 pub fn default_cts_batch(dev: &VerbsDevice) -> u32 {
