@@ -460,6 +460,18 @@ mod tests {
         assert_eq!(c.roce_version.value, 2);
         assert_eq!(c.ib_addr_family.value, AddrFamily::Inet);
         assert!(!c.split_data_on_qps.value);
+        // Unset: the verbs transport picks the clear-to-send batch per device.
+        assert_eq!(c.cts_batch.value, None);
+        assert!(c
+            .describe()
+            .iter()
+            .any(|l| l.contains("CTS_BATCH = per device")));
+        let c = cfg(&[("NCCL_ERDMA_CTS_BATCH", "4")]).unwrap();
+        assert_eq!(c.cts_batch.value, Some(4));
+        assert!(c
+            .describe()
+            .iter()
+            .any(|l| l == "NCCL_ERDMA_CTS_BATCH = 4 (env)"));
     }
 
     #[test]
