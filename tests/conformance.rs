@@ -796,10 +796,14 @@ fn child_verbs_traffic() {
 #[ignore = "needs an RDMA device: NCCL_ERDMA_TEST_DEVICE (run by the Soft-RoCE tier)"]
 fn verbs_batched_clear_to_send_under_a_proxy_loop() {
     require_verbs();
-    for (batch, group) in [("8", "1"), ("16", "1"), ("4", "3")] {
+    for (batch, group) in [("8", "1"), ("16", "1"), ("4", "3"), ("1", "1")] {
         run_child(
             "child_verbs_cts_batch",
-            &[("NCCL_ERDMA_CTS_BATCH", batch), ("CHILD_GROUP", group)],
+            &[
+                ("NCCL_ERDMA_CTS_BATCH", batch),
+                ("CHILD_BATCH", batch),
+                ("CHILD_GROUP", group),
+            ],
             &[],
             false,
         );
@@ -807,9 +811,11 @@ fn verbs_batched_clear_to_send_under_a_proxy_loop() {
 }
 
 /// NCCL_ERDMA_CTS_BATCH > 1 holds clear-to-send entries back; driven the way NCCL's proxy
-/// drives a comm (one thread; each pass posts receives while fewer than 8 are in flight,
-/// posts the next send, tests the oldest receive and the oldest send), every message must
-/// arrive intact, across FIFO wrap-around (200 messages, 32 slots).
+/// drives a comm (one thread; each pass posts a receive while fewer than 8 are in flight,
+/// posts the next send, tests the oldest receive and the oldest send), with the receiver
+/// ahead of the sender as in a latency-bound exchange (a message is sent once the receives
+/// up to 7 beyond its own are posted), every message must arrive intact, across FIFO
+/// wrap-around (200 messages, 32 slots), and the clear-to-sends must have been batched.
 #[test]
 #[ignore = "entry point of a child process"]
 fn child_verbs_cts_batch() {
@@ -851,7 +857,8 @@ fn child_verbs_cts_batch() {
                 posted += 1;
             }
         }
-        if sent < groups * group {
+        let ahead = posted >= (sent / group + WINDOW - 1).min(groups);
+        if sent < groups * group && ahead {
             let p = src.buf.as_mut_ptr().wrapping_add(sent * LEN);
             let q = net
                 .isend(s, p, size_of(sent), (sent % group) as i32, src.mh)
@@ -888,6 +895,29 @@ fn child_verbs_cts_batch() {
     dereg(&net, r, dst);
     dereg(&net, s, src);
     close_pair(&mut net, s, r);
+    // The receive comm's summary: "(W clear-to-send writes for R receives)". One write per
+    // receive without batching; batched, several receives per write on average.
+    let batch: u64 = std::env::var("CHILD_BATCH").unwrap().parse().unwrap();
+    let lines = client::logged_lines();
+    let summary = lines
+        .iter()
+        .find(|l| l.text.contains("closed rx comm"))
+        .unwrap_or_else(|| panic!("no rx summary: {lines:#?}"));
+    let (before, after) = summary
+        .text
+        .split_once(" clear-to-send writes for ")
+        .unwrap_or_else(|| panic!("no clear-to-send counts in {:?}", summary.text));
+    let writes: u64 = before.rsplit('(').next().unwrap().parse().unwrap();
+    let receives: u64 = after.split_whitespace().next().unwrap().parse().unwrap();
+    eprintln!(
+        "batch {batch}, group {group}: {writes} clear-to-send writes for {receives} receives"
+    );
+    assert_eq!(receives, groups as u64, "{}", summary.text);
+    if batch == 1 {
+        assert_eq!(writes, receives, "{}", summary.text);
+    } else {
+        assert!(writes * 2 <= receives, "{}", summary.text);
+    }
 }
 
 #[test]

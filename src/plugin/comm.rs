@@ -357,12 +357,20 @@ fn check_count(n: usize, call: &str) -> Result<()> {
 
 impl Drop for SendComm {
     fn drop(&mut self) {
-        self.stats.close(self.plugin.totals(self.dev));
+        self.stats.close(self.plugin.totals(self.dev), "");
     }
 }
 
 impl Drop for RecvComm {
     fn drop(&mut self) {
-        self.stats.close(self.plugin.totals(self.dev));
+        // How well clear-to-sends were batched (NCCL_ERDMA_CTS_BATCH).
+        let detail = match &self.inner {
+            Recv::Tcp(_) => String::new(),
+            Recv::Verbs(v) => {
+                let (writes, entries) = v.clear_to_send_counts();
+                format!(" ({writes} clear-to-send writes for {entries} receives)")
+            }
+        };
+        self.stats.close(self.plugin.totals(self.dev), &detail);
     }
 }

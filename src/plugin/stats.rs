@@ -161,16 +161,17 @@ impl CommStats {
         *c = now;
     }
 
-    /// Logs the comm's summary and credits its device; called when the comm closes.
-    pub fn close(&self, device: &DeviceTotals) {
+    /// Logs the comm's summary (with `detail` from its transport) and credits its device;
+    /// called when the comm closes.
+    pub fn close(&self, device: &DeviceTotals, detail: &str) {
         self.credit(device);
         let (msgs, errors) = (self.msgs.load(Relaxed), self.errors.load(Relaxed));
         if msgs == 0 && errors == 0 {
             return;
         }
         tracing::info!(
-            "closed {} comm {}: {} bytes in {} messages, {} clear-to-send waits, {} errors; \
-             device totals: tx {} bytes / {} messages, rx {} bytes / {} messages",
+            "closed {} comm {}: {} bytes in {} messages, {} clear-to-send waits{detail}, {} \
+             errors; device totals: tx {} bytes / {} messages, rx {} bytes / {} messages",
             self.name(),
             self.label,
             self.bytes.load(Relaxed),
@@ -197,7 +198,7 @@ mod tests {
         s.credit(&dev);
         s.completed(1, 5);
         s.failed();
-        s.close(&dev);
+        s.close(&dev, "");
         assert_eq!(dev.tx_msgs.load(Relaxed), 3);
         assert_eq!(dev.tx_bytes.load(Relaxed), 305);
         assert_eq!(dev.errors.load(Relaxed), 1);

@@ -542,6 +542,8 @@ impl VerbsListen {
             announced: 0,
             cts_unsignaled: 0,
             polled: false,
+            cts_writes: 0,
+            cts_entries: 0,
             chain: SendChain::new(),
             failure: Failure::default(),
             peer: format!("{peer} ({})", remote.device),
@@ -1055,6 +1057,10 @@ struct RecvState {
     /// proxy tests its oldest one on every pass), so entries held back now will be posted
     /// by a later `test`. Receives posted back to back are announced at once.
     polled: bool,
+    /// Clear-to-send writes posted, and the entries they carried (one per receive), for the
+    /// comm's summary.
+    cts_writes: u64,
+    cts_entries: u64,
     chain: SendChain,
     failure: Failure,
     peer: String,
@@ -1072,6 +1078,12 @@ impl VerbsRecvComm {
     /// The peer (address and device).
     pub fn peer(&self) -> String {
         self.inner.lock().peer.clone()
+    }
+
+    /// Clear-to-send writes posted so far, and the receives they announced.
+    pub fn clear_to_send_counts(&self) -> (u64, u64) {
+        let s = self.inner.lock();
+        (s.cts_writes, s.cts_entries)
     }
 
     /// Posts a grouped receive of `bufs` with their remote keys; `Ok(None)` when 32 are in
@@ -1295,6 +1307,8 @@ impl RecvState {
             )?;
             self.cts_posted = self.cts_posted.wrapping_add(k as u32);
             self.announced += k as u32;
+            self.cts_writes += 1;
+            self.cts_entries += k as u64;
         }
         Ok(())
     }
