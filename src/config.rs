@@ -8,6 +8,9 @@ use std::fmt;
 
 use crate::error::{Error, Result};
 
+/// `NCCL_ERDMA_CTS_BATCH` when unset, on a software RDMA device (rxe, siw); 1 on hardware.
+pub const CTS_BATCH_SOFTWARE: u32 = 8;
+
 /// Which transport carries the data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum TransportChoice {
@@ -353,9 +356,10 @@ impl Config {
             line("NCCL_ERDMA_FORCE_FLUSH", &self.force_flush),
             match self.cts_batch.value {
                 Some(_) => line("NCCL_ERDMA_CTS_BATCH", &self.cts_batch),
-                None => "NCCL_ERDMA_CTS_BATCH = per device: 8 on software RDMA (rxe, siw), 1 \
-                         on hardware (default)"
-                    .into(),
+                None => format!(
+                    "NCCL_ERDMA_CTS_BATCH = per device: {CTS_BATCH_SOFTWARE} on software RDMA \
+                     (rxe, siw), 1 on hardware (default)"
+                ),
             },
         ]
     }

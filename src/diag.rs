@@ -143,10 +143,7 @@ fn describe_port(d: &VerbsDevice, config: &Config) -> String {
         d.pci_path.as_deref().unwrap_or("none"),
         d.numa_node.map_or("?".to_string(), |n| n.to_string()),
         d.max_qp,
-        config
-            .cts_batch
-            .value
-            .unwrap_or_else(|| crate::transport::verbs::default_cts_batch(d)),
+        crate::transport::verbs::cts_batch(config.cts_batch.value, d),
         if d.usable() {
             "used by the plugin"
         } else if !d.selected {

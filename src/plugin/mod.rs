@@ -31,9 +31,7 @@ use crate::error::{Error, Result};
 use crate::log::INIT;
 use crate::oob::{handle, iface, Handle, TransportKind, HANDLE_SIZE};
 use crate::transport::tcp::{TcpConnecting, TcpListen};
-use crate::transport::verbs::{
-    default_cts_batch, MrCache, VerbsConnecting, VerbsListen, VerbsParams,
-};
+use crate::transport::verbs::{self, MrCache, VerbsConnecting, VerbsListen, VerbsParams};
 use crate::transport::MAX_RECVS;
 use crate::verbs::device::{self as vdev, VerbsDevice};
 use crate::verbs::VerbsLib;
@@ -361,7 +359,7 @@ impl Plugin {
             pkey_index: c.ib_pkey.value as u16,
             flush: c.force_flush.value || dev.peermem || dev.dmabuf,
             connect_timeout: self.timeout(),
-            cts_batch: c.cts_batch.value.unwrap_or_else(|| default_cts_batch(dev)),
+            cts_batch: verbs::cts_batch(c.cts_batch.value, dev),
         }
     }
 

@@ -30,6 +30,7 @@ use std::{
 use parking_lot::Mutex;
 
 use crate::abi::buffer::UserBuffer;
+use crate::config::CTS_BATCH_SOFTWARE;
 use crate::error::{Error, Result};
 use crate::oob::{Channel, Handle, Hello, Listener, MsgKind, TransportKind};
 use crate::transport::{Completion, Failure, MAX_RECVS, MAX_REQUESTS};
@@ -96,18 +97,19 @@ pub struct VerbsParams {
     pub cts_batch: u32,
 }
 
-/// The clear-to-send batch for `dev` when `NCCL_ERDMA_CTS_BATCH` is unset. On a software
-/// device every post is a system call that runs the whole packet path before it returns,
-/// so one write announcing several receives takes most clear-to-sends out of a round trip
-/// (8-byte ping-pong on Soft-RoCE: ~2.1x -> ~1.2x ib_write_lat). On hardware a post is a
-/// doorbell and the clear-to-send is off the critical path, while holding entries back
-/// could leave the sender waiting: post each at once, as NCCL's IB transport does.
-pub fn default_cts_batch(dev: &VerbsDevice) -> u32 {
-    if dev.is_software() {
-        8
+/// The clear-to-send batch in effect on `dev`: `NCCL_ERDMA_CTS_BATCH` when set, else per
+/// device. On a software device every post is a system call that runs the whole packet
+/// path before it returns, so one write announcing several receives takes most
+/// clear-to-sends out of a round trip (8-byte ping-pong on Soft-RoCE: ~2.1x -> ~1.2x
+/// ib_write_lat). On hardware a post is a doorbell and the clear-to-send is off the
+/// critical path, while holding entries back could leave the sender waiting: post each at
+/// once, as NCCL's IB transport does.
+pub fn cts_batch(setting: Option<u32>, dev: &VerbsDevice) -> u32 {
+    setting.unwrap_or(if dev.is_software() {
+        CTS_BATCH_SOFTWARE
     } else {
         1
-    }
+    })
 }
 
 // ---------------------------------------------------------------------------------------
