@@ -799,11 +799,7 @@ fn verbs_batched_clear_to_send_under_a_proxy_loop() {
     for (batch, group) in [("8", "1"), ("16", "1"), ("4", "3"), ("1", "1")] {
         run_child(
             "child_verbs_cts_batch",
-            &[
-                ("NCCL_ERDMA_CTS_BATCH", batch),
-                ("CHILD_BATCH", batch),
-                ("CHILD_GROUP", group),
-            ],
+            &[("NCCL_ERDMA_CTS_BATCH", batch), ("CHILD_GROUP", group)],
             &[],
             false,
         );
@@ -897,7 +893,10 @@ fn child_verbs_cts_batch() {
     close_pair(&mut net, s, r);
     // The receive comm's summary: "(W clear-to-send writes for R receives)". One write per
     // receive without batching; batched, several receives per write on average.
-    let batch: u64 = std::env::var("CHILD_BATCH").unwrap().parse().unwrap();
+    let batch: u64 = std::env::var("NCCL_ERDMA_CTS_BATCH")
+        .unwrap()
+        .parse()
+        .unwrap();
     let lines = client::logged_lines();
     let summary = lines
         .iter()
