@@ -1,5 +1,5 @@
 //! Transports behind the version-neutral core: `tcp` (sockets, for hosts without RDMA and
-//! for tests) and, later, `verbs`. Both honour the same request contract, defined here.
+//! for tests) and `verbs`. Both honour the same request contract, defined here.
 
 pub mod tcp;
 pub mod verbs;
@@ -12,6 +12,15 @@ pub const MAX_RECVS: usize = 8;
 pub const MAX_REQUESTS: usize = 32;
 /// Sends in flight per send comm: one per entry of every in-flight grouped receive.
 pub const MAX_SEND_REQUESTS: usize = MAX_REQUESTS * MAX_RECVS;
+
+/// The error for `test` on request `id` (a `what`: send, receive, flush) that is not in
+/// flight: never posted, or already reported done.
+#[cold]
+pub(crate) fn not_in_flight(what: &str, id: usize) -> Error {
+    Error::Misuse(format!(
+        "test on {what} request {id}, which is not in flight"
+    ))
+}
 
 /// What `test` reports for a finished request: the size of each of its `n` messages. Sizes
 /// fit in 32 bits (`maxP2pBytes` is 1 GiB), which keeps the data path's results small.

@@ -22,7 +22,9 @@ use socket2::Socket;
 use crate::abi::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::{Channel, Handle, Hello, Listener, MsgKind, TransportKind};
-use crate::transport::{Completion, Failure, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS};
+use crate::transport::{
+    not_in_flight, Completion, Failure, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS,
+};
 
 const FRAME_CTS: u8 = 1;
 const FRAME_DATA: u8 = 2;
@@ -307,9 +309,7 @@ impl TcpRecvComm {
                 s.failure.check()?;
                 Ok(None)
             }
-            RecvState::Free => Err(Error::Misuse(format!(
-                "test on receive request {slot}, which is not in flight"
-            ))),
+            RecvState::Free => Err(not_in_flight("receive", slot)),
         }
     }
 }
@@ -624,9 +624,7 @@ impl TcpSendComm {
                 s.failure.check()?;
                 Ok(None)
             }
-            SendState::Free => Err(Error::Misuse(format!(
-                "test on send request {slot}, which is not in flight"
-            ))),
+            SendState::Free => Err(not_in_flight("send", slot)),
         }
     }
 }

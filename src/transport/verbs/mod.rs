@@ -33,7 +33,7 @@ use crate::abi::buffer::UserBuffer;
 use crate::config::CTS_BATCH_SOFTWARE;
 use crate::error::{Error, Result};
 use crate::oob::{Channel, Handle, Hello, Listener, MsgKind, TransportKind};
-use crate::transport::{Completion, Failure, MAX_RECVS, MAX_REQUESTS};
+use crate::transport::{not_in_flight, Completion, Failure, MAX_RECVS, MAX_REQUESTS};
 use crate::verbs::device::{VerbsDevice, LINK_LAYER_ETHERNET};
 use crate::verbs::dma::{
     DmaBuffer, SendChain, WcBatch, ACCESS_RDMA, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS,
@@ -846,13 +846,6 @@ impl VerbsSendComm {
         }
         Ok(None)
     }
-}
-
-#[cold]
-fn not_in_flight(what: &str, id: usize) -> Error {
-    Error::Misuse(format!(
-        "test on {what} request {id}, which is not in flight"
-    ))
 }
 
 #[cold]
