@@ -2039,11 +2039,27 @@ fn child_dlclose_cycles() {
         "reliability: dlclose cycles: {CYCLES} cycles, fds {fds}, threads {threads}, \
          RSS {settled} KiB -> {last} KiB, library unmapped after {unloaded} of {CYCLES} dlcloses"
     );
+    if under_valgrind() {
+        // Under memcheck the resident set is mostly valgrind's own: freed blocks wait in its
+        // 20 MB quarantine and every reload is translated again (6-9 MiB over 40 cycles, with
+        // no leak). The same test outside valgrind (`cargo test`) holds the bound; here
+        // memcheck's leak check, which scripts/reliability.sh makes fatal, stands in for it.
+        println!("reliability: dlclose cycles: RSS bound skipped under valgrind");
+        return;
+    }
     assert!(
         last <= settled + 8 * 1024,
         "RSS grew from {settled} KiB to {last} KiB over {} cycles",
         CYCLES - 10
     );
+}
+
+/// True when this process runs under valgrind, whose preload objects are mapped into it.
+fn under_valgrind() -> bool {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .any(|l| l.contains("/vgpreload_"))
 }
 
 // ---------------------------------------------------------------------------------------
