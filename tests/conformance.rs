@@ -248,6 +248,12 @@ fn send_larger_than_receive_is_an_error_on_both_sides() {
     };
     assert_eq!(err, ncclResult_t::ncclInvalidUsage);
     assert!(dst.buf.iter().all(|b| *b == 0), "nothing was written");
+    if verbs_device().is_some() {
+        // Over verbs the truncated send's slot can never be reused (no request came back
+        // to test), so the comm stays failed: later sends fail instead of waiting forever.
+        let again = net.isend(s, src.buf.as_mut_ptr(), 10, 5, src.mh);
+        assert!(again.is_err(), "send after a truncation: {again:?}");
+    }
     src.buf.truncate(0);
     dst.buf.truncate(0);
     close_pair(&mut net, s, r);
@@ -961,6 +967,39 @@ fn child_verbs_flush() {
             assert!(start.elapsed() < DEADLINE, "flush never completed");
         }
     }
+    let (d, dmh) = (dst.buf.as_mut_ptr(), dst.mh);
+    let flush = |net: &Net| net.iflush(r, &[(d, 3000)], &[dmh]);
+    let finish = |net: &Net, freq: Opaque| {
+        let start = Instant::now();
+        while !net.test(freq, None).unwrap() {
+            assert!(start.elapsed() < DEADLINE, "flush never completed");
+        }
+    };
+    // One flush left untested (another sub's, on a shared comm) while 40 more go round all
+    // the slots: every one still returns a request, since NULL would mean "no flush
+    // needed" and NCCL would read the data unflushed.
+    let held = flush(&net).unwrap();
+    assert!(!held.is_null());
+    for i in 0..40 {
+        let freq = flush(&net).unwrap();
+        assert!(
+            !freq.is_null(),
+            "flush {i} after an untested one was skipped"
+        );
+        finish(&net, freq);
+    }
+    finish(&net, held);
+    // 32 in flight is NCCL's limit; a 33rd is the caller's error, not a skipped flush.
+    let pending: Vec<Opaque> = (0..32).map(|_| flush(&net).unwrap()).collect();
+    assert!(pending.iter().all(|f| !f.is_null()));
+    assert_eq!(
+        flush(&net).unwrap_err(),
+        ncclResult_t::ncclInvalidUsage,
+        "a 33rd flush in flight"
+    );
+    for f in pending {
+        finish(&net, f);
+    }
     // Nothing to flush: no request.
     let none = net
         .iflush(r, &[(dst.buf.as_mut_ptr(), 0)], &[dst.mh])
@@ -969,6 +1008,98 @@ fn child_verbs_flush() {
     assert!(dst.buf[..3000] == src.buf[..]);
     dereg(&net, r, dst);
     dereg(&net, s, src);
+    close_pair(&mut net, s, r);
+}
+
+#[test]
+#[ignore = "needs an RDMA device: NCCL_ERDMA_TEST_DEVICE (run by the Soft-RoCE tier)"]
+fn verbs_small_sends_from_gpu_memory_are_never_inlined() {
+    require_verbs();
+    run_child_in(
+        Sandbox::PeerMemory,
+        "child_verbs_gpu_memory_not_inlined",
+        &[],
+        &[],
+    );
+}
+
+/// Sends inline-sized messages from a buffer registered as CUDA memory whose page the CPU
+/// may not read (PROT_NONE: what a GPU address is to the CPU) while the NIC still reads it
+/// through the registration. A send posted inline has the CPU copy the data at post time:
+/// SIGSEGV, and the child fails.
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_verbs_gpu_memory_not_inlined() {
+    if !is_child() {
+        return;
+    }
+    const PAGE: usize = 4096;
+    let mut net = open(11);
+    let props = net.properties(0).unwrap();
+    assert_ne!(props.ptr_support & CUDA, 0, "GPUDirect offered: {props:?}");
+    let (s, r) = connect_pair(&net);
+    // SAFETY: a fresh anonymous private mapping of one page.
+    let page = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            PAGE,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    assert_ne!(page, libc::MAP_FAILED);
+    let gpu = page as *mut u8;
+    let data = pattern(91, 64);
+    // SAFETY: the page is ours and writable; 64 bytes fit in it.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), gpu, data.len()) };
+    let mh = net.reg_mr(s, gpu, PAGE, CUDA).unwrap();
+    // SAFETY: our own page; the NIC reads it through the pinned registration.
+    assert_eq!(unsafe { libc::mprotect(page, PAGE, libc::PROT_NONE) }, 0);
+
+    let mut dst = reg(&net, r, vec![0u8; 64]);
+    let d = dst.buf.as_mut_ptr();
+    // One message: the single-write path.
+    let rreq = poll_until("irecv", || {
+        net.irecv(r, &[(d, 8)], &[1], &[dst.mh], false).unwrap()
+    });
+    let sreq = poll_until("isend", || net.isend(s, gpu, 8, 1, mh).unwrap());
+    assert_eq!(wait(&net, rreq, 1), vec![8]);
+    wait(&net, sreq, 1);
+    // A group of two: the chained path.
+    let rreq = poll_until("irecv", || {
+        net.irecv(
+            r,
+            &[(d.wrapping_add(16), 16), (d.wrapping_add(40), 16)],
+            &[2, 3],
+            &[dst.mh, dst.mh],
+            false,
+        )
+        .unwrap()
+    });
+    let s2 = poll_until("isend", || {
+        net.isend(s, gpu.wrapping_add(8), 16, 2, mh).unwrap()
+    });
+    let s3 = poll_until("isend", || {
+        net.isend(s, gpu.wrapping_add(24), 16, 3, mh).unwrap()
+    });
+    assert_eq!(wait(&net, rreq, 2), vec![16, 16]);
+    wait(&net, s2, 1);
+    wait(&net, s3, 1);
+    assert_eq!(dst.buf[..8], data[..8]);
+    assert_eq!(dst.buf[16..32], data[8..24]);
+    assert_eq!(dst.buf[40..56], data[24..40]);
+
+    // SAFETY: our own page again, readable before it is deregistered and unmapped.
+    assert_eq!(
+        unsafe { libc::mprotect(page, PAGE, libc::PROT_READ | libc::PROT_WRITE) },
+        0
+    );
+    net.dereg_mr(s, mh).unwrap();
+    // SAFETY: mapped above, no longer registered or used.
+    assert_eq!(unsafe { libc::munmap(page, PAGE) }, 0);
+    dereg(&net, r, dst);
     close_pair(&mut net, s, r);
 }
 

@@ -16,7 +16,7 @@ use crate::transport::verbs::{VerbsListen, VerbsRecvComm, VerbsSendComm};
 use crate::transport::{Completion, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS};
 
 use super::stats::{CommStats, Direction};
-use super::{Plugin, MAX_P2P_BYTES};
+use super::{Plugin, MAX_P2P_BYTES, PTR_HOST};
 
 /// Magic of a [`ListenComm`].
 pub const LISTEN_MAGIC: u64 = 0x4c49_5354_454e_4552;
@@ -204,7 +204,7 @@ impl SendComm {
             .registration(mhandle, self.dev, buf.addr(), buf.len())?;
         let id = match &self.inner {
             Send::Tcp(t) => t.isend(buf, tag),
-            Send::Verbs(v) => v.isend(buf, tag, reg.lkey),
+            Send::Verbs(v) => v.isend(buf, tag, reg.lkey, reg.ptr_type == PTR_HOST),
         };
         match id {
             Ok(None) => self.stats.waited(),

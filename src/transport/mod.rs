@@ -72,8 +72,9 @@ impl Failure {
         r
     }
 
+    /// Remembers `e` as the comm's failure.
     #[cold]
-    fn note(&mut self, e: &Error) {
+    pub(crate) fn note(&mut self, e: &Error) {
         self.set(e.to_string());
     }
     #[inline]

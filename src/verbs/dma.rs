@@ -75,6 +75,23 @@ impl<T: Copy> DmaBuffer<T> {
         v
     }
 
+    /// Reads the `u32` at byte `offset` of element `i` as the NIC last wrote it, before any
+    /// later read: the flag a peer's write sets in the last bytes of an element, checked
+    /// before the rest of it is read. (A read of the whole element is several loads in no
+    /// set order, so it could pair a new flag with fields the write had not yet placed.)
+    #[inline]
+    pub fn get_u32(&self, i: usize, offset: usize) -> u32 {
+        assert!(i < self.len && offset + 4 <= std::mem::size_of::<T>() && offset % 4 == 0);
+        assert!(std::mem::align_of::<T>() >= 4);
+        // SAFETY: the u32 lies inside element i of our allocation (checked above), and is
+        // 4-aligned: elements are at least 4-aligned and the offset is a multiple of 4.
+        let v = unsafe {
+            std::ptr::read_volatile((self.ptr.add(i) as *const u8).add(offset) as *const u32)
+        };
+        atomic::fence(atomic::Ordering::Acquire);
+        v
+    }
+
     /// Writes element `i`.
     pub fn set(&self, i: usize, v: T) {
         assert!(i < self.len);
@@ -213,7 +230,8 @@ impl SendChain {
         );
     }
 
-    /// Signals the last request with `wr_id`; marks small writes inline (`max_inline`).
+    /// Signals the last request with `wr_id`; marks small writes inline (`max_inline`: 0
+    /// when any source is GPU memory, which the CPU cannot copy at post).
     pub fn finish(&mut self, wr_id: u64, max_inline: u32) {
         for i in 0..self.len {
             self.wrs[i].send_flags |=
@@ -226,9 +244,10 @@ impl SendChain {
 
     /// Posts one RDMA WRITE of `local` (address, length, lkey) to `remote` (address, rkey),
     /// WITH IMMEDIATE when `imm` is given (host order), with `wr_id`, signaled or not, inline
-    /// when it is a non-empty write of at most `max_inline` bytes: the data path's common
-    /// case (one message, one clear-to-send), without the chain's per-request loops. The
-    /// chain then holds that one request.
+    /// when it is a non-empty write of at most `max_inline` bytes (0 for GPU memory, which
+    /// the CPU cannot copy at post): the data path's common case (one message, one
+    /// clear-to-send), without the chain's per-request loops. The chain then holds that
+    /// one request.
     #[allow(clippy::too_many_arguments)] // one work request's fields
     pub fn post_one(
         &mut self,

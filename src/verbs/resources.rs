@@ -20,8 +20,9 @@ pub struct Context {
     lib: &'static VerbsLib,
     raw: *mut ibv_context,
     name: String,
-    /// Fatal asynchronous events seen so far: (QP number or None for the device, event).
-    fatal: parking_lot::Mutex<Vec<(Option<u32>, u32)>>,
+    /// Fatal asynchronous events seen so far.
+    fatal: parking_lot::Mutex<FatalEvents>,
+    /// How many there are: read without the lock, so pollers see news cheaply.
     fatal_epoch: AtomicU64,
 }
 
@@ -48,7 +49,7 @@ impl Context {
             lib,
             raw,
             name,
-            fatal: parking_lot::Mutex::new(Vec::new()),
+            fatal: parking_lot::Mutex::new(FatalEvents::default()),
             fatal_epoch: AtomicU64::new(0),
         }
     }
@@ -98,44 +99,41 @@ impl Context {
     }
 
     /// Reads every pending asynchronous event (without blocking) and records the fatal
-    /// ones; returns the fatal-event epoch, which changes whenever one was recorded.
+    /// ones; returns the fatal-event epoch (how many were recorded so far).
     pub fn drain_async_events(&self) -> u64 {
-        while let Some((ty, qpn)) = self.poll_async_event() {
+        while let Some((ty, element)) = self.poll_async_event() {
             let what = async_event::name(ty);
             if async_event::is_fatal(ty) {
-                tracing::warn!(
-                    "{}: asynchronous event {what} ({ty}){}",
-                    self.name,
-                    qpn.map(|q| format!(" on QP {q}")).unwrap_or_default()
-                );
-                self.fatal.lock().push((qpn, ty));
+                tracing::warn!("{}: asynchronous event {what} ({ty}){element}", self.name);
+                self.fatal.lock().record(ty, element);
                 self.fatal_epoch.fetch_add(1, Ordering::AcqRel);
             } else {
                 tracing::info!("{}: asynchronous event {what} ({ty})", self.name);
             }
         }
+        self.fatal_epoch()
+    }
+
+    /// How many fatal events were recorded so far.
+    pub fn fatal_epoch(&self) -> u64 {
         self.fatal_epoch.load(Ordering::Acquire)
     }
 
-    /// The fatal event that breaks a comm using `qpns` on this device, if any.
-    pub fn fatal_for(&self, qpns: &[u32]) -> Option<String> {
-        self.fatal.lock().iter().find_map(|(qpn, ty)| match qpn {
-            None if !async_event::is_qp_event(*ty) => {
-                Some(format!("{}: {}", self.name, async_event::name(*ty)))
-            }
-            Some(q) if qpns.contains(q) => Some(format!(
-                "{}: {} on QP {q}",
-                self.name,
-                async_event::name(*ty)
-            )),
-            _ => None,
-        })
+    /// The fatal event that breaks a comm polling `cq` with QPs `qpns`, if any.
+    pub fn fatal_for(&self, cq: &Cq, qpns: &[u32]) -> Option<String> {
+        let events = self.fatal.lock();
+        let ev = events.find(cq.events_before, cq.raw as usize, qpns)?;
+        Some(format!(
+            "{}: {}{}",
+            self.name,
+            async_event::name(ev.ty),
+            ev.element
+        ))
     }
 
     /// Reads one pending asynchronous event without blocking; `None` when there is none.
-    /// Returns the event type (`ibv_event_type` as a number) and, for QP events, the QP
-    /// number.
-    pub fn poll_async_event(&self) -> Option<(u32, Option<u32>)> {
+    /// Returns the event type (`ibv_event_type` as a number) and what it names.
+    pub fn poll_async_event(&self) -> Option<(u32, EventElement)> {
         // SAFETY: all-zero is a valid bit pattern for the event struct (event type 0).
         let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
         // SAFETY: raw is live; the fd is non-blocking, so this returns -1 when empty.
@@ -146,17 +144,83 @@ impl Context {
         // become an invalid Rust enum.
         // SAFETY: event_type is a 4-byte C enum field of ev.
         let ty = unsafe { std::ptr::read(std::ptr::addr_of!(ev.event_type) as *const u32) };
-        let qpn = if async_event::is_qp_event(ty) {
+        let element = if async_event::is_qp_event(ty) {
             // SAFETY: for QP events the union holds the QP pointer, live until acked.
             let qp = unsafe { ev.element.qp };
-            // SAFETY: as above.
-            (!qp.is_null()).then(|| unsafe { (*qp).qp_num })
+            if qp.is_null() {
+                EventElement::Device
+            } else {
+                // SAFETY: as above.
+                EventElement::Qp(unsafe { (*qp).qp_num })
+            }
+        } else if ty == async_event::CQ_ERR {
+            // SAFETY: for CQ events the union holds the CQ pointer; only its address is kept.
+            EventElement::Cq(unsafe { ev.element.cq } as usize)
         } else {
-            None
+            EventElement::Device
         };
         // SAFETY: ev was filled by ibv_get_async_event and is acked exactly once.
         unsafe { (self.lib.ack_async_event)(&mut ev) };
-        Some((ty, qpn))
+        Some((ty, element))
+    }
+}
+
+/// What an asynchronous event names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EventElement {
+    /// The device (or port) as a whole.
+    Device,
+    /// A QP, by number.
+    Qp(u32),
+    /// A CQ, by address.
+    Cq(usize),
+}
+
+impl std::fmt::Display for EventElement {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            EventElement::Device => Ok(()),
+            EventElement::Qp(q) => write!(f, " on QP {q}"),
+            EventElement::Cq(_) => write!(f, " on a CQ"),
+        }
+    }
+}
+
+/// One fatal asynchronous event.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FatalEvent {
+    /// 1 for the first event recorded on the context, then 2, ...
+    pub seq: u64,
+    /// `ibv_event_type` as a number.
+    pub ty: u32,
+    /// What it names.
+    pub element: EventElement,
+}
+
+/// The fatal asynchronous events of one context, and which comm each one breaks.
+#[derive(Debug, Default)]
+pub struct FatalEvents {
+    list: Vec<FatalEvent>,
+}
+
+impl FatalEvents {
+    /// Records an event.
+    pub fn record(&mut self, ty: u32, element: EventElement) {
+        let seq = self.list.len() as u64 + 1;
+        self.list.push(FatalEvent { seq, ty, element });
+    }
+
+    /// The first event that breaks a comm whose CQ (address `cq`) was created when `since`
+    /// events had been recorded, and whose QPs are `qpns`: one on the device whenever it
+    /// came; one on its CQ or one of its QPs only if it came later. (An earlier one was
+    /// about an object that no longer exists: a destroyed QP's number is handed out
+    /// again, and a CQ's address may be.)
+    pub fn find(&self, since: u64, cq: usize, qpns: &[u32]) -> Option<&FatalEvent> {
+        self.list.iter().find(|ev| match ev.element {
+            EventElement::Device => true,
+            EventElement::Qp(q) => ev.seq > since && qpns.contains(&q),
+            EventElement::Cq(c) => ev.seq > since && c == cq,
+        })
     }
 }
 
@@ -370,6 +434,9 @@ impl Drop for Mr {
 pub struct Cq {
     ctx: Arc<Context>,
     raw: *mut ibv_cq,
+    /// Fatal events recorded on the context before this CQ existed: none of them can be
+    /// about this CQ or the QPs created on it.
+    events_before: u64,
 }
 
 // SAFETY: CQs are libibverbs objects usable from any thread; each comm polls its own.
@@ -380,6 +447,7 @@ unsafe impl Sync for Cq {}
 impl Cq {
     /// `ibv_create_cq` with room for `entries` completions.
     pub fn new(ctx: &Arc<Context>, entries: i32) -> Result<Arc<Self>> {
+        let events_before = ctx.fatal_epoch();
         // SAFETY: ctx.raw is live; no channel, no context pointer.
         let raw = unsafe {
             (ctx.lib.create_cq)(
@@ -399,6 +467,7 @@ impl Cq {
         Ok(Arc::new(Cq {
             ctx: Arc::clone(ctx),
             raw,
+            events_before,
         }))
     }
 
@@ -629,7 +698,8 @@ impl Qp {
         let post = op.ok_or_else(|| Error::Misuse("provider has no post_send".into()))?;
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
         // SAFETY: raw is live; wr heads a valid chain whose SGEs point at registered memory
-        // that the caller keeps alive until completion (inline data is copied at post).
+        // that the caller keeps alive until completion. Inline data is copied by the CPU at
+        // post, so callers set IBV_SEND_INLINE only on host memory (never a GPU address).
         let rc = unsafe { post(self.raw, wr, &mut bad) };
         errno_rc(rc, || {
             format!("ibv_post_send({} qp {})", self.pd.ctx.name, self.qpn())
@@ -660,5 +730,33 @@ impl Drop for Qp {
         if rc != 0 {
             tracing::warn!("ibv_destroy_qp({}) failed: {rc}", self.pd.ctx.name);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::async_event::{CQ_ERR, DEVICE_FATAL, QP_FATAL};
+    use super::{EventElement, FatalEvents};
+
+    #[test]
+    fn fatal_events_break_only_the_comms_they_name() {
+        let mut events = FatalEvents::default();
+        events.record(QP_FATAL, EventElement::Qp(7));
+        events.record(CQ_ERR, EventElement::Cq(0x1000));
+        let first = |since, cq, qpns: &[u32]| events.find(since, cq, qpns).map(|e| e.seq);
+        // Comms that existed before both events: the one with QP 7, the one with that CQ.
+        assert_eq!(first(0, 0x2000, &[8, 7]), Some(1));
+        assert_eq!(first(0, 0x1000, &[9]), Some(2));
+        assert_eq!(first(0, 0x3000, &[10]), None, "a comm neither event names");
+        // A comm created after both that was handed QP number 7 and the same CQ address.
+        assert_eq!(
+            first(2, 0x1000, &[7]),
+            None,
+            "numbers reused after a destroy"
+        );
+        // The device failing breaks every comm, even one created after it.
+        events.record(DEVICE_FATAL, EventElement::Device);
+        let ev = events.find(9, 0x3000, &[10]).expect("device fatal");
+        assert_eq!((ev.seq, ev.ty), (3, DEVICE_FATAL));
     }
 }

@@ -17,6 +17,8 @@ pub use nccl_net_erdma::abi::ffi::ncclResult_t;
 
 /// `NCCL_PTR_HOST`.
 pub const HOST: i32 = 1;
+/// `NCCL_PTR_CUDA`.
+pub const CUDA: i32 = 2;
 /// Generous bound for anything that should complete at once on loopback.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -249,8 +251,29 @@ pub fn is_child() -> bool {
     std::env::var_os("CONFORMANCE_CHILD").is_some()
 }
 
-/// Runs test `name` of this binary in a fresh process with `env` (and `unset` removed).
+/// Runs test `name` of this binary in a fresh process with `env` (and `unset` removed);
+/// `netns`: in a private network namespace.
 pub fn run_child(name: &str, env: &[(&str, &str)], unset: &[&str], netns: bool) -> Output {
+    let sandbox = if netns { Sandbox::NetNs } else { Sandbox::None };
+    run_child_in(sandbox, name, env, unset)
+}
+
+/// Where a child test runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sandbox {
+    /// As this process does.
+    None,
+    /// In a private network namespace whose only interface is loopback: garbage handles and
+    /// addresses never reach a real network.
+    NetNs,
+    /// In a private mount namespace where the file that says "CUDA peer memory is loaded"
+    /// exists (a tmpfs over /sys/kernel/mm): the plugin then offers GPUDirect, so host
+    /// memory can be registered as CUDA memory. Needs root (the Soft-RoCE VM).
+    PeerMemory,
+}
+
+/// [`run_child`] in `sandbox`.
+pub fn run_child_in(sandbox: Sandbox, name: &str, env: &[(&str, &str)], unset: &[&str]) -> Output {
     setup();
     let exe = std::env::current_exe().expect("current_exe");
     let args = [
@@ -260,18 +283,24 @@ pub fn run_child(name: &str, env: &[(&str, &str)], unset: &[&str], netns: bool) 
         "--nocapture",
         "--test-threads=1",
     ];
-    let mut cmd = if netns {
-        // Garbage handles and addresses never reach a real network: a private namespace
-        // whose only interface is loopback.
+    let wrap = |unshare: &str, script: &str| {
         let mut c = Command::new("unshare");
-        c.args(["-n", "sh", "-c", "ip link set lo up && exec \"$0\" \"$@\""])
-            .arg(&exe)
-            .args(args);
+        c.args([unshare, "sh", "-c", script]).arg(&exe).args(args);
         c
-    } else {
-        let mut c = Command::new(&exe);
-        c.args(args);
-        c
+    };
+    let mut cmd = match sandbox {
+        Sandbox::None => {
+            let mut c = Command::new(&exe);
+            c.args(args);
+            c
+        }
+        Sandbox::NetNs => wrap("-n", "ip link set lo up && exec \"$0\" \"$@\""),
+        Sandbox::PeerMemory => wrap(
+            "-m",
+            "mount -t tmpfs none /sys/kernel/mm && \
+             mkdir -p /sys/kernel/mm/memory_peers/nv_mem && \
+             echo 1.0 > /sys/kernel/mm/memory_peers/nv_mem/version && exec \"$0\" \"$@\"",
+        ),
     };
     cmd.env("CONFORMANCE_CHILD", "1")
         .env("NCCL_ERDMA_PLUGIN_LIB", lib())
@@ -286,7 +315,8 @@ pub fn run_child(name: &str, env: &[(&str, &str)], unset: &[&str], netns: bool) 
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
         text.contains("1 passed"),
-        "child {name} did not pass:\n{}\n{}",
+        "child {name} did not pass ({}):\n{}\n{}",
+        out.status,
         text,
         String::from_utf8_lossy(&out.stderr)
     );

@@ -71,6 +71,9 @@ pub struct CtsEntry {
     idx: u32,
 }
 const _: () = assert!(std::mem::size_of::<CtsEntry>() == CTS_BYTES);
+/// Where `idx` lies in an entry: last, so the NIC places it after the fields it announces.
+const CTS_IDX_OFFSET: usize = std::mem::offset_of!(CtsEntry, idx);
+const _: () = assert!(CTS_IDX_OFFSET + 4 == CTS_BYTES);
 
 /// Connection parameters taken from the configuration.
 #[derive(Debug, Clone, Copy)]
@@ -538,7 +541,7 @@ impl VerbsListen {
             seq: 0,
             slots: [RecvSlot::FREE; SLOTS],
             flush_slots: [FlushSlot::Free; SLOTS],
-            flush_seq: 0,
+            flush_next: 0,
             cts_batch: self.params.cts_batch.clamp(1, SLOTS as u32),
             cts_posted: 0,
             announced: 0,
@@ -662,7 +665,7 @@ impl CqPoller {
             if now != self.epoch {
                 self.epoch = now;
                 let qpns: Vec<u32> = qps.iter().map(Qp::qpn).collect();
-                if let Some(why) = dev.ctx.fatal_for(&qpns) {
+                if let Some(why) = dev.ctx.fatal_for(&self.cq, &qpns) {
                     return Err(Error::Device(format!("fatal asynchronous event: {why}")));
                 }
             }
@@ -698,6 +701,8 @@ struct SendSlot {
     addrs: [u64; MAX_RECVS],
     lkeys: [u32; MAX_RECVS],
     trunc: u8,
+    /// Entries whose buffer is not host memory (GPU memory registered for GPUDirect).
+    device_mem: u8,
 }
 
 impl SendSlot {
@@ -709,6 +714,19 @@ impl SendSlot {
         self.cqe_pending = 0;
         self.posted = false;
         self.trunc = 0;
+        self.device_mem = 0;
+    }
+
+    /// The most bytes a write of this slot may carry inline, given the QP's limit. Inline
+    /// data is copied by the CPU at post time, so nothing is inlined when a buffer of the
+    /// slot is GPU memory: the CPU cannot read a device address (NCCL's IB transport never
+    /// inlines data either).
+    fn max_inline(&self, qp_limit: u32) -> u32 {
+        if self.device_mem == 0 {
+            qp_limit
+        } else {
+            0
+        }
     }
 
     const FREE: SendSlot = SendSlot {
@@ -722,6 +740,7 @@ impl SendSlot {
         addrs: [0; MAX_RECVS],
         lkeys: [0; MAX_RECVS],
         trunc: 0,
+        device_mem: 0,
     };
 }
 
@@ -754,9 +773,10 @@ impl VerbsSendComm {
         self.inner.lock().peer.clone()
     }
 
-    /// Posts a send of `buf` (registered with `lkey`); `Ok(None)` until the receiver has
-    /// posted a matching receive. Returns a request id (slot * 8 + entry).
-    pub fn isend(&self, buf: UserBuffer, tag: i32, lkey: u32) -> Result<Option<usize>> {
+    /// Posts a send of `buf` (registered with `lkey`; `host`: host memory, not GPU memory);
+    /// `Ok(None)` until the receiver has posted a matching receive. Returns a request id
+    /// (slot * 8 + entry).
+    pub fn isend(&self, buf: UserBuffer, tag: i32, lkey: u32, host: bool) -> Result<Option<usize>> {
         let mut guard = self.inner.lock();
         let s = &mut *guard;
         s.failure.check()?;
@@ -764,11 +784,12 @@ impl VerbsSendComm {
         let want = s.seq.wrapping_add(1);
         let base = slot * MAX_RECVS;
         // The previous use of this slot must be tested, and the receiver's clear-to-send
-        // for this one must have landed: one load decides, as in NCCL's IB transport.
-        let first = s.fifo.get(base);
-        if (s.slots[slot].busy && s.slots[slot].posted) || first.idx != want {
+        // for this one must have landed: one load decides, as in NCCL's IB transport. The
+        // entry's `idx` is read first and alone, the rest only once it matches.
+        if (s.slots[slot].busy && s.slots[slot].posted) || cts_landed(&s.fifo, base) != want {
             return s.nothing_to_post();
         }
+        let first = s.fifo.get(base);
         let n = first.nreqs as usize;
         if n == 0 || n > MAX_RECVS {
             return s.protocol_error(n);
@@ -786,10 +807,10 @@ impl VerbsSendComm {
             if st.matched & (1 << i) != 0 {
                 continue;
             }
-            let entry = if i == 0 { first } else { s.fifo.get(base + i) };
-            if entry.idx != want {
+            if i != 0 && cts_landed(&s.fifo, base + i) != want {
                 return Ok(None);
             }
+            let entry = if i == 0 { first } else { s.fifo.get(base + i) };
             if entry.tag == tag {
                 found = Some((i, entry.size));
                 break;
@@ -802,6 +823,7 @@ impl VerbsSendComm {
         st.sizes[e] = buf.len();
         st.addrs[e] = buf.addr() as u64;
         st.lkeys[e] = lkey;
+        st.device_mem |= u8::from(!host) << e;
         let truncated = buf.len() as u64 > room;
         if truncated {
             st.trunc |= 1 << e;
@@ -811,7 +833,12 @@ impl VerbsSendComm {
             s.failure.record(r)?;
         }
         if truncated {
-            return Err(truncation_error(buf.len(), tag, &s.peer, room));
+            // No request goes back, so none is ever tested and the slot could never be
+            // reused: the comm fails from here on (every later call returns the error rather
+            // than waiting on the slot). The receiver learns of it from the size marker.
+            let e = truncation_error(buf.len(), tag, &s.peer, room);
+            s.failure.note(&e);
+            return Err(e);
         }
         Ok(Some(base + e))
     }
@@ -849,11 +876,25 @@ impl VerbsSendComm {
 }
 
 #[cold]
+fn too_many_flushes() -> Error {
+    Error::Usage(format!(
+        "iflush: {SLOTS} flushes already in flight on this comm (NCCL allows {SLOTS} requests)"
+    ))
+}
+
+#[cold]
 fn truncation_error(len: usize, tag: i32, peer: &str, room: u64) -> Error {
     Error::Truncated(format!(
         "send of {len} bytes (tag {tag}) to {peer} is larger than the {room}-byte receive \
          posted for it"
     ))
+}
+
+/// The `idx` of clear-to-send entry `i` of `fifo`: the sequence number + 1 of the receive
+/// it announces once the receiver's write has placed it (and the fields before it).
+#[inline(always)]
+fn cts_landed(fifo: &DmaBuffer<CtsEntry>, i: usize) -> u32 {
+    fifo.get_u32(i, CTS_IDX_OFFSET)
 }
 
 impl SendState {
@@ -914,7 +955,7 @@ impl SendState {
                 Some(len),
                 WR_SEND | slot as u64,
                 true,
-                qp.max_inline,
+                st.max_inline(qp.max_inline),
             )?;
             return self.posted(slot, 1);
         }
@@ -978,7 +1019,7 @@ impl SendState {
                     slot as u32,
                 );
             }
-            chain.finish(WR_SEND | slot as u64, qp.max_inline);
+            chain.finish(WR_SEND | slot as u64, st.max_inline(qp.max_inline));
             chain.post(qp)?;
         }
         self.posted(slot, used)
@@ -1039,7 +1080,8 @@ struct RecvState {
     seq: u32,
     slots: [RecvSlot; SLOTS],
     flush_slots: [FlushSlot; SLOTS],
-    flush_seq: u32,
+    /// The flush slot tried first by the next `iflush`.
+    flush_next: usize,
     /// Most clear-to-send entries held back before they are posted in one write.
     cts_batch: u32,
     /// Sequence number of the first receive whose clear-to-send is not posted yet.
@@ -1112,10 +1154,15 @@ impl VerbsRecvComm {
         let Some(last) = (0..bufs.len()).rev().find(|&i| !bufs[i].is_empty()) else {
             return Ok(None);
         };
-        let fslot = s.flush_seq as usize % SLOTS;
-        if s.flush_slots[fslot] != FlushSlot::Free {
-            return Ok(None);
-        }
+        // NULL would tell NCCL "no flush needed" and it would not retry, so a busy slot
+        // (a flush of another sub still untested) means taking the next free one. NCCL keeps
+        // at most 32 requests in flight per comm, so one is free unless the caller broke that.
+        let Some(fslot) = (0..SLOTS)
+            .map(|k| (s.flush_next + k) % SLOTS)
+            .find(|&f| s.flush_slots[f] == FlushSlot::Free)
+        else {
+            return Err(too_many_flushes());
+        };
         let (target, lkey) = (s.flush_target.addr(0), s.flush_target.lkey());
         let s = &mut *s;
         s.chain.clear();
@@ -1126,7 +1173,7 @@ impl VerbsRecvComm {
         let r = s.chain.post(qp);
         s.failure.record(r)?;
         s.flush_slots[fslot] = FlushSlot::Pending;
-        s.flush_seq = s.flush_seq.wrapping_add(1);
+        s.flush_next = (fslot + 1) % SLOTS;
         Ok(Some(FLUSH_ID_BASE + fslot))
     }
 
