@@ -194,6 +194,9 @@ pub struct Config {
     pub speed_mbps: Setting<Option<u32>>,
     /// `NCCL_ERDMA_CONNECT_TIMEOUT_MS`: how long connect/accept may take before failing.
     pub connect_timeout_ms: Setting<u64>,
+    /// `NCCL_ERDMA_PEER_TIMEOUT_S`: seconds after which a peer whose host stopped
+    /// answering (TCP keepalive on the bootstrap connection) fails its comms; 0 = never.
+    pub peer_timeout_s: Setting<u64>,
     /// `NCCL_ERDMA_STATS_INTERVAL`: seconds between traffic statistics lines, 0 = off.
     pub stats_interval_s: Setting<u64>,
     /// `NCCL_ERDMA_FORCE_FLUSH`: create the flush QP and flush after every receive that
@@ -306,6 +309,9 @@ impl Config {
             connect_timeout_ms: read(get("NCCL_ERDMA_CONNECT_TIMEOUT_MS"), 120_000, |raw| {
                 int_in("NCCL_ERDMA_CONNECT_TIMEOUT_MS", raw, 1, 86_400_000)
             })?,
+            peer_timeout_s: read(get("NCCL_ERDMA_PEER_TIMEOUT_S"), 60, |raw| {
+                int_in("NCCL_ERDMA_PEER_TIMEOUT_S", raw, 0, 86_400)
+            })?,
             stats_interval_s: read(get("NCCL_ERDMA_STATS_INTERVAL"), 0, |raw| {
                 int_in("NCCL_ERDMA_STATS_INTERVAL", raw, 0, 86_400)
             })?,
@@ -352,6 +358,7 @@ impl Config {
             line("NCCL_IBVERBS_LIB", &self.ibverbs_lib),
             line("NCCL_ERDMA_SPEED_MBPS", &self.speed_mbps),
             line("NCCL_ERDMA_CONNECT_TIMEOUT_MS", &self.connect_timeout_ms),
+            line("NCCL_ERDMA_PEER_TIMEOUT_S", &self.peer_timeout_s),
             line("NCCL_ERDMA_STATS_INTERVAL", &self.stats_interval_s),
             line("NCCL_ERDMA_FORCE_FLUSH", &self.force_flush),
             match self.cts_batch.value {
@@ -464,6 +471,7 @@ mod tests {
         assert_eq!(c.roce_version.value, 2);
         assert_eq!(c.ib_addr_family.value, AddrFamily::Inet);
         assert!(!c.split_data_on_qps.value);
+        assert_eq!(c.peer_timeout_s.value, 60);
         // Unset: the verbs transport picks the clear-to-send batch per device.
         assert_eq!(c.cts_batch.value, None);
         assert!(c
@@ -486,6 +494,7 @@ mod tests {
             ("NCCL_IB_QPS_PER_CONNECTION", "abc", "from 1 to 128"),
             ("NCCL_IB_RETRY_CNT", "10", "from 0 to 7"),
             ("NCCL_ERDMA_CTS_BATCH", "17", "from 1 to 16"),
+            ("NCCL_ERDMA_PEER_TIMEOUT_S", "-1", "from 0 to 86400"),
             ("NCCL_SOCKET_FAMILY", "AF_UNIX", "AF_INET or AF_INET6"),
             ("NCCL_IB_ADDR_RANGE", "10.0.0.0/33", "CIDR"),
             ("NCCL_IB_HCA", "mlx5_0:x", "device[:port]"),

@@ -12,7 +12,7 @@
 //! |---|---|
 //! | 1 strangers on a listen port | `strangers_are_rejected_with_a_warn_and_the_peer_still_connects`, `a_flood_of_silent_strangers_does_not_lock_out_the_peer` |
 //! | 2 peer SIGKILLed mid-transfer | `peer_killed_mid_transfer_receiver_gets_an_error`, `peer_killed_mid_transfer_sender_gets_an_error`, `peer_killed_while_the_sender_waits_for_its_receive_is_an_error`, `verbs_completion_error_is_an_error_code_with_a_warn_naming_peer_opcode_and_status` (verbs) |
-//! | 3 listener gone / silent | `connect_to_a_gone_or_silent_listener_fails_in_bounded_time` |
+//! | 3 listener gone / silent; peer host silent | `connect_to_a_gone_or_silent_listener_fails_in_bounded_time`, `peer_host_that_stops_answering_fails_a_waiting_receive_within_the_peer_timeout` |
 //! | 4 garbage handles | `garbage_handles_never_cause_a_connection_attempt` |
 //! | 5 bad arguments | `bad_arguments_on_every_entry_point_of_every_version`, `v11_listen_and_connect_take_a_null_context_without_crashing` |
 //! | 6 dlclose/dlopen | `fifty_dlclose_dlopen_cycles_leave_nothing_behind` |
@@ -1243,6 +1243,73 @@ fn child_victim_listens() {
     let _listen = net.listen(0, &mut handle).unwrap();
     println!("VICTIM HANDLE {}", hex(&handle));
     park();
+}
+
+/// A peer whose host dies or drops off the network never closes its connections, so
+/// nothing would tell a receiver that waits on it. Simulated by taking loopback down in a
+/// private network namespace once both comms are up: packets vanish, as they do when a host
+/// loses power.
+#[test]
+fn peer_host_that_stops_answering_fails_a_waiting_receive_within_the_peer_timeout() {
+    report_child(&run_child(
+        "child_peer_host_stops_answering",
+        &[("NCCL_ERDMA_PEER_TIMEOUT_S", "2")],
+        &[],
+        true,
+    ));
+}
+
+#[test]
+#[ignore = "entry point of a child process (in its own network namespace)"]
+fn child_peer_host_stops_answering() {
+    if !is_child() {
+        return;
+    }
+    let mut net = open(11);
+    let (s, r) = connect_pair(&net);
+    transfer(&net, s, r, 3000, 3000, 5);
+    let mut dst = reg(&net, r, vec![0u8; 64]);
+    let rreq = poll_until("irecv", || {
+        net.irecv(r, &[(dst.buf.as_mut_ptr(), 64)], &[1], &[dst.mh], false)
+            .unwrap()
+    });
+    let down = Command::new("ip")
+        .args(["link", "set", "lo", "down"])
+        .status()
+        .expect("running ip");
+    assert!(down.success(), "ip link set lo down: {down}");
+    let start = Instant::now();
+    let err = loop {
+        match net.test(rreq, None) {
+            Ok(false) => assert!(
+                start.elapsed() < DEADLINE,
+                "a receive from a silent peer still waits after {DEADLINE:?}"
+            ),
+            Ok(true) => panic!("a receive nobody sent completed"),
+            Err(e) => break e,
+        }
+        thread::sleep(Duration::from_millis(1));
+    };
+    let took = start.elapsed();
+    println!(
+        "reliability: time to error (receiver, peer host silent, NCCL_ERDMA_PEER_TIMEOUT_S=2, {}): \
+         {} ms, {err:?}",
+        our_transport().name(),
+        took.as_millis()
+    );
+    assert_eq!(err, REMOTE);
+    // Keepalive: quiet for 1 s, then one unanswered probe 1 s later.
+    assert!(
+        took >= Duration::from_millis(1500),
+        "failed before the peer timeout: {took:?}"
+    );
+    let w = warns();
+    assert!(
+        w.iter().any(|l| l.contains("NCCL_ERDMA_PEER_TIMEOUT_S")),
+        "the WARN names the setting that bounds it: {w:?}"
+    );
+    close_pair(&mut net, s, r);
+    dst.buf.truncate(0);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -16,11 +16,52 @@ use std::{
     time::{Duration, Instant},
 };
 
-use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+use socket2::{Domain, Protocol, SockAddr, SockRef, Socket, TcpKeepalive, Type};
 
 pub use handle::{Handle, TransportKind, HANDLE_SIZE};
 
 use crate::error::{Error, Result};
+
+/// How long the bootstrap waits on a peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// For a connection to be set up (`NCCL_ERDMA_CONNECT_TIMEOUT_MS`).
+    pub connect: Duration,
+    /// For a peer whose host stopped answering (`NCCL_ERDMA_PEER_TIMEOUT_S`; None: never).
+    pub peer: Option<Duration>,
+}
+
+/// Makes a peer whose host died or became unreachable (no FIN or RST ever comes) a read
+/// error (`ETIMEDOUT`) after about `after`, where it would otherwise be silence forever for
+/// a receiver with nothing in flight to it:
+/// - idle: the kernel probes the connection (keepalive), quiet for half of `after`, then up
+///   to 5 unanswered probes over the rest;
+/// - with bytes written and not acknowledged (keepalive does not probe then):
+///   `TCP_USER_TIMEOUT` gives up after `after` without an acknowledgement.
+pub fn keep_alive(sock: &impl std::os::fd::AsFd, after: Duration) -> io::Result<()> {
+    let secs = after.as_secs().max(2);
+    let idle = secs / 2;
+    let interval = ((secs - idle) / 5).max(1);
+    let probes = ((secs - idle) / interval).clamp(1, 5) as u32;
+    let params = TcpKeepalive::new()
+        .with_time(Duration::from_secs(idle))
+        .with_interval(Duration::from_secs(interval))
+        .with_retries(probes);
+    let sock = SockRef::from(sock);
+    sock.set_tcp_keepalive(&params)?;
+    sock.set_tcp_user_timeout(Some(Duration::from_secs(secs)))
+}
+
+/// What to add to a connection error that `keep_alive` caused, so the WARN says why.
+pub fn peer_timeout_hint(e: &Error) -> &'static str {
+    match e {
+        Error::Os(os) if os.source.kind() == io::ErrorKind::TimedOut => {
+            " (no answer to keepalive probes within NCCL_ERDMA_PEER_TIMEOUT_S: the peer's host \
+             is down or unreachable)"
+        }
+        _ => "",
+    }
+}
 
 /// Bytes in a message header.
 pub const MSG_HEADER: usize = 16;
@@ -139,14 +180,18 @@ impl Channel {
         }
     }
 
-    /// Starts a non-blocking TCP connection to `addr`.
-    pub fn connect(addr: SocketAddr) -> Result<Self> {
+    /// Starts a non-blocking TCP connection to `addr`, probed for a silent peer after
+    /// `peer_timeout` ([`keep_alive`]).
+    pub fn connect(addr: SocketAddr, peer_timeout: Option<Duration>) -> Result<Self> {
         let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
             .map_err(|e| Error::io("creating bootstrap socket", e))?;
         sock.set_nonblocking(true)
             .map_err(|e| Error::io("making bootstrap socket non-blocking", e))?;
         sock.set_tcp_nodelay(true)
             .map_err(|e| Error::io("setting TCP_NODELAY", e))?;
+        if let Some(after) = peer_timeout {
+            keep_alive(&sock, after).map_err(|e| Error::io("setting TCP keepalive", e))?;
+        }
         match sock.connect(&SockAddr::from(addr)) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) || would_block(&e) => {}
@@ -333,12 +378,12 @@ pub struct Listener {
     sock: TcpListener,
     handle: Handle,
     pending: Vec<Pending>,
-    timeout: Duration,
+    timeouts: Timeouts,
 }
 
 impl Listener {
     /// Binds an ephemeral port on `ip` and describes it in a handle.
-    pub fn bind(ip: IpAddr, transport: TransportKind, timeout: Duration) -> Result<Self> {
+    pub fn bind(ip: IpAddr, transport: TransportKind, timeouts: Timeouts) -> Result<Self> {
         let sock = TcpListener::bind(SocketAddr::new(ip, 0))
             .map_err(|e| Error::io(format!("binding a bootstrap listener on {ip}"), e))?;
         sock.set_nonblocking(true)
@@ -355,7 +400,7 @@ impl Listener {
             sock,
             handle,
             pending: Vec::new(),
-            timeout,
+            timeouts,
         })
     }
 
@@ -384,6 +429,9 @@ impl Listener {
                 .map_err(|e| Error::io("making an accepted socket non-blocking", e))?;
             // Best effort: latency only.
             let _ = stream.set_nodelay(true);
+            if let Some(after) = self.timeouts.peer {
+                keep_alive(&stream, after).map_err(|e| Error::io("setting TCP keepalive", e))?;
+            }
             if self.pending.len() == MAX_PENDING {
                 // Make room by dropping the connection that has been silent the longest.
                 let victim = self
@@ -412,10 +460,9 @@ impl Listener {
         while i < self.pending.len() {
             let p = &mut self.pending[i];
             let outcome = match p.chan.poll_recv() {
-                Ok(None) if p.since.elapsed() > self.timeout => Err(Error::Remote(format!(
-                    "no hello within {} ms",
-                    self.timeout.as_millis()
-                ))),
+                Ok(None) if p.since.elapsed() > self.timeouts.connect => Err(Error::Remote(
+                    format!("no hello within {} ms", self.timeouts.connect.as_millis()),
+                )),
                 Ok(None) => {
                     i += 1;
                     continue;
@@ -507,17 +554,39 @@ mod tests {
     }
 
     #[test]
+    fn keep_alive_spreads_the_peer_timeout_over_idle_time_and_probes() {
+        for (after, want) in [
+            (60, (30, 6, 5)),
+            (61, (30, 6, 5)),
+            (2, (1, 1, 1)),
+            (0, (1, 1, 1)),
+        ] {
+            let sock = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+            keep_alive(&sock, Duration::from_secs(after)).unwrap();
+            assert!(sock.keepalive().unwrap());
+            let got = (
+                sock.tcp_keepalive_time().unwrap().as_secs(),
+                sock.tcp_keepalive_interval().unwrap().as_secs(),
+                sock.tcp_keepalive_retries().unwrap(),
+            );
+            assert_eq!(got, want, "NCCL_ERDMA_PEER_TIMEOUT_S={after}");
+            let unacked = sock.tcp_user_timeout().unwrap().map(|d| d.as_secs());
+            assert_eq!(unacked, Some(after.max(2)), "TCP_USER_TIMEOUT");
+        }
+    }
+
+    #[test]
     fn stranger_is_dropped_and_peer_gets_in() {
-        let mut l = Listener::bind(
-            "127.0.0.1".parse().unwrap(),
-            TransportKind::Tcp,
-            Duration::from_secs(5),
-        )
-        .unwrap();
+        let timeouts = Timeouts {
+            connect: Duration::from_secs(5),
+            peer: Some(Duration::from_secs(60)),
+        };
+        let mut l =
+            Listener::bind("127.0.0.1".parse().unwrap(), TransportKind::Tcp, timeouts).unwrap();
         let addr = l.handle().addr;
         let mut stranger = TcpStream::connect(addr).unwrap();
         stranger.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
-        let mut peer = Channel::connect(addr).unwrap();
+        let mut peer = Channel::connect(addr, timeouts.peer).unwrap();
         let hello = Hello {
             nonce: l.handle().nonce,
             transport: TransportKind::Tcp,

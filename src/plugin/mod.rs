@@ -29,7 +29,7 @@ use parking_lot::Mutex;
 use crate::config::{Config, Setting, TransportChoice};
 use crate::error::{Error, Result};
 use crate::log::INIT;
-use crate::oob::{handle, iface, Handle, TransportKind, HANDLE_SIZE};
+use crate::oob::{handle, iface, Handle, Timeouts, TransportKind, HANDLE_SIZE};
 use crate::transport::tcp::{TcpConnecting, TcpListen};
 use crate::transport::verbs::{self, MrCache, VerbsConnecting, VerbsListen, VerbsParams};
 use crate::transport::MAX_RECVS;
@@ -337,8 +337,12 @@ impl Plugin {
         }
     }
 
-    fn timeout(&self) -> Duration {
-        Duration::from_millis(self.config.connect_timeout_ms.value)
+    fn timeouts(&self) -> Timeouts {
+        let peer = self.config.peer_timeout_s.value;
+        Timeouts {
+            connect: Duration::from_millis(self.config.connect_timeout_ms.value),
+            peer: (peer > 0).then(|| Duration::from_secs(peer)),
+        }
     }
 
     fn verbs_params(&self, dev: &VerbsDevice, traffic_class: Option<i32>) -> VerbsParams {
@@ -358,7 +362,7 @@ impl Plugin {
             sl: sl.clamp(0, 15) as u8,
             pkey_index: c.ib_pkey.value as u16,
             flush: c.force_flush.value || dev.peermem || dev.dmabuf,
-            connect_timeout: self.timeout(),
+            timeouts: self.timeouts(),
             cts_batch: verbs::cts_batch(c.cts_batch.value, dev),
         }
     }
@@ -377,7 +381,7 @@ impl Plugin {
     pub fn listen(&self, dev: i32, out: &mut [u8; HANDLE_SIZE]) -> Result<Box<ListenComm>> {
         self.device(dev)?;
         let listen = match &self.backend {
-            Backend::Tcp => comm::Listen::Tcp(TcpListen::bind(self.bootstrap_ip, self.timeout())?),
+            Backend::Tcp => comm::Listen::Tcp(TcpListen::bind(self.bootstrap_ip, self.timeouts())?),
             Backend::Verbs { .. } => {
                 let (d, _) = self.verbs_device(dev as usize)?;
                 let params = self.verbs_params(d, None);
@@ -413,7 +417,9 @@ impl Plugin {
             None => {
                 let id = self.next_stage.fetch_add(1, Ordering::Relaxed);
                 let stage = match &self.backend {
-                    Backend::Tcp => Connecting::Tcp(TcpConnecting::start(&handle, self.timeout())?),
+                    Backend::Tcp => {
+                        Connecting::Tcp(TcpConnecting::start(&handle, self.timeouts())?)
+                    }
                     Backend::Verbs { .. } => {
                         let (d, _) = self.verbs_device(dev as usize)?;
                         let params = self.verbs_params(d, traffic_class);

@@ -21,7 +21,7 @@ use socket2::Socket;
 
 use crate::abi::buffer::UserBuffer;
 use crate::error::{Error, Result};
-use crate::oob::{Channel, Handle, Hello, Listener, MsgKind, TransportKind};
+use crate::oob::{self, Channel, Handle, Hello, Listener, MsgKind, Timeouts, TransportKind};
 use crate::transport::{
     not_in_flight, Completion, Failure, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
@@ -65,9 +65,9 @@ pub struct TcpListen {
 
 impl TcpListen {
     /// Binds the bootstrap listener; its handle goes to the peer.
-    pub fn bind(ip: std::net::IpAddr, timeout: Duration) -> Result<Self> {
+    pub fn bind(ip: std::net::IpAddr, timeouts: Timeouts) -> Result<Self> {
         Ok(TcpListen {
-            listener: Listener::bind(ip, TransportKind::Tcp, timeout)?,
+            listener: Listener::bind(ip, TransportKind::Tcp, timeouts)?,
             accepted: None,
         })
     }
@@ -107,8 +107,9 @@ pub struct TcpConnecting {
 
 impl TcpConnecting {
     /// Starts connecting to the listener described by `handle`.
-    pub fn start(handle: &Handle, timeout: Duration) -> Result<Self> {
-        let mut chan = Channel::connect(handle.addr)?;
+    pub fn start(handle: &Handle, timeouts: Timeouts) -> Result<Self> {
+        let mut chan = Channel::connect(handle.addr, timeouts.peer)?;
+        let timeout = timeouts.connect;
         let hello = Hello {
             nonce: handle.nonce,
             transport: TransportKind::Tcp,
@@ -322,7 +323,8 @@ impl RecvInner {
             return;
         }
         if let Err(e) = self.flush_cts().and_then(|()| self.read_data()) {
-            let msg = format!("connection from {} failed: {e}", self.peer);
+            let hint = oob::peer_timeout_hint(&e);
+            let msg = format!("connection from {} failed: {e}{hint}", self.peer);
             self.failure.set(msg);
         }
     }
@@ -635,7 +637,8 @@ impl SendInner {
             return;
         }
         if let Err(e) = self.read_cts().and_then(|()| self.write_data()) {
-            let msg = format!("connection to {} failed: {e}", self.peer);
+            let hint = oob::peer_timeout_hint(&e);
+            let msg = format!("connection to {} failed: {e}{hint}", self.peer);
             self.failure.set(msg);
         }
     }

@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 use crate::abi::buffer::UserBuffer;
 use crate::config::CTS_BATCH_SOFTWARE;
 use crate::error::{Error, Result};
-use crate::oob::{Channel, Handle, Hello, Listener, MsgKind, TransportKind};
+use crate::oob::{Channel, Handle, Hello, Listener, MsgKind, Timeouts, TransportKind};
 use crate::transport::{not_in_flight, Completion, Failure, MAX_RECVS, MAX_REQUESTS};
 use crate::verbs::device::{VerbsDevice, LINK_LAYER_ETHERNET};
 use crate::verbs::dma::{
@@ -95,7 +95,7 @@ pub struct VerbsParams {
     /// Create the loopback flush QP (GPUDirect in use, or forced).
     pub flush: bool,
     /// Bound on connection setup.
-    pub connect_timeout: Duration,
+    pub timeouts: Timeouts,
     /// `NCCL_ERDMA_CTS_BATCH`: clear-to-send entries the receiver may hold back.
     pub cts_batch: u32,
 }
@@ -322,7 +322,7 @@ impl VerbsConnecting {
             params.traffic_class,
             params.sl,
         );
-        let mut chan = Channel::connect(handle.addr)?;
+        let mut chan = Channel::connect(handle.addr, params.timeouts.peer)?;
         let hello = Hello {
             nonce: handle.nonce,
             transport: TransportKind::Verbs,
@@ -348,7 +348,7 @@ impl VerbsConnecting {
                 idle_calls: 0,
             }),
             accepted: false,
-            deadline: Instant::now() + params.connect_timeout,
+            deadline: Instant::now() + params.timeouts.connect,
             params,
         })
     }
@@ -356,7 +356,10 @@ impl VerbsConnecting {
     /// One non-blocking step; the finished send comm once the listener is ready.
     pub fn poll(&mut self) -> Result<Option<VerbsSendComm>> {
         if Instant::now() > self.deadline {
-            return Err(timeout_error(self.chan.peer(), self.params.connect_timeout));
+            return Err(timeout_error(
+                self.chan.peer(),
+                self.params.timeouts.connect,
+            ));
         }
         if !self.chan.flush()? {
             return Ok(None);
@@ -436,7 +439,7 @@ impl VerbsListen {
     /// Binds the bootstrap listener for device `dev`.
     pub fn bind(ip: std::net::IpAddr, dev: &Arc<VerbsDevice>, params: VerbsParams) -> Result<Self> {
         Ok(VerbsListen {
-            listener: Listener::bind(ip, TransportKind::Verbs, params.connect_timeout)?,
+            listener: Listener::bind(ip, TransportKind::Verbs, params.timeouts)?,
             dev: Arc::clone(dev),
             params,
             accepting: None,
@@ -604,6 +607,8 @@ struct CqPoller {
     calls: u32,
     oob: Option<TcpStream>,
     peer_gone: bool,
+    /// The peer's host stopped answering keepalive probes (rather than closing).
+    peer_silent: bool,
 }
 
 impl CqPoller {
@@ -615,6 +620,7 @@ impl CqPoller {
             calls: 0,
             oob: None,
             peer_gone: false,
+            peer_silent: false,
         }
     }
 
@@ -631,10 +637,15 @@ impl CqPoller {
                 self.peer_gone = match s.read(&mut b) {
                     Ok(0) => true,
                     Ok(_) => false,
-                    Err(e) => !matches!(
-                        e.kind(),
-                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                    ),
+                    Err(e) => {
+                        // ETIMEDOUT: the keepalive probes (NCCL_ERDMA_PEER_TIMEOUT_S) found
+                        // no one there.
+                        self.peer_silent = e.kind() == std::io::ErrorKind::TimedOut;
+                        !matches!(
+                            e.kind(),
+                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
+                        )
+                    }
                 };
             }
         }
@@ -642,7 +653,15 @@ impl CqPoller {
     }
 
     /// The error for work that can no longer complete because the peer is gone.
-    fn gone_error(peer: &str) -> Error {
+    #[cold]
+    fn gone_error(&self, peer: &str) -> Error {
+        if self.peer_silent {
+            return Error::Remote(format!(
+                "peer {peer} stopped answering with requests still in flight: no answer to \
+                 keepalive probes within NCCL_ERDMA_PEER_TIMEOUT_S (its host is down or \
+                 unreachable)"
+            ));
+        }
         Error::Remote(format!(
             "peer {peer} closed its connection (its process exited or closed the comm) with \
              requests still in flight"
@@ -868,7 +887,7 @@ impl VerbsSendComm {
         }
         s.failure.check()?;
         if s.cq.peer_gone {
-            let e = CqPoller::gone_error(&s.peer);
+            let e = s.cq.gone_error(&s.peer);
             return s.failure.record(Err(e));
         }
         Ok(None)
@@ -908,7 +927,7 @@ impl SendState {
             self.failure.record(r)?;
         }
         if self.cq.peer_gone {
-            let e = CqPoller::gone_error(&self.peer);
+            let e = self.cq.gone_error(&self.peer);
             return self.failure.record(Err(e));
         }
         Ok(None)
@@ -1130,7 +1149,7 @@ impl VerbsRecvComm {
         s.failure.check()?;
         // No CQ poll here: `test` polls, and a free slot depends only on `test`.
         if s.cq.peer_gone {
-            let e = CqPoller::gone_error(&s.peer);
+            let e = s.cq.gone_error(&s.peer);
             return s.failure.record(Err(e));
         }
         let slot = s.seq as usize % SLOTS;
@@ -1220,7 +1239,7 @@ impl VerbsRecvComm {
             let r = s.progress();
             let _ = s.failure.record(r);
             if s.slots[id].imm_pending > 0 {
-                let e = CqPoller::gone_error(&s.peer);
+                let e = s.cq.gone_error(&s.peer);
                 return s.failure.record(Err(e));
             }
         }
