@@ -192,7 +192,8 @@ pub struct Config {
     pub ibverbs_lib: Setting<Option<String>>,
     /// `NCCL_ERDMA_SPEED_MBPS`: reported link speed override.
     pub speed_mbps: Setting<Option<u32>>,
-    /// `NCCL_ERDMA_CONNECT_TIMEOUT_MS`: how long connect/accept may take before failing.
+    /// `NCCL_ERDMA_CONNECT_TIMEOUT_MS`: how long `connect` may take to reach the peer's
+    /// listener (and the listener waits for a connection's hello) before failing.
     pub connect_timeout_ms: Setting<u64>,
     /// `NCCL_ERDMA_PEER_TIMEOUT_S`: seconds after which a peer whose host stopped
     /// answering (TCP keepalive on the bootstrap connection) fails its comms; 0 = never.

@@ -52,6 +52,19 @@ pub fn keep_alive(sock: &impl std::os::fd::AsFd, after: Duration) -> io::Result<
     sock.set_tcp_user_timeout(Some(Duration::from_secs(secs)))
 }
 
+/// The error of a `connect` that did not reach the peer's listener (TCP connection made
+/// and hello sent) within `timeout`. Only that part of `connect` has a deadline: once the
+/// listener is reached, the peer's owner may call `accept` much later (NCCL >= 2.22 sets
+/// connections up when they are first used, so a busy peer can take minutes) and NCCL's IB
+/// transport waits for it as long as it takes. A peer whose process exits closes the
+/// connection, and one whose host falls silent trips `NCCL_ERDMA_PEER_TIMEOUT_S`.
+pub fn unreachable_listener(peer: SocketAddr, timeout: Duration) -> Error {
+    Error::Remote(format!(
+        "could not reach the listener at {peer} within {} ms (NCCL_ERDMA_CONNECT_TIMEOUT_MS)",
+        timeout.as_millis()
+    ))
+}
+
 /// What to add to a connection error that `keep_alive` caused, so the WARN says why.
 pub fn peer_timeout_hint(e: &Error) -> &'static str {
     match e {

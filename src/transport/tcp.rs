@@ -103,6 +103,8 @@ pub struct TcpConnecting {
     chan: Channel,
     deadline: Instant,
     timeout: Duration,
+    /// The hello went out: the peer's listener was reached.
+    reached: bool,
 }
 
 impl TcpConnecting {
@@ -120,22 +122,20 @@ impl TcpConnecting {
             chan,
             deadline: Instant::now() + timeout,
             timeout,
+            reached: false,
         })
     }
 
     /// One non-blocking step of `connect`.
     pub fn poll(&mut self) -> Result<Option<()>> {
-        if Instant::now() > self.deadline {
-            return Err(Error::Remote(format!(
-                "connection to {} not established within {} ms \
-                 (NCCL_ERDMA_CONNECT_TIMEOUT_MS)",
-                self.chan.peer(),
-                self.timeout.as_millis()
-            )));
+        if !self.reached && Instant::now() > self.deadline {
+            return Err(oob::unreachable_listener(self.chan.peer(), self.timeout));
         }
         if !self.chan.flush()? {
             return Ok(None);
         }
+        // The hello is out; wait for the peer's accept as long as it takes (as for verbs).
+        self.reached = true;
         match self.chan.poll_recv()? {
             None => Ok(None),
             Some(m) if m.kind == MsgKind::Accept => Ok(Some(())),

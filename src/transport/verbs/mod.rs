@@ -32,7 +32,7 @@ use parking_lot::Mutex;
 use crate::abi::buffer::UserBuffer;
 use crate::config::CTS_BATCH_SOFTWARE;
 use crate::error::{Error, Result};
-use crate::oob::{Channel, Handle, Hello, Listener, MsgKind, Timeouts, TransportKind};
+use crate::oob::{self, Channel, Handle, Hello, Listener, MsgKind, Timeouts, TransportKind};
 use crate::transport::{not_in_flight, Completion, Failure, MAX_RECVS, MAX_REQUESTS};
 use crate::verbs::device::{VerbsDevice, LINK_LAYER_ETHERNET};
 use crate::verbs::dma::{
@@ -288,10 +288,7 @@ fn create_qps(
 }
 
 fn timeout_error(peer: SocketAddr, timeout: Duration) -> Error {
-    Error::Remote(format!(
-        "connection to {peer} not established within {} ms (NCCL_ERDMA_CONNECT_TIMEOUT_MS)",
-        timeout.as_millis()
-    ))
+    oob::unreachable_listener(peer, timeout)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -302,6 +299,8 @@ pub struct VerbsConnecting {
     chan: Channel,
     sender: Option<SendState>,
     accepted: bool,
+    /// The hello went out: the peer's listener was reached.
+    reached: bool,
     deadline: Instant,
     params: VerbsParams,
 }
@@ -348,6 +347,7 @@ impl VerbsConnecting {
                 idle_calls: 0,
             }),
             accepted: false,
+            reached: false,
             deadline: Instant::now() + params.timeouts.connect,
             params,
         })
@@ -355,7 +355,7 @@ impl VerbsConnecting {
 
     /// One non-blocking step; the finished send comm once the listener is ready.
     pub fn poll(&mut self) -> Result<Option<VerbsSendComm>> {
-        if Instant::now() > self.deadline {
+        if !self.reached && Instant::now() > self.deadline {
             return Err(timeout_error(
                 self.chan.peer(),
                 self.params.timeouts.connect,
@@ -364,6 +364,10 @@ impl VerbsConnecting {
         if !self.chan.flush()? {
             return Ok(None);
         }
+        // The hello is out: the peer's listener is there. Its owner may call accept much
+        // later (see oob::unreachable_listener), so from here on only the peer closing the
+        // connection, or its host falling silent, ends the wait.
+        self.reached = true;
         if self.accepted {
             return Ok(Some(self.finish()));
         }
