@@ -11,17 +11,17 @@
 
 pub mod comm;
 pub mod mr;
+pub mod stages;
 pub mod stats;
 
 use std::{
-    collections::HashMap,
     ffi::{c_char, CString},
     net::IpAddr,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
     },
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use parking_lot::Mutex;
@@ -35,6 +35,7 @@ use crate::transport::verbs::{self, MrCache, VerbsConnecting, VerbsListen, Verbs
 use crate::transport::MAX_RECVS;
 use crate::verbs::device::{self as vdev, VerbsDevice};
 use crate::verbs::VerbsLib;
+use stages::Stages;
 
 pub use comm::{
     ListenComm, RecvComm, RequestOwner, RequestToken, SendComm, LISTEN_MAGIC, RECV_MAGIC,
@@ -128,8 +129,7 @@ pub struct Plugin {
     pub mrs: MrTable,
     totals: Vec<stats::DeviceTotals>,
     next_comm: AtomicU64,
-    connecting: Mutex<HashMap<u64, Connecting>>,
-    next_stage: AtomicU64,
+    connecting: Mutex<Stages<Connecting>>,
 }
 
 static PLUGIN: Mutex<Option<Arc<Plugin>>> = Mutex::new(None);
@@ -281,8 +281,7 @@ impl Plugin {
             backend,
             mrs: MrTable::default(),
             next_comm: AtomicU64::new(1),
-            connecting: Mutex::new(HashMap::new()),
-            next_stage: AtomicU64::new(1),
+            connecting: Mutex::new(Stages::default()),
         })
     }
 
@@ -415,7 +414,6 @@ impl Plugin {
         let id = match handle::stage_id(buf)? {
             Some(id) => id,
             None => {
-                let id = self.next_stage.fetch_add(1, Ordering::Relaxed);
                 let stage = match &self.backend {
                     Backend::Tcp => {
                         Connecting::Tcp(TcpConnecting::start(&handle, self.timeouts())?)
@@ -426,15 +424,23 @@ impl Plugin {
                         Connecting::Verbs(VerbsConnecting::start(d, &handle, params)?)
                     }
                 };
-                connecting.insert(id, stage);
+                let (id, dropped) = connecting.insert(stage, Instant::now());
+                if dropped > 0 {
+                    tracing::info!(
+                        "dropped {dropped} connect(s) NCCL stopped polling {} s ago (an \
+                         aborted communicator)",
+                        stages::ABANDONED_AFTER.as_secs()
+                    );
+                }
                 handle::set_stage_id(buf, id);
                 id
             }
         };
-        let stage = connecting.get_mut(&id).ok_or_else(|| {
+        let stage = connecting.poll(id, Instant::now()).ok_or_else(|| {
             Error::Misuse(format!(
-                "connect called again with a handle whose connection {id} already finished \
-                 or failed"
+                "connect called again with a handle whose connection {id} already finished, \
+                 failed, or went unpolled for {} s",
+                stages::ABANDONED_AFTER.as_secs()
             ))
         })?;
         let step = match stage {
@@ -444,7 +450,7 @@ impl Plugin {
         let comm = match step {
             Ok(None) => return Ok(None),
             Ok(Some(verbs)) => {
-                let stage = connecting.remove(&id).expect("present above");
+                let stage = connecting.remove(id).expect("present above");
                 match (stage, verbs) {
                     (Connecting::Tcp(t), _) => comm::Send::Tcp(t.finish()?),
                     (Connecting::Verbs(_), Some(v)) => comm::Send::Verbs(v),
@@ -452,7 +458,7 @@ impl Plugin {
                 }
             }
             Err(e) => {
-                connecting.remove(&id);
+                connecting.remove(id);
                 return Err(e);
             }
         };
