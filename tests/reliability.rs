@@ -1331,7 +1331,10 @@ fn child_peer_host_stops_answering() {
     let mut net = open(11);
     let (s, r) = connect_pair(&net);
     transfer(&net, s, r, 3000, 3000, 5);
+    // The receiver waits for a message (tag 1); the sender has one the receiver never asked
+    // for (tag 2), so it waits too.
     let mut dst = reg(&net, r, vec![0u8; 64]);
+    let mut src = reg(&net, s, vec![7u8; 64]);
     let rreq = poll_until("irecv", || {
         net.irecv(r, &[(dst.buf.as_mut_ptr(), 64)], &[1], &[dst.mh], false)
             .unwrap()
@@ -1342,30 +1345,46 @@ fn child_peer_host_stops_answering() {
         .expect("running ip");
     assert!(down.success(), "ip link set lo down: {down}");
     let start = Instant::now();
-    let err = loop {
-        match net.test(rreq, None) {
-            Ok(false) => assert!(
-                start.elapsed() < DEADLINE,
-                "a receive from a silent peer still waits after {DEADLINE:?}"
-            ),
-            Ok(true) => panic!("a receive nobody sent completed"),
-            Err(e) => break e,
+    let (mut recv_err, mut send_err) = (None, None);
+    while recv_err.is_none() || send_err.is_none() {
+        assert!(
+            start.elapsed() < DEADLINE,
+            "still waiting on a silent peer after {DEADLINE:?}: receive {recv_err:?}, send \
+             {send_err:?}"
+        );
+        if recv_err.is_none() {
+            match net.test(rreq, None) {
+                Ok(false) => {}
+                Ok(true) => panic!("a receive nobody sent completed"),
+                Err(e) => recv_err = Some((e, start.elapsed())),
+            }
+        }
+        if send_err.is_none() {
+            match net.isend(s, src.buf.as_mut_ptr(), 8, 2, src.mh) {
+                Ok(req) if req.is_null() => {}
+                Ok(_) => panic!("a send nobody asked for was posted"),
+                Err(e) => send_err = Some((e, start.elapsed())),
+            }
         }
         thread::sleep(Duration::from_millis(1));
-    };
-    let took = start.elapsed();
-    println!(
-        "reliability: time to error (receiver, peer host silent, NCCL_ERDMA_PEER_TIMEOUT_S=2, {}): \
-         {} ms, {err:?}",
-        our_transport().name(),
-        took.as_millis()
-    );
-    assert_eq!(err, REMOTE);
-    // Keepalive: quiet for 1 s, then one unanswered probe 1 s later.
-    assert!(
-        took >= Duration::from_millis(1500),
-        "failed before the peer timeout: {took:?}"
-    );
+    }
+    for (side, (err, took)) in [
+        ("receiver", recv_err.unwrap()),
+        ("sender", send_err.unwrap()),
+    ] {
+        println!(
+            "reliability: time to error ({side}, peer host silent, NCCL_ERDMA_PEER_TIMEOUT_S=2, \
+             {}): {} ms, {err:?}",
+            our_transport().name(),
+            took.as_millis()
+        );
+        assert_eq!(err, REMOTE, "{side}");
+        // Keepalive: quiet for 1 s, then one unanswered probe 1 s later.
+        assert!(
+            took >= Duration::from_millis(1500),
+            "{side} failed before the peer timeout: {took:?}"
+        );
+    }
     let w = warns();
     assert!(
         w.iter().any(|l| l.contains("NCCL_ERDMA_PEER_TIMEOUT_S")),
@@ -1373,6 +1392,7 @@ fn child_peer_host_stops_answering() {
     );
     close_pair(&mut net, s, r);
     dst.buf.truncate(0);
+    src.buf.truncate(0);
 }
 
 // ---------------------------------------------------------------------------------------

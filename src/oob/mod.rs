@@ -154,6 +154,9 @@ pub struct Channel {
     stream: TcpStream,
     peer: SocketAddr,
     connected: bool,
+    /// [`keep_alive`] to apply once connected (a connecting socket: while the kernel still
+    /// retries the SYN, `NCCL_ERDMA_CONNECT_TIMEOUT_MS` alone bounds the attempt).
+    keep_alive: Option<Duration>,
     out: Vec<u8>,
     out_pos: usize,
     hdr: [u8; MSG_HEADER],
@@ -184,6 +187,7 @@ impl Channel {
             stream,
             peer,
             connected,
+            keep_alive: None,
             out: Vec::new(),
             out_pos: 0,
             hdr: [0; MSG_HEADER],
@@ -202,15 +206,14 @@ impl Channel {
             .map_err(|e| Error::io("making bootstrap socket non-blocking", e))?;
         sock.set_tcp_nodelay(true)
             .map_err(|e| Error::io("setting TCP_NODELAY", e))?;
-        if let Some(after) = peer_timeout {
-            keep_alive(&sock, after).map_err(|e| Error::io("setting TCP keepalive", e))?;
-        }
         match sock.connect(&SockAddr::from(addr)) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EINPROGRESS) || would_block(&e) => {}
             Err(e) => return Err(Error::io(format!("connecting to {addr}"), e)),
         }
-        Ok(Channel::new(sock.into(), addr, false))
+        let mut chan = Channel::new(sock.into(), addr, false);
+        chan.keep_alive = peer_timeout;
+        Ok(chan)
     }
 
     /// The peer's address.
@@ -232,6 +235,10 @@ impl Channel {
         }
         match self.stream.peer_addr() {
             Ok(_) => {
+                if let Some(after) = self.keep_alive {
+                    keep_alive(&self.stream, after)
+                        .map_err(|e| Error::io("setting TCP keepalive", e))?;
+                }
                 self.connected = true;
                 Ok(true)
             }

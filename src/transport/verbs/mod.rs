@@ -831,7 +831,7 @@ impl VerbsSendComm {
                 continue;
             }
             if i != 0 && cts_landed(&s.fifo, base + i) != want {
-                return Ok(None);
+                return s.nothing_to_post();
             }
             let entry = if i == 0 { first } else { s.fifo.get(base + i) };
             if entry.tag == tag {
@@ -840,7 +840,7 @@ impl VerbsSendComm {
             }
         }
         let Some((e, room)) = found else {
-            return Ok(None);
+            return s.nothing_to_post();
         };
         st.matched |= 1 << e;
         st.sizes[e] = buf.len();
