@@ -24,7 +24,7 @@ use std::{
     io::Read,
     net::{SocketAddr, TcpStream},
     sync::Arc,
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use parking_lot::Mutex;
@@ -94,7 +94,7 @@ pub struct VerbsParams {
     pub pkey_index: u16,
     /// Create the loopback flush QP (GPUDirect in use, or forced).
     pub flush: bool,
-    /// Bound on connection setup.
+    /// Bounds on reaching the peer's listener and on a silent peer.
     pub timeouts: Timeouts,
     /// `NCCL_ERDMA_CTS_BATCH`: clear-to-send entries the receiver may hold back.
     pub cts_batch: u32,
@@ -287,10 +287,6 @@ fn create_qps(
     Ok(qps)
 }
 
-fn timeout_error(peer: SocketAddr, timeout: Duration) -> Error {
-    oob::unreachable_listener(peer, timeout)
-}
-
 // ---------------------------------------------------------------------------------------
 // Connect (sender side)
 
@@ -356,10 +352,8 @@ impl VerbsConnecting {
     /// One non-blocking step; the finished send comm once the listener is ready.
     pub fn poll(&mut self) -> Result<Option<VerbsSendComm>> {
         if !self.reached && Instant::now() > self.deadline {
-            return Err(timeout_error(
-                self.chan.peer(),
-                self.params.timeouts.connect,
-            ));
+            let connect = self.params.timeouts.connect;
+            return Err(oob::unreachable_listener(self.chan.peer(), connect));
         }
         if !self.chan.flush()? {
             return Ok(None);
