@@ -38,7 +38,7 @@ pub struct Timeouts {
 ///   to 5 unanswered probes over the rest;
 /// - with bytes written and not acknowledged (keepalive does not probe then):
 ///   `TCP_USER_TIMEOUT` gives up after `after` without an acknowledgement.
-pub fn keep_alive(sock: &impl std::os::fd::AsFd, after: Duration) -> io::Result<()> {
+pub fn keep_alive(sock: &impl std::os::fd::AsFd, after: Duration) -> Result<()> {
     let secs = after.as_secs().max(2);
     let idle = secs / 2;
     let interval = ((secs - idle) / 5).max(1);
@@ -48,9 +48,14 @@ pub fn keep_alive(sock: &impl std::os::fd::AsFd, after: Duration) -> io::Result<
         .with_interval(Duration::from_secs(interval))
         .with_retries(probes);
     let sock = SockRef::from(sock);
-    sock.set_tcp_keepalive(&params)?;
-    sock.set_tcp_user_timeout(Some(Duration::from_secs(secs)))
+    sock.set_tcp_keepalive(&params)
+        .and_then(|()| sock.set_tcp_user_timeout(Some(Duration::from_secs(secs))))
+        .map_err(|e| Error::io("setting TCP keepalive", e))
 }
+
+/// Why a connection ended with `ETIMEDOUT` once [`keep_alive`] was on it, for the WARN.
+pub const PEER_SILENT: &str = " (no answer to keepalive probes within \
+    NCCL_ERDMA_PEER_TIMEOUT_S: the peer's host is down or unreachable)";
 
 /// The error of a `connect` that did not reach the peer's listener (TCP connection made
 /// and hello sent) within `timeout`. Only that part of `connect` has a deadline: once the
@@ -58,7 +63,7 @@ pub fn keep_alive(sock: &impl std::os::fd::AsFd, after: Duration) -> io::Result<
 /// connections up when they are first used, so a busy peer can take minutes) and NCCL's IB
 /// transport waits for it as long as it takes. A peer whose process exits closes the
 /// connection, and one whose host falls silent trips `NCCL_ERDMA_PEER_TIMEOUT_S`.
-pub fn unreachable_listener(peer: SocketAddr, timeout: Duration) -> Error {
+fn unreachable_listener(peer: SocketAddr, timeout: Duration) -> Error {
     Error::Remote(format!(
         "could not reach the listener at {peer} within {} ms (NCCL_ERDMA_CONNECT_TIMEOUT_MS)",
         timeout.as_millis()
@@ -68,10 +73,7 @@ pub fn unreachable_listener(peer: SocketAddr, timeout: Duration) -> Error {
 /// What to add to a connection error that `keep_alive` caused, so the WARN says why.
 pub fn peer_timeout_hint(e: &Error) -> &'static str {
     match e {
-        Error::Os(os) if os.source.kind() == io::ErrorKind::TimedOut => {
-            " (no answer to keepalive probes within NCCL_ERDMA_PEER_TIMEOUT_S: the peer's host \
-             is down or unreachable)"
-        }
+        Error::Os(os) if os.source.kind() == io::ErrorKind::TimedOut => PEER_SILENT,
         _ => "",
     }
 }
@@ -157,6 +159,9 @@ pub struct Channel {
     /// [`keep_alive`] to apply once connected (a connecting socket: while the kernel still
     /// retries the SYN, `NCCL_ERDMA_CONNECT_TIMEOUT_MS` alone bounds the attempt).
     keep_alive: Option<Duration>,
+    /// A connector's deadline to reach the listener (connection made, everything queued
+    /// sent, i.e. the hello), with the timeout it came from; none once reached.
+    reach_by: Option<(Instant, Duration)>,
     out: Vec<u8>,
     out_pos: usize,
     hdr: [u8; MSG_HEADER],
@@ -188,6 +193,7 @@ impl Channel {
             peer,
             connected,
             keep_alive: None,
+            reach_by: None,
             out: Vec::new(),
             out_pos: 0,
             hdr: [0; MSG_HEADER],
@@ -197,9 +203,10 @@ impl Channel {
         }
     }
 
-    /// Starts a non-blocking TCP connection to `addr`, probed for a silent peer after
-    /// `peer_timeout` ([`keep_alive`]).
-    pub fn connect(addr: SocketAddr, peer_timeout: Option<Duration>) -> Result<Self> {
+    /// Starts a non-blocking TCP connection to `addr` that must reach its listener within
+    /// `timeouts.connect` ([`unreachable_listener`]) and is then probed for a silent peer
+    /// after `timeouts.peer` ([`keep_alive`]).
+    pub fn connect(addr: SocketAddr, timeouts: Timeouts) -> Result<Self> {
         let sock = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))
             .map_err(|e| Error::io("creating bootstrap socket", e))?;
         sock.set_nonblocking(true)
@@ -212,7 +219,8 @@ impl Channel {
             Err(e) => return Err(Error::io(format!("connecting to {addr}"), e)),
         }
         let mut chan = Channel::new(sock.into(), addr, false);
-        chan.keep_alive = peer_timeout;
+        chan.keep_alive = timeouts.peer;
+        chan.reach_by = Some((Instant::now() + timeouts.connect, timeouts.connect));
         Ok(chan)
     }
 
@@ -236,8 +244,7 @@ impl Channel {
         match self.stream.peer_addr() {
             Ok(_) => {
                 if let Some(after) = self.keep_alive {
-                    keep_alive(&self.stream, after)
-                        .map_err(|e| Error::io("setting TCP keepalive", e))?;
+                    keep_alive(&self.stream, after)?;
                 }
                 self.connected = true;
                 Ok(true)
@@ -255,8 +262,14 @@ impl Channel {
         self.out.extend_from_slice(payload);
     }
 
-    /// Writes queued bytes; true when nothing is left to send.
+    /// Writes queued bytes; true when nothing is left to send. A connector's first complete
+    /// flush (its hello) reaches the listener: before it, the connect deadline applies.
     pub fn flush(&mut self) -> Result<bool> {
+        if let Some((by, timeout)) = self.reach_by {
+            if Instant::now() > by {
+                return Err(unreachable_listener(self.peer, timeout));
+            }
+        }
         if !self.poll_connected()? {
             return Ok(false);
         }
@@ -270,6 +283,9 @@ impl Channel {
         }
         self.out.clear();
         self.out_pos = 0;
+        // Reached: the peer's owner may call accept much later; from here only the peer
+        // closing the connection, or its host falling silent, ends the wait.
+        self.reach_by = None;
         Ok(true)
     }
 
@@ -450,7 +466,7 @@ impl Listener {
             // Best effort: latency only.
             let _ = stream.set_nodelay(true);
             if let Some(after) = self.timeouts.peer {
-                keep_alive(&stream, after).map_err(|e| Error::io("setting TCP keepalive", e))?;
+                keep_alive(&stream, after)?;
             }
             if self.pending.len() == MAX_PENDING {
                 // Make room by dropping the connection that has been silent the longest.
@@ -606,7 +622,7 @@ mod tests {
         let addr = l.handle().addr;
         let mut stranger = TcpStream::connect(addr).unwrap();
         stranger.write_all(b"GET / HTTP/1.0\r\n\r\n").unwrap();
-        let mut peer = Channel::connect(addr, timeouts.peer).unwrap();
+        let mut peer = Channel::connect(addr, timeouts).unwrap();
         let hello = Hello {
             nonce: l.handle().nonce,
             transport: TransportKind::Tcp,

@@ -13,7 +13,6 @@ use std::{
     collections::VecDeque,
     io::{self, IoSlice, Read},
     net::SocketAddr,
-    time::{Duration, Instant},
 };
 
 use parking_lot::Mutex;
@@ -101,41 +100,26 @@ impl TcpListen {
 /// The connecting side, between NCCL's repeated `connect` calls.
 pub struct TcpConnecting {
     chan: Channel,
-    deadline: Instant,
-    timeout: Duration,
-    /// The hello went out: the peer's listener was reached.
-    reached: bool,
 }
 
 impl TcpConnecting {
     /// Starts connecting to the listener described by `handle`.
     pub fn start(handle: &Handle, timeouts: Timeouts) -> Result<Self> {
-        let mut chan = Channel::connect(handle.addr, timeouts.peer)?;
-        let timeout = timeouts.connect;
+        let mut chan = Channel::connect(handle.addr, timeouts)?;
         let hello = Hello {
             nonce: handle.nonce,
             transport: TransportKind::Tcp,
             payload: Vec::new(),
         };
         chan.queue(MsgKind::Hello, &hello.encode());
-        Ok(TcpConnecting {
-            chan,
-            deadline: Instant::now() + timeout,
-            timeout,
-            reached: false,
-        })
+        Ok(TcpConnecting { chan })
     }
 
     /// One non-blocking step of `connect`.
     pub fn poll(&mut self) -> Result<Option<()>> {
-        if !self.reached && Instant::now() > self.deadline {
-            return Err(oob::unreachable_listener(self.chan.peer(), self.timeout));
-        }
         if !self.chan.flush()? {
             return Ok(None);
         }
-        // The hello is out; wait for the peer's accept as long as it takes (as for verbs).
-        self.reached = true;
         match self.chan.poll_recv()? {
             None => Ok(None),
             Some(m) if m.kind == MsgKind::Accept => Ok(Some(())),

@@ -24,7 +24,6 @@ use std::{
     io::Read,
     net::{SocketAddr, TcpStream},
     sync::Arc,
-    time::Instant,
 };
 
 use parking_lot::Mutex;
@@ -295,9 +294,6 @@ pub struct VerbsConnecting {
     chan: Channel,
     sender: Option<SendState>,
     accepted: bool,
-    /// The hello went out: the peer's listener was reached.
-    reached: bool,
-    deadline: Instant,
     params: VerbsParams,
 }
 
@@ -317,7 +313,7 @@ impl VerbsConnecting {
             params.traffic_class,
             params.sl,
         );
-        let mut chan = Channel::connect(handle.addr, params.timeouts.peer)?;
+        let mut chan = Channel::connect(handle.addr, params.timeouts)?;
         let hello = Hello {
             nonce: handle.nonce,
             transport: TransportKind::Verbs,
@@ -343,25 +339,15 @@ impl VerbsConnecting {
                 idle_calls: 0,
             }),
             accepted: false,
-            reached: false,
-            deadline: Instant::now() + params.timeouts.connect,
             params,
         })
     }
 
     /// One non-blocking step; the finished send comm once the listener is ready.
     pub fn poll(&mut self) -> Result<Option<VerbsSendComm>> {
-        if !self.reached && Instant::now() > self.deadline {
-            let connect = self.params.timeouts.connect;
-            return Err(oob::unreachable_listener(self.chan.peer(), connect));
-        }
         if !self.chan.flush()? {
             return Ok(None);
         }
-        // The hello is out: the peer's listener is there. Its owner may call accept much
-        // later (see oob::unreachable_listener), so from here on only the peer closing the
-        // connection, or its host falling silent, ends the wait.
-        self.reached = true;
         if self.accepted {
             return Ok(Some(self.finish()));
         }
@@ -655,9 +641,8 @@ impl CqPoller {
     fn gone_error(&self, peer: &str) -> Error {
         if self.peer_silent {
             return Error::Remote(format!(
-                "peer {peer} stopped answering with requests still in flight: no answer to \
-                 keepalive probes within NCCL_ERDMA_PEER_TIMEOUT_S (its host is down or \
-                 unreachable)"
+                "peer {peer} stopped answering with requests still in flight{}",
+                oob::PEER_SILENT
             ));
         }
         Error::Remote(format!(
