@@ -8,11 +8,10 @@
 # other so both see the same conditions: ib_write_bw, then the plugin's bandwidth; then per
 # size ib_write_lat, then the plugin's latency (at 8 B also ib_send_lat). Then, per
 # repetition, the plugin's bandwidth at QPSIZES for each NCCL_IB_QPS_PER_CONNECTION in QPS.
-# Each measurement moves about BYTES
-# payload bytes (at least 16 messages); the plugin keeps WINDOW receives in flight and
-# perftest TXDEPTH writes. Writes OUTDIR/raw.csv (every measurement), perftest.csv and
-# plugin.csv (medians, in nccl-net-bench's CSV format), qps.csv and summary.txt, and prints
-# the tables.
+# Each measurement moves about BYTES payload bytes (at least 16 messages); the plugin keeps
+# WINDOW receives in flight and perftest TXDEPTH writes. Writes OUTDIR/raw.csv (every
+# measurement), perftest.csv and plugin.csv (medians, in nccl-net-bench's CSV format),
+# qps.csv and summary.txt, and prints the tables.
 set -uo pipefail
 
 [[ $# -eq 8 ]] || {
