@@ -49,7 +49,7 @@ ensure_build_deps() {
 # Builds the release library and binaries; leaves the library also under the name NCCL
 # looks for (libnccl-net-<NCCL_NET_PLUGIN>.so).
 build_release() {
-  cargo build --release --lib --bins
+  cargo build --release --workspace --lib --bins
   local out
   out=$(release_dir)
   cp -f "$out/libnccl_net_erdma.so" "$out/libnccl-net-erdma.so"

@@ -16,13 +16,13 @@ rustup component add rustfmt clippy >/dev/null 2>&1 || true
 
 echo "== lint"
 cargo fmt --check
-cargo clippy --all-targets -- -D warnings
+cargo clippy --workspace --all-targets -- -D warnings
 
 echo "== build"
 build_release
 
 echo "== host tier"
-cargo test --release
+cargo test --release --workspace
 
 # Fuzzing of the handle and handshake decoders, and the host suite under valgrind memcheck.
 if [[ "${NCCL_ERDMA_SKIP_RELIABILITY:-0}" == 1 ]]; then

@@ -44,7 +44,7 @@ trap cleanup EXIT
 echo "== vm-tier: build (release)"
 t=$(now)
 build_json=$work/build.json
-if cargo build --release --lib --bins --message-format=json-render-diagnostics >"$build_json"; then
+if cargo build --release --workspace --lib --bins --message-format=json-render-diagnostics >"$build_json"; then
   result PASS "build" "$t"
 else
   result FAIL "build" "$t" "cargo build --release failed"
@@ -62,7 +62,7 @@ json_executables() { # FILE KIND (none found is not an error)
     sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | sort -u; } || true
 }
 tests=()
-if cargo test --release --no-run --message-format=json-render-diagnostics >"$test_json"; then
+if cargo test --release --workspace --no-run --message-format=json-render-diagnostics >"$test_json"; then
   mapfile -t tests < <(json_executables "$test_json" test)
   if [[ ${#tests[@]} -eq 0 ]]; then
     result SKIP "test-build" "$t" "no integration tests (tests/*.rs) yet: nothing to run in the VM"

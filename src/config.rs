@@ -8,12 +8,9 @@ use std::fmt;
 
 use crate::error::{Error, Result};
 
-/// `NCCL_ERDMA_CTS_BATCH` when unset, on a software RDMA device (rxe, siw); 1 on hardware.
-pub const CTS_BATCH_SOFTWARE: u32 = 8;
-
 /// Which transport carries the data.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TransportChoice {
+pub(crate) enum TransportChoice {
     /// RDMA verbs (eRDMA, RoCE, IB); `init` fails where no device is usable.
     Verbs,
     /// TCP sockets, for hosts without RDMA and for tests.
@@ -34,7 +31,7 @@ impl fmt::Display for TransportChoice {
 
 /// Address family preference (`AF_INET` / `AF_INET6`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum AddrFamily {
+pub(crate) enum AddrFamily {
     /// IPv4.
     Inet,
     /// IPv6.
@@ -43,29 +40,29 @@ pub enum AddrFamily {
 
 /// One entry of an `NCCL_IB_HCA` / `NCCL_SOCKET_IFNAME` style list.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct NameEntry {
+pub(crate) struct NameEntry {
     /// Device or interface name (or prefix).
-    pub name: String,
+    pub(crate) name: String,
     /// Port restriction (`mlx5_0:1`), only meaningful for `NCCL_IB_HCA`.
-    pub port: Option<u32>,
+    pub(crate) port: Option<u32>,
 }
 
 /// A device/interface filter in NCCL's syntax: a comma-separated list of name prefixes;
 /// a leading `^` excludes the listed names instead, a leading `=` (after any `^`) asks for
 /// exact names instead of prefixes.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct NameFilter {
+pub(crate) struct NameFilter {
     /// Entries of the list.
-    pub entries: Vec<NameEntry>,
+    pub(crate) entries: Vec<NameEntry>,
     /// `^`: the list names what to exclude.
-    pub exclude: bool,
+    pub(crate) exclude: bool,
     /// `=`: names must match exactly.
-    pub exact: bool,
+    pub(crate) exact: bool,
 }
 
 impl NameFilter {
     /// Parses NCCL's list syntax; `with_ports` accepts `name:port` entries.
-    pub fn parse(var: &'static str, raw: &str, with_ports: bool) -> Result<Self> {
+    pub(crate) fn parse(var: &'static str, raw: &str, with_ports: bool) -> Result<Self> {
         let mut rest = raw.trim();
         let exclude = rest.starts_with('^');
         if exclude {
@@ -111,7 +108,7 @@ impl NameFilter {
 
     /// Whether `name` (on `port`, when ports matter) passes the filter. An empty filter
     /// accepts everything.
-    pub fn accepts(&self, name: &str, port: Option<u32>) -> bool {
+    pub(crate) fn accepts(&self, name: &str, port: Option<u32>) -> bool {
         if self.entries.is_empty() {
             return true;
         }
@@ -133,80 +130,167 @@ impl NameFilter {
 
 /// A value together with where it came from, for the INFO log and diagnostics.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Setting<T> {
+pub(crate) struct Setting<T> {
     /// The value in effect.
-    pub value: T,
+    pub(crate) value: T,
     /// True when the environment set it; false for the built-in default.
-    pub from_env: bool,
+    pub(crate) from_env: bool,
 }
 
 impl<T> Setting<T> {
-    fn default(value: T) -> Self {
-        Setting {
-            value,
-            from_env: false,
-        }
+    /// Parses `raw` (the variable's value, if set) with `parse`, else takes `default`.
+    fn read(
+        var: &'static str,
+        raw: Option<String>,
+        default: T,
+        parse: impl FnOnce(&'static str, &str) -> Result<T>,
+    ) -> Result<Self> {
+        Ok(match raw {
+            Some(raw) => Setting {
+                value: parse(var, &raw)?,
+                from_env: true,
+            },
+            None => Setting {
+                value: default,
+                from_env: false,
+            },
+        })
     }
-    fn env(value: T) -> Self {
-        Setting {
-            value,
-            from_env: true,
+
+    /// `env` or `default`.
+    pub(crate) fn source(&self) -> &'static str {
+        if self.from_env {
+            "env"
+        } else {
+            "default"
         }
     }
 }
 
-/// Everything the plugin reads from its environment.
-#[derive(Debug, Clone)]
-pub struct Config {
-    /// `NCCL_ERDMA_TRANSPORT`: verbs | tcp | auto.
-    pub transport: Setting<TransportChoice>,
-    /// `NCCL_SOCKET_IFNAME`: interfaces for the out-of-band bootstrap and the tcp transport.
-    pub socket_ifname: Setting<Option<NameFilter>>,
-    /// `NCCL_SOCKET_FAMILY`: address family of those interfaces.
-    pub socket_family: Setting<Option<AddrFamily>>,
-    /// `NCCL_IB_HCA`: verbs devices to use.
-    pub ib_hca: Setting<Option<NameFilter>>,
-    /// `NCCL_IB_QPS_PER_CONNECTION`: RC QPs per connection.
-    pub qps_per_connection: Setting<u32>,
-    /// `NCCL_IB_SPLIT_DATA_ON_QPS`: split every message over all QPs.
-    pub split_data_on_qps: Setting<bool>,
-    /// `NCCL_IB_GID_INDEX`: fixed GID index, or -1 for automatic choice.
-    pub gid_index: Setting<i32>,
-    /// `NCCL_IB_ADDR_FAMILY`: family preferred by the GID choice.
-    pub ib_addr_family: Setting<AddrFamily>,
-    /// `NCCL_IB_ADDR_RANGE`: CIDR the chosen GID must be in.
-    pub ib_addr_range: Setting<Option<String>>,
-    /// `NCCL_IB_ROCE_VERSION_NUM`: RoCE version preferred by the GID choice.
-    pub roce_version: Setting<u32>,
-    /// `NCCL_IB_TIMEOUT`: QP local ACK timeout exponent.
-    pub ib_timeout: Setting<u32>,
-    /// `NCCL_IB_RETRY_CNT`: QP retry count.
-    pub ib_retry_cnt: Setting<u32>,
-    /// `NCCL_IB_TC`: traffic class, -1 = unset.
-    pub ib_tc: Setting<i32>,
-    /// `NCCL_IB_SL`: service level, -1 = unset.
-    pub ib_sl: Setting<i32>,
-    /// `NCCL_IB_PKEY`: partition key index.
-    pub ib_pkey: Setting<u32>,
-    /// `NCCL_IBVERBS_LIB`: libibverbs to load instead of the default.
-    pub ibverbs_lib: Setting<Option<String>>,
-    /// `NCCL_ERDMA_SPEED_MBPS`: reported link speed override.
-    pub speed_mbps: Setting<Option<u32>>,
-    /// `NCCL_ERDMA_CONNECT_TIMEOUT_MS`: how long `connect` may take to reach the peer's
-    /// listener (and the listener waits for a connection's hello) before failing.
-    pub connect_timeout_ms: Setting<u64>,
-    /// `NCCL_ERDMA_PEER_TIMEOUT_S`: seconds after which a peer whose host stopped
-    /// answering (TCP keepalive on the bootstrap connection) fails its comms; 0 = never.
-    pub peer_timeout_s: Setting<u64>,
-    /// `NCCL_ERDMA_STATS_INTERVAL`: seconds between traffic statistics lines, 0 = off.
-    pub stats_interval_s: Setting<u64>,
-    /// `NCCL_ERDMA_FORCE_FLUSH`: create the flush QP and flush after every receive that
-    /// NCCL asks to flush, even without GPUDirect (diagnostics and tests).
-    pub force_flush: Setting<bool>,
-    /// `NCCL_ERDMA_CTS_BATCH`: clear-to-send entries a receiver may hold back and post in
-    /// one RDMA write while the sender still holds at least two; 1 = post each at once, as
-    /// NCCL's IB transport does. Unset: chosen per device by the verbs transport.
-    pub cts_batch: Setting<Option<u32>>,
+/// Declares every setting once: its field, type, default, variable, parser and description.
+/// Generates [`Config`], its parsing ([`Config::from_lookup`]), the lines the log and the info
+/// command print ([`Config::entries`]) and the list of all settings ([`SETTINGS`]). `unset`
+/// names what an unset optional setting means.
+macro_rules! settings {
+    ($(
+        $(#[doc = $doc:literal])+
+        $field:ident: $ty:ty = $default:expr, $var:literal, $parse:expr $(, unset = $unset:literal)?;
+    )*) => {
+        /// Everything the plugin reads from its environment.
+        #[derive(Debug, Clone)]
+        pub(crate) struct Config {
+            $( $(#[doc = $doc])+ pub(crate) $field: Setting<$ty>, )*
+        }
+
+        impl Config {
+            /// Reads settings through `get` (the environment, or a map in tests). Empty values
+            /// count as unset, as NCCL's own `ncclGetEnv` users treat them.
+            pub(crate) fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+                let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
+                Ok(Config {
+                    $( $field: Setting::read($var, get($var), $default, $parse)?, )*
+                })
+            }
+
+            /// Every setting: (variable, value as the user would write it, `env` or
+            /// `default`).
+            pub(crate) fn entries(&self) -> Vec<(&'static str, String, &'static str)> {
+                vec![$(
+                    (
+                        $var,
+                        match (self.$field.from_env, None::<&str> $(.or(Some($unset)))?) {
+                            (false, Some(unset)) => unset.to_string(),
+                            _ => self.$field.value.show(),
+                        },
+                        self.$field.source(),
+                    ),
+                )*]
+            }
+        }
+
+        /// Every setting the plugin reads: (variable, what it does).
+        pub(crate) const SETTINGS: &[(&str, &str)] = &[$( ($var, concat!($($doc),+)), )*];
+    };
+}
+
+settings! {
+    /// Transport: verbs, tcp, or auto (verbs when a device is usable, else tcp).
+    transport: TransportChoice = TransportChoice::Verbs, "NCCL_ERDMA_TRANSPORT", parse_transport;
+    /// Interfaces for the out-of-band bootstrap and the tcp transport, in NCCL's syntax.
+    socket_ifname: Option<NameFilter> = None, "NCCL_SOCKET_IFNAME", |var, raw| {
+        NameFilter::parse(var, raw, false).map(Some)
+    };
+    /// Address family of those interfaces (AF_INET or AF_INET6).
+    socket_family: Option<AddrFamily> = None, "NCCL_SOCKET_FAMILY", |var, raw| {
+        family(var, raw).map(Some)
+    };
+    /// RDMA devices to use, in NCCL's syntax (prefixes, ^ excludes, = exact, :port).
+    ib_hca: Option<NameFilter> = None, "NCCL_IB_HCA", |var, raw| {
+        NameFilter::parse(var, raw, true).map(Some)
+    };
+    /// RC QPs per connection (1..128); 8 on eRDMA when unset.
+    qps_per_connection: u32 = 1, "NCCL_IB_QPS_PER_CONNECTION", |var, raw| int_in(var, raw, 1, 128);
+    /// Split every message over all QPs (1) or let messages take turns (0).
+    split_data_on_qps: bool = false, "NCCL_IB_SPLIT_DATA_ON_QPS", flag;
+    /// Fixed RoCE GID index, or -1 for the automatic choice per device.
+    gid_index: i32 = -1, "NCCL_IB_GID_INDEX", |var, raw| int_in(var, raw, -1, 255);
+    /// Address family the automatic GID choice prefers.
+    ib_addr_family: AddrFamily = AddrFamily::Inet, "NCCL_IB_ADDR_FAMILY", family;
+    /// Address range (CIDR) the automatically chosen GID must be in.
+    ib_addr_range: Option<String> = None, "NCCL_IB_ADDR_RANGE", |_, raw| {
+        parse_cidr(raw).map(|_| Some(raw.trim().to_string()))
+    };
+    /// RoCE version the automatic GID choice prefers.
+    roce_version: u32 = 2, "NCCL_IB_ROCE_VERSION_NUM", |var, raw| int_in(var, raw, 1, 2);
+    /// QP local ACK timeout exponent (4.096 us * 2^n per retry).
+    ib_timeout: u32 = 20, "NCCL_IB_TIMEOUT", |var, raw| int_in(var, raw, 1, 31);
+    /// QP retry count.
+    ib_retry_cnt: u32 = 7, "NCCL_IB_RETRY_CNT", |var, raw| int_in(var, raw, 0, 7);
+    /// Traffic class, -1 = unset (the communicator's, else 0).
+    ib_tc: i32 = -1, "NCCL_IB_TC", |var, raw| int_in(var, raw, -1, 255);
+    /// Service level, -1 = unset (0).
+    ib_sl: i32 = -1, "NCCL_IB_SL", |var, raw| int_in(var, raw, -1, 15);
+    /// Partition key index.
+    ib_pkey: u32 = 0, "NCCL_IB_PKEY", |var, raw| int_in(var, raw, 0, 65535);
+    /// libibverbs to load instead of the default.
+    ibverbs_lib: Option<String> = None, "NCCL_IBVERBS_LIB", |_, raw| Ok(Some(raw.trim().to_string()));
+    /// Link speed reported to NCCL, in Mbps (the port's when unset).
+    speed_mbps: Option<u32> = None, "NCCL_ERDMA_SPEED_MBPS", |var, raw| {
+        int_in(var, raw, 1, i64::from(i32::MAX)).map(Some)
+    };
+    /// How long connect may take to reach the peer's listener, in ms.
+    connect_timeout_ms: u64 = 120_000, "NCCL_ERDMA_CONNECT_TIMEOUT_MS", |var, raw| {
+        int_in(var, raw, 1, 86_400_000)
+    };
+    /// Seconds after which comms with a peer whose host stopped answering fail (0 = never).
+    peer_timeout_s: u64 = 60, "NCCL_ERDMA_PEER_TIMEOUT_S", |var, raw| int_in(var, raw, 0, 86_400);
+    /// Seconds posted RDMA work may go without a completion before its comm fails (0 =
+    /// never; unset: from NCCL_IB_TIMEOUT and NCCL_IB_RETRY_CNT, at least 60).
+    work_timeout_s: Option<u64> = None, "NCCL_ERDMA_WORK_TIMEOUT_S", |var, raw| {
+        int_in(var, raw, 0, 86_400).map(Some)
+    }, unset = "auto";
+    /// Seconds between traffic statistics lines per comm (0 = only the summary at close).
+    stats_interval_s: u64 = 0, "NCCL_ERDMA_STATS_INTERVAL", |var, raw| int_in(var, raw, 0, 86_400);
+    /// Always create the flush QP and report forceFlush (diagnostics).
+    force_flush: bool = false, "NCCL_ERDMA_FORCE_FLUSH", flag;
+    /// Clear-to-send entries a receiver may hold back and post in one RDMA write (1..16;
+    /// unset: 8 on software RDMA devices, 1 on hardware).
+    cts_batch: Option<u32> = None, "NCCL_ERDMA_CTS_BATCH", |var, raw| {
+        int_in(var, raw, 1, 16).map(Some)
+    }, unset = "per device";
+}
+
+fn parse_transport(var: &'static str, raw: &str) -> Result<TransportChoice> {
+    match raw.trim().to_ascii_lowercase().as_str() {
+        "verbs" | "ib" | "rdma" => Ok(TransportChoice::Verbs),
+        "tcp" | "socket" => Ok(TransportChoice::Tcp),
+        "auto" => Ok(TransportChoice::Auto),
+        _ => Err(Error::config(var, raw, "verbs, tcp or auto")),
+    }
+}
+
+fn flag(var: &'static str, raw: &str) -> Result<bool> {
+    int_in::<u8>(var, raw, 0, 1).map(|v| v == 1)
 }
 
 fn int_in<T>(var: &'static str, raw: &str, min: i64, max: i64) -> Result<T>
@@ -231,102 +315,12 @@ fn family(var: &'static str, raw: &str) -> Result<AddrFamily> {
 
 impl Config {
     /// Reads the process environment.
-    pub fn from_env() -> Result<Self> {
+    pub(crate) fn from_env() -> Result<Self> {
         Self::from_lookup(|k| std::env::var(k).ok())
     }
 
-    /// Reads settings through `get` (the environment, or a map in tests).
-    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
-        // Empty values count as unset, as NCCL's own ncclGetEnv users treat them.
-        let get = |k: &str| get(k).filter(|v| !v.trim().is_empty());
-        fn read<T>(
-            v: Option<String>,
-            default: T,
-            parse: impl FnOnce(&str) -> Result<T>,
-        ) -> Result<Setting<T>> {
-            match v {
-                Some(raw) => Ok(Setting::env(parse(&raw)?)),
-                None => Ok(Setting::default(default)),
-            }
-        }
-        const TRANSPORT: &str = "NCCL_ERDMA_TRANSPORT";
-        Ok(Config {
-            transport: read(get(TRANSPORT), TransportChoice::Verbs, |raw| {
-                match raw.trim().to_ascii_lowercase().as_str() {
-                    "verbs" | "ib" | "rdma" => Ok(TransportChoice::Verbs),
-                    "tcp" | "socket" => Ok(TransportChoice::Tcp),
-                    "auto" => Ok(TransportChoice::Auto),
-                    _ => Err(Error::config(TRANSPORT, raw, "verbs, tcp or auto")),
-                }
-            })?,
-            socket_ifname: read(get("NCCL_SOCKET_IFNAME"), None, |raw| {
-                NameFilter::parse("NCCL_SOCKET_IFNAME", raw, false).map(Some)
-            })?,
-            socket_family: read(get("NCCL_SOCKET_FAMILY"), None, |raw| {
-                family("NCCL_SOCKET_FAMILY", raw).map(Some)
-            })?,
-            ib_hca: read(get("NCCL_IB_HCA"), None, |raw| {
-                NameFilter::parse("NCCL_IB_HCA", raw, true).map(Some)
-            })?,
-            qps_per_connection: read(get("NCCL_IB_QPS_PER_CONNECTION"), 1, |raw| {
-                int_in("NCCL_IB_QPS_PER_CONNECTION", raw, 1, 128)
-            })?,
-            split_data_on_qps: read(get("NCCL_IB_SPLIT_DATA_ON_QPS"), false, |raw| {
-                int_in::<u8>("NCCL_IB_SPLIT_DATA_ON_QPS", raw, 0, 1).map(|v| v == 1)
-            })?,
-            gid_index: read(get("NCCL_IB_GID_INDEX"), -1, |raw| {
-                int_in("NCCL_IB_GID_INDEX", raw, -1, 255)
-            })?,
-            ib_addr_family: read(get("NCCL_IB_ADDR_FAMILY"), AddrFamily::Inet, |raw| {
-                family("NCCL_IB_ADDR_FAMILY", raw)
-            })?,
-            ib_addr_range: read(get("NCCL_IB_ADDR_RANGE"), None, |raw| {
-                parse_cidr(raw).map(|_| Some(raw.trim().to_string()))
-            })?,
-            roce_version: read(get("NCCL_IB_ROCE_VERSION_NUM"), 2, |raw| {
-                int_in("NCCL_IB_ROCE_VERSION_NUM", raw, 1, 2)
-            })?,
-            ib_timeout: read(get("NCCL_IB_TIMEOUT"), 20, |raw| {
-                int_in("NCCL_IB_TIMEOUT", raw, 1, 31)
-            })?,
-            ib_retry_cnt: read(get("NCCL_IB_RETRY_CNT"), 7, |raw| {
-                int_in("NCCL_IB_RETRY_CNT", raw, 0, 7)
-            })?,
-            ib_tc: read(get("NCCL_IB_TC"), -1, |raw| {
-                int_in("NCCL_IB_TC", raw, -1, 255)
-            })?,
-            ib_sl: read(get("NCCL_IB_SL"), -1, |raw| {
-                int_in("NCCL_IB_SL", raw, -1, 15)
-            })?,
-            ib_pkey: read(get("NCCL_IB_PKEY"), 0, |raw| {
-                int_in("NCCL_IB_PKEY", raw, 0, 65535)
-            })?,
-            ibverbs_lib: read(get("NCCL_IBVERBS_LIB"), None, |raw| {
-                Ok(Some(raw.trim().to_string()))
-            })?,
-            speed_mbps: read(get("NCCL_ERDMA_SPEED_MBPS"), None, |raw| {
-                int_in("NCCL_ERDMA_SPEED_MBPS", raw, 1, i64::from(i32::MAX)).map(Some)
-            })?,
-            connect_timeout_ms: read(get("NCCL_ERDMA_CONNECT_TIMEOUT_MS"), 120_000, |raw| {
-                int_in("NCCL_ERDMA_CONNECT_TIMEOUT_MS", raw, 1, 86_400_000)
-            })?,
-            peer_timeout_s: read(get("NCCL_ERDMA_PEER_TIMEOUT_S"), 60, |raw| {
-                int_in("NCCL_ERDMA_PEER_TIMEOUT_S", raw, 0, 86_400)
-            })?,
-            stats_interval_s: read(get("NCCL_ERDMA_STATS_INTERVAL"), 0, |raw| {
-                int_in("NCCL_ERDMA_STATS_INTERVAL", raw, 0, 86_400)
-            })?,
-            force_flush: read(get("NCCL_ERDMA_FORCE_FLUSH"), false, |raw| {
-                int_in::<u8>("NCCL_ERDMA_FORCE_FLUSH", raw, 0, 1).map(|v| v == 1)
-            })?,
-            cts_batch: read(get("NCCL_ERDMA_CTS_BATCH"), None, |raw| {
-                int_in("NCCL_ERDMA_CTS_BATCH", raw, 1, 16).map(Some)
-            })?,
-        })
-    }
-
     /// `NCCL_IB_HCA` as the user wrote it, empty when unset (for messages).
-    pub fn ib_hca_text(&self) -> String {
+    pub(crate) fn ib_hca_text(&self) -> String {
         self.ib_hca
             .value
             .as_ref()
@@ -334,42 +328,12 @@ impl Config {
             .unwrap_or_default()
     }
 
-    /// One line per setting, `NAME = value (env|default)`, for the INFO log and diagnostics.
-    pub fn describe(&self) -> Vec<String> {
-        fn line<T: Show>(name: &str, s: &Setting<T>) -> String {
-            let src = if s.from_env { "env" } else { "default" };
-            format!("{name} = {} ({src})", s.value.show())
-        }
-        vec![
-            line("NCCL_ERDMA_TRANSPORT", &self.transport),
-            line("NCCL_SOCKET_IFNAME", &self.socket_ifname),
-            line("NCCL_SOCKET_FAMILY", &self.socket_family),
-            line("NCCL_IB_HCA", &self.ib_hca),
-            line("NCCL_IB_QPS_PER_CONNECTION", &self.qps_per_connection),
-            line("NCCL_IB_SPLIT_DATA_ON_QPS", &self.split_data_on_qps),
-            line("NCCL_IB_GID_INDEX", &self.gid_index),
-            line("NCCL_IB_ADDR_FAMILY", &self.ib_addr_family),
-            line("NCCL_IB_ADDR_RANGE", &self.ib_addr_range),
-            line("NCCL_IB_ROCE_VERSION_NUM", &self.roce_version),
-            line("NCCL_IB_TIMEOUT", &self.ib_timeout),
-            line("NCCL_IB_RETRY_CNT", &self.ib_retry_cnt),
-            line("NCCL_IB_TC", &self.ib_tc),
-            line("NCCL_IB_SL", &self.ib_sl),
-            line("NCCL_IB_PKEY", &self.ib_pkey),
-            line("NCCL_IBVERBS_LIB", &self.ibverbs_lib),
-            line("NCCL_ERDMA_SPEED_MBPS", &self.speed_mbps),
-            line("NCCL_ERDMA_CONNECT_TIMEOUT_MS", &self.connect_timeout_ms),
-            line("NCCL_ERDMA_PEER_TIMEOUT_S", &self.peer_timeout_s),
-            line("NCCL_ERDMA_STATS_INTERVAL", &self.stats_interval_s),
-            line("NCCL_ERDMA_FORCE_FLUSH", &self.force_flush),
-            match self.cts_batch.value {
-                Some(_) => line("NCCL_ERDMA_CTS_BATCH", &self.cts_batch),
-                None => format!(
-                    "NCCL_ERDMA_CTS_BATCH = per device: {CTS_BATCH_SOFTWARE} on software RDMA \
-                     (rxe, siw), 1 on hardware (default)"
-                ),
-            },
-        ]
+    /// One line per setting, `NAME = value (env|default)`, for the INFO log.
+    pub(crate) fn describe(&self) -> Vec<String> {
+        self.entries()
+            .into_iter()
+            .map(|(var, value, source)| format!("{var} = {value} ({source})"))
+            .collect()
     }
 }
 
@@ -429,7 +393,7 @@ impl<T: Show> Show for Option<T> {
 }
 
 /// Parses `a.b.c.d/len` or `x:y::z/len` into (address, prefix length).
-pub fn parse_cidr(raw: &str) -> Result<(std::net::IpAddr, u8)> {
+pub(crate) fn parse_cidr(raw: &str) -> Result<(std::net::IpAddr, u8)> {
     let bad = || {
         Error::config(
             "NCCL_IB_ADDR_RANGE",

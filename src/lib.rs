@@ -1,21 +1,42 @@
 //! nccl-net-erdma: an NCCL network plugin (`ncclNet` v6 to v11) for Alibaba Cloud eRDMA and
 //! any RoCE/IB verbs device, with a TCP transport for hosts without RDMA.
 //!
-//! Layers, top to bottom (nothing reaches up): [`abi`] (the C boundary: exported tables,
-//! panic boundary, error mapping), [`plugin`] (the version-neutral core), [`transport`]
-//! (tcp now, verbs next), [`oob`] (the out-of-band bootstrap), [`verbs`] (the only caller of
-//! `ibv_*`), [`config`] and [`log`]. `unsafe` lives only in `abi` and `verbs`.
+//! Layers, top to bottom; imports only point down (`tests/layers.rs` checks it):
+//! `abi` (the C boundary: exported tables, panic boundary, error mapping) and `report` (what
+//! the info command shows), `plugin` (the version-neutral core), `transport` (the transport
+//! contract, with `tcp` and `verbs` behind it), `oob` (the out-of-band bootstrap), `verbs`
+//! (the only caller of `ibv_*`), `config`, `log`, and the small shared pieces at the bottom
+//! (`error`, `buffer`, `random`, `ffi`). `unsafe` lives only in `abi`, `verbs` and the buffer
+//! type `abi` hands down.
+//!
+//! The crate's public surface is what the tools and tests need besides the exported tables:
+//! [`ffi`] (the ABI types), [`protocol`] (the wire format of the handle and handshake, for
+//! fuzzing) and [`report`] (the host report behind `nccl-net-erdma-info`).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-pub mod abi;
-pub mod config;
-pub mod diag;
-pub mod error;
-pub mod log;
-pub mod oob;
-pub mod plugin;
-pub mod transport;
-pub mod verbs;
+mod abi;
+mod buffer;
+mod config;
+mod error;
+pub mod ffi;
+mod log;
+mod oob;
+mod plugin;
+mod random;
+pub mod report;
+mod sysfs;
+mod transport;
+mod verbs;
+
+/// The wire format of the connection handle and the bootstrap handshake: what a peer (or a
+/// fuzzer, or a stranger on the port) sends the plugin before any data moves.
+pub mod protocol {
+    pub use crate::oob::handle;
+    pub use crate::oob::{
+        decode_header, encode_header, Handle, Hello, MsgKind, TransportKind, HANDLE_SIZE,
+        MAX_PAYLOAD, MSG_HEADER,
+    };
+}

@@ -3,7 +3,7 @@
 
 use std::mem::{offset_of, size_of};
 
-use nccl_net_erdma::abi::ffi::*;
+use nccl_net_erdma::ffi::*;
 
 #[test]
 fn function_tables_have_nccl_sizes() {

@@ -2,7 +2,7 @@
 //! bounded time, with nothing corrupted and nothing leaked (fds, threads, memory).
 //!
 //! Like the conformance suite, this drives the built plugin only through its C ABI
-//! (`abi::client`, dlopen'ed as NCCL does), over tcp on loopback, or over verbs when
+//! (`nccl_net_erdma_tools::client`, dlopen'ed as NCCL does), over tcp on loopback, or over verbs when
 //! `NCCL_ERDMA_TEST_DEVICE` names a device (the Soft-RoCE tier). Cases that count fds,
 //! threads or RSS, kill a peer or could crash run in a child process of their own
 //! (`run_child`), so nothing else in this binary disturbs the counts; cases that feed garbage
@@ -38,8 +38,8 @@ use std::{
 };
 
 use common::*;
-use nccl_net_erdma::abi::ffi;
-use nccl_net_erdma::oob::{
+use nccl_net_erdma::ffi;
+use nccl_net_erdma::protocol::{
     self, handle as oob_handle, Handle, Hello, MsgKind, TransportKind, HANDLE_SIZE, MSG_HEADER,
 };
 
@@ -458,7 +458,7 @@ struct Stranger {
 }
 
 fn frame(kind_raw: [u8; 2], magic_xor: u8, version: u16, len: u32, payload: &[u8]) -> Vec<u8> {
-    let mut h = oob::encode_header(MsgKind::Hello, 0).to_vec();
+    let mut h = protocol::encode_header(MsgKind::Hello, 0).to_vec();
     h[0] ^= magic_xor;
     h[4..6].copy_from_slice(&version.to_le_bytes());
     h[6..8].copy_from_slice(&kind_raw);
@@ -469,7 +469,7 @@ fn frame(kind_raw: [u8; 2], magic_xor: u8, version: u16, len: u32, payload: &[u8
 
 fn strangers(nonce: u64) -> Vec<Stranger> {
     let hello_kind = (MsgKind::Hello as u16).to_le_bytes();
-    let version = oob::handle::PROTOCOL_VERSION;
+    let version = protocol::handle::PROTOCOL_VERSION;
     let hello = |nonce: u64, transport: u8| {
         let mut p = nonce.to_le_bytes().to_vec();
         p.push(transport);
@@ -510,7 +510,13 @@ fn strangers(nonce: u64) -> Vec<Stranger> {
         ),
         s(
             "oversized message",
-            frame(hello_kind, 0, version, (oob::MAX_PAYLOAD + 1) as u32, &good),
+            frame(
+                hello_kind,
+                0,
+                version,
+                (protocol::MAX_PAYLOAD + 1) as u32,
+                &good,
+            ),
             false,
             "exceeds",
         ),
@@ -2578,7 +2584,7 @@ fn handle_seeds() -> Vec<(&'static str, Vec<u8>)> {
 /// Seeds for `fuzz/fuzz_targets/handshake.rs`: framed messages made by the encoders.
 fn handshake_seeds() -> Vec<(&'static str, Vec<u8>)> {
     let msg = |kind: MsgKind, payload: &[u8]| {
-        let mut v = oob::encode_header(kind, payload.len()).to_vec();
+        let mut v = protocol::encode_header(kind, payload.len()).to_vec();
         v.extend_from_slice(payload);
         v
     };
@@ -2599,7 +2605,7 @@ fn handshake_seeds() -> Vec<(&'static str, Vec<u8>)> {
     stream.extend(msg(MsgKind::Ready, &[]));
     let mut bad_magic = msg(MsgKind::Hello, &tcp);
     bad_magic[1] ^= 0x40;
-    let oversized = oob::encode_header(MsgKind::Hello, oob::MAX_PAYLOAD + 1).to_vec();
+    let oversized = protocol::encode_header(MsgKind::Hello, protocol::MAX_PAYLOAD + 1).to_vec();
     let mut truncated = msg(MsgKind::Hello, &verbs);
     truncated.truncate(MSG_HEADER + 20);
     vec![
@@ -2668,7 +2674,7 @@ fn fuzz_seed_corpus_decodes() {
                     while !rest.is_empty() {
                         let mut h = [0u8; MSG_HEADER];
                         h.copy_from_slice(&rest[..MSG_HEADER]);
-                        let (kind, len) = oob::decode_header(&h).unwrap();
+                        let (kind, len) = protocol::decode_header(&h).unwrap();
                         let payload = &rest[MSG_HEADER..MSG_HEADER + len];
                         if kind == MsgKind::Hello {
                             assert_eq!(Hello::decode(payload).unwrap().encode(), payload);

@@ -4,7 +4,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nccl_net_erdma::oob::{handle, Handle, HANDLE_SIZE};
+use nccl_net_erdma::protocol::{handle, Handle, HANDLE_SIZE};
 
 fuzz_target!(|data: &[u8]| {
     // NCCL's handle buffer is always 128 bytes; shorter inputs are zero-padded.

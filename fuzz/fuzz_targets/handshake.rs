@@ -5,7 +5,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use nccl_net_erdma::oob::{decode_header, encode_header, Hello, MsgKind, MAX_PAYLOAD, MSG_HEADER};
+use nccl_net_erdma::protocol::{decode_header, encode_header, Hello, MsgKind, MAX_PAYLOAD, MSG_HEADER};
 
 fuzz_target!(|data: &[u8]| {
     let mut rest = data;

@@ -6,7 +6,7 @@ use std::{
     sync::atomic::{AtomicUsize, Ordering},
 };
 
-use super::ffi::{ncclProfilerCallback_t, ncclProfilerNetEventStart, ncclProfilerNetEventStop};
+use crate::ffi::{ncclProfilerCallback_t, ncclProfilerNetEventStart, ncclProfilerNetEventStop};
 use crate::plugin::RequestToken;
 
 /// Our event type in the high 16 bits (NCCL's own: IB 1, Socket 2), descriptor version 1 in
@@ -33,7 +33,7 @@ type Callback = unsafe extern "C" fn(
     *mut c_void,
     i64,
     *mut c_void,
-) -> super::ffi::ncclResult_t;
+) -> crate::ffi::ncclResult_t;
 
 static CALLBACK: AtomicUsize = AtomicUsize::new(0);
 

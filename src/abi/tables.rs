@@ -15,15 +15,14 @@ use std::{
 
 use parking_lot::Mutex;
 
-use super::buffer::UserBuffer;
-use super::ffi::*;
 use super::profiler::{self, NetEvent};
 use super::{boundary, data_comm_owner, install_logging, non_null, recv_comm, send_comm};
+use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
+use crate::ffi::*;
 use crate::oob::HANDLE_SIZE;
-use crate::plugin::{self, Device, ListenComm, Plugin, RecvComm, SendComm, MAX_COLL_BYTES};
-use crate::plugin::{MAX_P2P_BYTES, NAME};
-use crate::transport::MAX_RECVS;
+use crate::plugin::{self, ListenComm, Plugin, RecvComm, SendComm, MAX_COLL_BYTES, NAME};
+use crate::transport::{DeviceProps, MAX_P2P_BYTES, MAX_RECVS};
 
 /// A vtable as exported. `#[repr(transparent)]` keeps the C layout.
 #[repr(transparent)]
@@ -57,7 +56,7 @@ extern "C" fn devices(ndev: *mut c_int) -> ncclResult_t {
 /// Fills the fields every properties version shares, on a zeroed struct.
 macro_rules! fill_common {
     ($p:expr, $d:expr) => {{
-        let d: &Device = $d;
+        let d: &DeviceProps = $d;
         $p.name = d.name_ptr() as *mut c_char;
         $p.pciPath = d.pci_path_ptr() as *mut c_char;
         $p.guid = d.guid;
@@ -66,7 +65,7 @@ macro_rules! fill_common {
         $p.port = d.port;
         $p.latency = 0.0;
         $p.maxComms = d.max_comms;
-        $p.maxRecvs = d.max_recvs;
+        $p.maxRecvs = MAX_RECVS as c_int;
     }};
 }
 
@@ -96,7 +95,7 @@ macro_rules! fill_v9 {
 fn properties<P: Default>(
     dev: c_int,
     props: *mut P,
-    fill: impl FnOnce(&mut P, &Device),
+    fill: impl FnOnce(&mut P, &DeviceProps),
 ) -> ncclResult_t {
     boundary("getProperties", || {
         non_null(props, "props")?;
@@ -271,7 +270,7 @@ extern "C" fn reg_mr_dmabuf(
     comm: *mut c_void,
     data: *mut c_void,
     size: usize,
-    ptr_type: c_int,
+    _ptr_type: c_int,
     offset: u64,
     fd: c_int,
     mhandle: *mut *mut c_void,
@@ -280,7 +279,7 @@ extern "C" fn reg_mr_dmabuf(
         non_null(mhandle, "mhandle")?;
         // SAFETY: NCCL passes back a comm we returned (checked by magic).
         let (plugin, dev) = unsafe { data_comm_owner(comm)? };
-        let h = plugin.reg_mr_dmabuf(dev, data as usize, size, ptr_type, offset, fd)?;
+        let h = plugin.reg_mr_dmabuf(dev, data as usize, size, offset, fd)?;
         // SAFETY: checked non-NULL; writable pointer slot.
         unsafe { *mhandle = h as usize as *mut c_void };
         Ok(())

@@ -179,7 +179,8 @@ pub struct Message {
     pub payload: Vec<u8>,
 }
 
-fn would_block(e: &io::Error) -> bool {
+/// Whether a non-blocking socket call failed only because it would have to wait.
+pub(crate) fn would_block(e: &io::Error) -> bool {
     matches!(
         e.kind(),
         io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted | io::ErrorKind::NotConnected
@@ -430,7 +431,7 @@ impl Listener {
         let handle = Handle {
             addr,
             transport,
-            nonce: random_u64(),
+            nonce: crate::random::random_u64(),
         };
         Ok(Listener {
             sock,
@@ -538,23 +539,6 @@ impl Listener {
         }
         Ok(None)
     }
-}
-
-/// A random 64-bit value from the kernel, without a dependency: good enough to tell our own
-/// peers from strangers (it is not a secret against an attacker on the path).
-pub fn random_u64() -> u64 {
-    let mut b = [0u8; 8];
-    if std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| f.read_exact(&mut b))
-        .is_ok()
-    {
-        return u64::from_le_bytes(b);
-    }
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0);
-    t ^ (u64::from(std::process::id()) << 32)
 }
 
 #[cfg(test)]

@@ -9,134 +9,76 @@
 //! registration. Globals are behind locks; each comm's data path state is behind its own
 //! (uncontended) lock.
 
-pub mod comm;
-pub mod mr;
-pub mod stages;
-pub mod stats;
+pub(crate) mod comm;
+pub(crate) mod mr;
+mod stages;
+mod stats;
 
 use std::{
-    ffi::{c_char, CString},
+    ffi::c_char,
     net::IpAddr,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
     },
-    time::{Duration, Instant},
+    time::Instant,
 };
 
 use parking_lot::Mutex;
 
-use crate::config::{Config, Setting, TransportChoice};
+use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::log::INIT;
-use crate::oob::{handle, iface, Handle, Timeouts, TransportKind, HANDLE_SIZE};
-use crate::transport::tcp::{TcpConnecting, TcpListen};
-use crate::transport::verbs::{self, MrCache, VerbsConnecting, VerbsListen, VerbsParams};
-use crate::transport::MAX_RECVS;
-use crate::verbs::device::{self as vdev, VerbsDevice};
-use crate::verbs::VerbsLib;
+use crate::oob::{handle, iface, Handle, TransportKind, HANDLE_SIZE};
+use crate::transport::{self, Connecting, DeviceProps, Transport, PTR_CUDA, PTR_HOST};
 use stages::Stages;
 
-pub use comm::{
-    ListenComm, RecvComm, RequestOwner, RequestToken, SendComm, LISTEN_MAGIC, RECV_MAGIC,
-    REQUEST_MAGIC, SEND_MAGIC,
+pub(crate) use comm::{
+    ListenComm, RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC, SEND_MAGIC,
 };
-pub use mr::{MrTable, Registration};
+use mr::MrTable;
+pub(crate) use mr::Registration;
 
 /// The plugin's name in every table (`NCCL_NET=erdma` selects it).
-pub const NAME: &str = "erdma";
-/// `NCCL_PTR_HOST`.
-pub const PTR_HOST: i32 = 1;
-/// `NCCL_PTR_CUDA`.
-pub const PTR_CUDA: i32 = 2;
-/// `NCCL_PTR_DMABUF`.
-pub const PTR_DMABUF: i32 = 4;
-/// Largest message per request we advertise (`maxP2pBytes`): what `test` can report in an
-/// `int`, rounded to 1 GiB as NCCL's shims do for older plugins.
-pub const MAX_P2P_BYTES: usize = 1 << 30;
+pub(crate) const NAME: &str = "erdma";
 /// `maxCollBytes`: NCCL's CollNet default.
-pub const MAX_COLL_BYTES: usize = 512 << 20;
-/// QPs per connection on eRDMA when the user set none: Alibaba's published preset for
-/// NCCL on eRDMA (PAI "eRDMA" guide: `NCCL_IB_QPS_PER_CONNECTION=8`).
-pub const ERDMA_DEFAULT_QPS: u32 = 8;
+pub(crate) const MAX_COLL_BYTES: usize = 512 << 20;
 
-/// One network device as NCCL sees it.
-#[derive(Debug)]
-pub struct Device {
-    name: CString,
-    pci_path: Option<CString>,
-    /// `guid`: devices with the same guid are one NIC.
-    pub guid: u64,
-    /// `ptrSupport` bits.
-    pub ptr_support: i32,
-    /// `speed` in Mbps.
-    pub speed_mbps: i32,
-    /// `port`.
-    pub port: i32,
-    /// `maxComms`.
-    pub max_comms: i32,
-    /// `maxRecvs`.
-    pub max_recvs: i32,
-    /// `forceFlush` (v9+).
-    pub force_flush: bool,
-}
-
-impl Device {
-    /// Unique device name.
-    pub fn name(&self) -> &str {
-        self.name.to_str().unwrap_or("?")
-    }
+impl DeviceProps {
     /// `name` for C; valid for the life of the process (the plugin is never torn down).
-    pub fn name_ptr(&self) -> *const c_char {
+    pub(crate) fn name_ptr(&self) -> *const c_char {
         self.name.as_ptr()
     }
     /// `pciPath` for C, or NULL when the device has none.
-    pub fn pci_path_ptr(&self) -> *const c_char {
+    pub(crate) fn pci_path_ptr(&self) -> *const c_char {
         self.pci_path
             .as_ref()
             .map_or(std::ptr::null(), |p| p.as_ptr())
     }
 }
 
-/// What carries the data, with its per-device state.
-enum Backend {
-    Tcp,
-    Verbs {
-        devices: Vec<Arc<VerbsDevice>>,
-        caches: Vec<Arc<MrCache>>,
-    },
-}
-
-/// A connect in progress.
-// Each lives inside a boxed comm made once per connection: size differences cost nothing.
-#[allow(clippy::large_enum_variant)]
-enum Connecting {
-    Tcp(TcpConnecting),
-    Verbs(VerbsConnecting),
-}
-
-/// The initialised plugin: configuration, devices and registrations.
-pub struct Plugin {
-    /// Settings read at `init` (with the eRDMA profile applied).
-    pub config: Config,
-    /// Transport carrying the data.
-    pub transport: TransportKind,
+/// The initialised plugin: configuration, transport and registrations.
+pub(crate) struct Plugin {
+    /// Settings read at `init`.
+    pub(crate) config: Config,
+    transport: Box<dyn Transport>,
     /// Where bootstrap listeners bind.
-    pub bootstrap_ip: IpAddr,
-    devices: Vec<Device>,
-    backend: Backend,
+    bootstrap_ip: IpAddr,
+    /// Registrations hold keys of the device they were made on (verbs), so they may not be
+    /// used on another.
+    keys_per_device: bool,
     /// Live memory registrations.
-    pub mrs: MrTable,
+    mrs: MrTable,
     totals: Vec<stats::DeviceTotals>,
     next_comm: AtomicU64,
-    connecting: Mutex<Stages<Connecting>>,
+    connecting: Mutex<Stages<Box<dyn Connecting>>>,
 }
 
 static PLUGIN: Mutex<Option<Arc<Plugin>>> = Mutex::new(None);
 
 /// Initialises the plugin once per process; later calls return the same instance. A failed
 /// `init` leaves nothing behind, so it can be retried with a corrected environment.
-pub fn init() -> Result<Arc<Plugin>> {
+pub(crate) fn init() -> Result<Arc<Plugin>> {
     let mut global = PLUGIN.lock();
     if let Some(p) = global.as_ref() {
         return Ok(Arc::clone(p));
@@ -147,7 +89,7 @@ pub fn init() -> Result<Arc<Plugin>> {
 }
 
 /// The initialised plugin, or an error when `init` has not succeeded.
-pub fn get() -> Result<Arc<Plugin>> {
+pub(crate) fn get() -> Result<Arc<Plugin>> {
     PLUGIN
         .lock()
         .as_ref()
@@ -155,55 +97,13 @@ pub fn get() -> Result<Arc<Plugin>> {
         .ok_or_else(|| Error::Misuse("the plugin is used before a successful init".into()))
 }
 
-fn sysfs_string(path: &str) -> Option<String> {
-    std::fs::read_to_string(path)
-        .ok()
-        .map(|s| s.trim().to_string())
-}
-
-/// Finds the verbs devices, or says why there are none.
-pub fn discover_verbs(config: &Config) -> Result<Vec<VerbsDevice>> {
-    let lib = VerbsLib::get(config.ibverbs_lib.value.as_deref())?;
-    vdev::discover(lib, config)
-}
-
 impl Plugin {
     /// Builds the plugin from a validated configuration.
-    pub fn from_config(mut config: Config) -> Result<Self> {
+    pub(crate) fn from_config(config: Config) -> Result<Self> {
         let bootstrap = iface::pick(
             config.socket_ifname.value.as_ref(),
             config.socket_family.value,
         )?;
-        let verbs = match config.transport.value {
-            TransportChoice::Tcp => None,
-            TransportChoice::Verbs => Some(discover_verbs(&config).map_err(|e| {
-                Error::NoDevice(format!(
-                    "verbs transport unavailable: {e}. NCCL falls back to its own \
-                     transports; set NCCL_ERDMA_TRANSPORT=tcp (or auto) to use this plugin \
-                     over TCP"
-                ))
-            })?),
-            TransportChoice::Auto => match discover_verbs(&config) {
-                Ok(d) => Some(d),
-                Err(e) => {
-                    tracing::info!(target: INIT, "verbs transport unavailable ({e}); using tcp");
-                    None
-                }
-            },
-        };
-        if let Some(devs) = &verbs {
-            if devs.iter().any(VerbsDevice::is_erdma) && !config.qps_per_connection.from_env {
-                config.qps_per_connection = Setting {
-                    value: ERDMA_DEFAULT_QPS,
-                    from_env: false,
-                };
-                tracing::info!(
-                    target: INIT,
-                    "eRDMA device found: NCCL_IB_QPS_PER_CONNECTION defaults to \
-                     {ERDMA_DEFAULT_QPS} (Alibaba Cloud's eRDMA preset)"
-                );
-            }
-        }
         for line in config.describe() {
             tracing::info!(target: INIT, "{line}");
         }
@@ -213,105 +113,65 @@ impl Plugin {
             bootstrap.ifname,
             bootstrap.ip
         );
-        let (transport, devices, backend) = match verbs {
-            None => (
-                TransportKind::Tcp,
-                vec![tcp_device(&bootstrap.ifname, &config)],
-                Backend::Tcp,
-            ),
-            Some(devs) => {
-                let lib = VerbsLib::get(config.ibverbs_lib.value.as_deref())?;
-                // Before the first registration, or it fails (rdma-core makes it a no-op on
-                // kernels with copy-on-fork for pinned memory).
-                if let Err(e) = lib.fork_init() {
-                    tracing::info!(target: INIT, "ibv_fork_init: {e}");
-                }
-                let devices = devs.iter().map(|d| verbs_device(d, &config)).collect();
-                let devs: Vec<Arc<VerbsDevice>> = devs.into_iter().map(Arc::new).collect();
-                let caches = devs
-                    .iter()
-                    .map(|d| MrCache::new(Arc::clone(&d.pd)))
-                    .collect();
-                (
-                    TransportKind::Verbs,
-                    devices,
-                    Backend::Verbs {
-                        devices: devs,
-                        caches,
-                    },
-                )
-            }
-        };
-        for (i, d) in devices.iter().enumerate() {
+        let transport = transport::open(&config, &bootstrap)?;
+        for (i, d) in transport.devices().iter().enumerate() {
             tracing::info!(
                 target: INIT,
                 "device {i}: {} transport {} speed {} Mbps ptrSupport {:#x} pci {:?}",
                 d.name(),
-                transport.name(),
+                transport.kind().name(),
                 d.speed_mbps,
                 d.ptr_support,
                 d.pci_path
             );
         }
-        if let Backend::Verbs { devices: devs, .. } = &backend {
-            for d in devs {
-                tracing::info!(
-                    target: INIT,
-                    "{}: port {} {} GID index {} MTU {} vendor {:#x} peermem {} dmabuf {}",
-                    d.name,
-                    d.port,
-                    if d.link_layer == vdev::LINK_LAYER_ETHERNET { "RoCE" } else { "IB" },
-                    d.gid_index,
-                    128u32 << d.active_mtu.min(5),
-                    d.vendor_id,
-                    d.peermem,
-                    d.dmabuf
-                );
-            }
-        }
         Ok(Plugin {
             config,
-            transport,
-            bootstrap_ip: bootstrap.ip,
-            totals: devices
+            totals: transport
+                .devices()
                 .iter()
                 .map(|_| stats::DeviceTotals::default())
                 .collect(),
-            devices,
-            backend,
+            keys_per_device: transport.kind() == TransportKind::Verbs,
+            transport,
+            bootstrap_ip: bootstrap.ip,
             mrs: MrTable::default(),
             next_comm: AtomicU64::new(1),
             connecting: Mutex::new(Stages::default()),
         })
     }
 
+    /// The transport in use.
+    pub(crate) fn transport_kind(&self) -> TransportKind {
+        self.transport.kind()
+    }
+
     /// Number of devices.
-    pub fn device_count(&self) -> usize {
-        self.devices.len()
+    pub(crate) fn device_count(&self) -> usize {
+        self.transport.devices().len()
     }
 
     /// Device `dev`, checked.
-    pub fn device(&self, dev: i32) -> Result<&Device> {
-        usize::try_from(dev)
-            .ok()
-            .and_then(|d| self.devices.get(d))
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "device {dev} does not exist ({} devices)",
-                    self.devices.len()
-                ))
-            })
+    pub(crate) fn device(&self, dev: i32) -> Result<&DeviceProps> {
+        let devices = self.transport.devices();
+        let index = usize::try_from(dev).unwrap_or(usize::MAX);
+        transport::device(devices, index).map_err(|_| {
+            Error::InvalidArgument(format!(
+                "device {dev} does not exist ({} devices)",
+                devices.len()
+            ))
+        })
     }
 
     /// Traffic totals of device `dev`.
-    pub fn totals(&self, dev: usize) -> &stats::DeviceTotals {
+    fn totals(&self, dev: usize) -> &stats::DeviceTotals {
         &self.totals[dev.min(self.totals.len() - 1)]
     }
 
     /// Counters for a new comm on `dev` talking to `peer`.
     fn comm_stats(&self, dir: stats::Direction, dev: usize, peer: &str) -> stats::CommStats {
         let id = self.next_comm.fetch_add(1, Ordering::Relaxed);
-        let name = self.devices.get(dev).map_or("?", Device::name);
+        let name = self.device(dev as i32).map_or("?", DeviceProps::name);
         stats::CommStats::new(
             dir,
             format!("#{id} on {name} with {peer}"),
@@ -319,74 +179,10 @@ impl Plugin {
         )
     }
 
-    /// Registration cache statistics per device: (hits, misses, live MRs).
-    pub fn mr_cache_stats(&self) -> Vec<(u64, u64, usize)> {
-        match &self.backend {
-            Backend::Tcp => Vec::new(),
-            Backend::Verbs { caches, .. } => caches
-                .iter()
-                .map(|c| {
-                    (
-                        c.hits.load(Ordering::Relaxed),
-                        c.misses.load(Ordering::Relaxed),
-                        c.len(),
-                    )
-                })
-                .collect(),
-        }
-    }
-
-    fn timeouts(&self) -> Timeouts {
-        let peer = self.config.peer_timeout_s.value;
-        Timeouts {
-            connect: Duration::from_millis(self.config.connect_timeout_ms.value),
-            peer: (peer > 0).then(|| Duration::from_secs(peer)),
-        }
-    }
-
-    fn verbs_params(&self, dev: &VerbsDevice, traffic_class: Option<i32>) -> VerbsParams {
-        let c = &self.config;
-        let tc = if c.ib_tc.value >= 0 {
-            c.ib_tc.value
-        } else {
-            traffic_class.filter(|t| *t >= 0).unwrap_or(0)
-        };
-        let sl = if c.ib_sl.value >= 0 { c.ib_sl.value } else { 0 };
-        VerbsParams {
-            qps_per_connection: c.qps_per_connection.value,
-            split_data: c.split_data_on_qps.value,
-            timeout: c.ib_timeout.value as u8,
-            retry_cnt: c.ib_retry_cnt.value as u8,
-            traffic_class: tc.clamp(0, 255) as u8,
-            sl: sl.clamp(0, 15) as u8,
-            pkey_index: c.ib_pkey.value as u16,
-            flush: c.force_flush.value || dev.peermem || dev.dmabuf,
-            timeouts: self.timeouts(),
-            cts_batch: verbs::cts_batch(c.cts_batch.value, dev),
-        }
-    }
-
-    fn verbs_device(&self, dev: usize) -> Result<(&Arc<VerbsDevice>, &Arc<MrCache>)> {
-        match &self.backend {
-            Backend::Verbs { devices, caches } => devices
-                .get(dev)
-                .zip(caches.get(dev))
-                .ok_or_else(|| Error::InvalidArgument(format!("device {dev} does not exist"))),
-            Backend::Tcp => Err(Error::Misuse("not a verbs device".into())),
-        }
-    }
-
     /// `listen`: binds a bootstrap listener and writes the handle for the peer.
-    pub fn listen(&self, dev: i32, out: &mut [u8; HANDLE_SIZE]) -> Result<Box<ListenComm>> {
+    pub(crate) fn listen(&self, dev: i32, out: &mut [u8; HANDLE_SIZE]) -> Result<Box<ListenComm>> {
         self.device(dev)?;
-        let listen = match &self.backend {
-            Backend::Tcp => comm::Listen::Tcp(TcpListen::bind(self.bootstrap_ip, self.timeouts())?),
-            Backend::Verbs { .. } => {
-                let (d, _) = self.verbs_device(dev as usize)?;
-                let params = self.verbs_params(d, None);
-                comm::Listen::Verbs(VerbsListen::bind(self.bootstrap_ip, d, params)?)
-            }
-        };
+        let listen = self.transport.listen(dev as usize, self.bootstrap_ip)?;
         listen.handle().encode(out);
         Ok(ListenComm::new(listen, dev as usize))
     }
@@ -394,7 +190,7 @@ impl Plugin {
     /// `connect`: one non-blocking step; `Ok(None)` until the connection is up. The stage is
     /// kept in a registry keyed by an id stored in the handle NCCL passes back each time.
     /// `traffic_class` is the communicator's (v10+), used when `NCCL_IB_TC` is unset.
-    pub fn connect(
+    pub(crate) fn connect(
         self: &Arc<Self>,
         dev: i32,
         buf: &mut [u8; HANDLE_SIZE],
@@ -402,28 +198,22 @@ impl Plugin {
     ) -> Result<Option<Box<SendComm>>> {
         self.device(dev)?;
         let handle = Handle::decode(buf)?;
-        if handle.transport != self.transport {
+        let ours = self.transport.kind();
+        if handle.transport != ours {
             return Err(Error::Usage(format!(
                 "the peer listens with transport {}, this process uses {}: set the same \
                  NCCL_ERDMA_TRANSPORT on every node",
                 handle.transport.name(),
-                self.transport.name()
+                ours.name()
             )));
         }
         let mut connecting = self.connecting.lock();
         let id = match handle::stage_id(buf)? {
             Some(id) => id,
             None => {
-                let stage = match &self.backend {
-                    Backend::Tcp => {
-                        Connecting::Tcp(TcpConnecting::start(&handle, self.timeouts())?)
-                    }
-                    Backend::Verbs { .. } => {
-                        let (d, _) = self.verbs_device(dev as usize)?;
-                        let params = self.verbs_params(d, traffic_class);
-                        Connecting::Verbs(VerbsConnecting::start(d, &handle, params)?)
-                    }
-                };
+                let stage = self
+                    .transport
+                    .connect(dev as usize, &handle, traffic_class)?;
                 let (id, dropped) = connecting.insert(stage, Instant::now());
                 if dropped > 0 {
                     tracing::info!(
@@ -443,114 +233,63 @@ impl Plugin {
                 stages::ABANDONED_AFTER.as_secs()
             ))
         })?;
-        let step = match stage {
-            Connecting::Tcp(t) => t.poll().map(|done| done.map(|()| None)),
-            Connecting::Verbs(v) => v.poll().map(|done| done.map(Some)),
-        };
-        let comm = match step {
-            Ok(None) => return Ok(None),
-            Ok(Some(verbs)) => {
-                let stage = connecting.remove(id).expect("present above");
-                match (stage, verbs) {
-                    (Connecting::Tcp(t), _) => comm::Send::Tcp(t.finish()?),
-                    (Connecting::Verbs(_), Some(v)) => comm::Send::Verbs(v),
-                    (Connecting::Verbs(_), None) => unreachable!("verbs stages finish with a comm"),
-                }
-            }
-            Err(e) => {
-                connecting.remove(id);
-                return Err(e);
-            }
-        };
-        Ok(Some(SendComm::new(Arc::clone(self), comm, dev as usize)))
+        let step = stage.poll();
+        if !matches!(step, Ok(None)) {
+            // Finished or failed: the stage is done either way.
+            connecting.remove(id);
+        }
+        drop(connecting);
+        Ok(step?.map(|comm| SendComm::new(Arc::clone(self), comm, dev as usize)))
     }
 
     /// `accept`: one non-blocking step; `Ok(None)` until the peer has connected.
-    pub fn accept(self: &Arc<Self>, listen: &mut ListenComm) -> Result<Option<Box<RecvComm>>> {
+    pub(crate) fn accept(
+        self: &Arc<Self>,
+        listen: &mut ListenComm,
+    ) -> Result<Option<Box<RecvComm>>> {
         let dev = listen.dev;
-        let comm = match &mut listen.inner {
-            comm::Listen::Tcp(t) => t.poll_accept()?.map(comm::Recv::Tcp),
-            comm::Listen::Verbs(v) => v.poll_accept()?.map(comm::Recv::Verbs),
-        };
+        let comm = listen.inner.poll_accept()?;
         Ok(comm.map(|c| RecvComm::new(Arc::clone(self), c, dev)))
     }
 
     /// `regMr` on device `dev`.
-    pub fn reg_mr(&self, dev: usize, addr: usize, len: usize, ptr_type: i32) -> Result<u64> {
+    pub(crate) fn reg_mr(&self, dev: usize, addr: usize, len: usize, ptr_type: i32) -> Result<u64> {
         if addr == 0 && len > 0 {
             return Err(Error::InvalidArgument(
                 "regMr of a NULL address".to_string(),
             ));
         }
-        let supported = self.devices.get(dev).map_or(0, |d| d.ptr_support);
+        let supported = self.device(dev as i32).map_or(0, |d| d.ptr_support);
         if ptr_type != PTR_HOST && (ptr_type != PTR_CUDA || supported & PTR_CUDA == 0) {
             return Err(Error::InvalidArgument(format!(
                 "memory type {ptr_type} is not supported by the {} transport on this host \
                  (ptrSupport {supported:#x})",
-                self.transport.name()
+                self.transport.kind().name()
             )));
         }
-        let mut reg = Registration {
-            addr,
-            len,
-            ptr_type,
-            dev,
-            lkey: 0,
-            rkey: 0,
-        };
-        let hold: Option<mr::Hold> = match &self.backend {
-            Backend::Tcp => None,
-            Backend::Verbs { .. } => {
-                let (_, cache) = self.verbs_device(dev)?;
-                let (held, hit) = cache.register(addr, len)?;
-                tracing::debug!(
-                    "regMr {addr:#x}+{len} on device {dev}: cache {} (hits {}, misses {}, MRs {})",
-                    if hit { "hit" } else { "miss" },
-                    cache.hits.load(Ordering::Relaxed),
-                    cache.misses.load(Ordering::Relaxed),
-                    cache.len()
-                );
-                reg.lkey = held.lkey();
-                reg.rkey = held.rkey();
-                Some(Box::new(held))
-            }
-        };
-        self.mrs.insert(reg, hold)
+        let (keys, hold) = self
+            .transport
+            .register(dev, addr, len, ptr_type == PTR_HOST)?;
+        self.mrs
+            .insert(Registration::new(addr, len, dev, keys), hold)
     }
 
     /// `regMrDmaBuf` on device `dev` (verbs devices that support DMA-BUF).
-    pub fn reg_mr_dmabuf(
+    pub(crate) fn reg_mr_dmabuf(
         &self,
         dev: usize,
         addr: usize,
         len: usize,
-        ptr_type: i32,
         offset: u64,
         fd: i32,
     ) -> Result<u64> {
-        if self.devices.get(dev).map_or(0, |d| d.ptr_support) & PTR_DMABUF == 0 {
-            return Err(Error::Usage(format!(
-                "DMA-BUF registration is not supported here (transport {}); NCCL should not \
-                 have asked",
-                self.transport.name()
-            )));
-        }
-        let (d, _) = self.verbs_device(dev)?;
-        let mr =
-            d.pd.reg_dmabuf_mr(offset, len, addr as u64, fd, crate::verbs::dma::ACCESS_RDMA)?;
-        let reg = Registration {
-            addr,
-            len,
-            ptr_type,
-            dev,
-            lkey: mr.lkey(),
-            rkey: mr.rkey(),
-        };
-        self.mrs.insert(reg, Some(Box::new(mr)))
+        let (keys, hold) = self.transport.register_dmabuf(dev, addr, len, offset, fd)?;
+        self.mrs
+            .insert(Registration::new(addr, len, dev, keys), Some(hold))
     }
 
     /// `deregMr`; a NULL handle (0) is accepted, as NCCL may pass one.
-    pub fn dereg_mr(&self, handle: u64) -> Result<()> {
+    pub(crate) fn dereg_mr(&self, handle: u64) -> Result<()> {
         if handle == 0 {
             return Ok(());
         }
@@ -560,7 +299,7 @@ impl Plugin {
     /// The registration behind `mhandle`, checked to cover `addr..addr+len` on `dev`. The
     /// data path calls it on every `isend`/`irecv`: inlined, with its errors out of line.
     #[inline(always)]
-    pub fn registration(
+    pub(crate) fn registration(
         &self,
         mhandle: u64,
         dev: usize,
@@ -571,7 +310,7 @@ impl Plugin {
         if !reg.covers(addr, len) {
             return Err(outside_registration(addr, len, &reg));
         }
-        if reg.dev != dev && self.transport == TransportKind::Verbs {
+        if reg.dev != dev && self.keys_per_device {
             return Err(wrong_device(&reg, dev));
         }
         Ok(reg)
@@ -592,56 +331,4 @@ fn wrong_device(reg: &Registration, dev: usize) -> Error {
         "buffer registered on device {} used on device {dev}",
         reg.dev
     ))
-}
-
-fn verbs_device(d: &VerbsDevice, config: &Config) -> Device {
-    let mut ptr_support = PTR_HOST;
-    if d.peermem {
-        ptr_support |= PTR_CUDA;
-    }
-    if d.dmabuf {
-        ptr_support |= PTR_DMABUF;
-    }
-    Device {
-        name: CString::new(d.name.clone()).unwrap_or_default(),
-        pci_path: d
-            .pci_path
-            .as_ref()
-            .and_then(|p| CString::new(p.clone()).ok()),
-        guid: d.guid,
-        ptr_support,
-        speed_mbps: d.speed_mbps,
-        port: i32::from(d.port),
-        max_comms: d.max_qp.max(1),
-        max_recvs: MAX_RECVS as i32,
-        force_flush: config.force_flush.value,
-    }
-}
-
-fn tcp_device(ifname: &str, config: &Config) -> Device {
-    let sys = format!("/sys/class/net/{ifname}");
-    let speed = config
-        .speed_mbps
-        .value
-        .map(|s| s as i32)
-        .or_else(|| {
-            sysfs_string(&format!("{sys}/speed"))
-                .and_then(|s| s.parse::<i32>().ok())
-                .filter(|s| *s > 0)
-        })
-        .unwrap_or(10_000);
-    let pci_path = std::fs::canonicalize(format!("{sys}/device"))
-        .ok()
-        .and_then(|p| CString::new(p.to_string_lossy().into_owned()).ok());
-    Device {
-        name: CString::new(format!("erdma-tcp-{ifname}")).unwrap_or_default(),
-        pci_path,
-        guid: 0,
-        ptr_support: PTR_HOST,
-        speed_mbps: speed,
-        port: 1,
-        max_comms: 65536,
-        max_recvs: MAX_RECVS as i32,
-        force_flush: false,
-    }
 }

@@ -20,34 +20,38 @@ use std::{
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
+use crate::transport::{Hold, MemKeys};
 
 /// What was registered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Registration {
+pub(crate) struct Registration {
     /// First byte.
-    pub addr: usize,
+    pub(crate) addr: usize,
     /// Length in bytes.
-    pub len: usize,
-    /// `NCCL_PTR_HOST` or `NCCL_PTR_CUDA`.
-    pub ptr_type: i32,
+    pub(crate) len: usize,
     /// Device index the registration belongs to.
-    pub dev: usize,
-    /// Local key (verbs transport).
-    pub lkey: u32,
-    /// Remote key (verbs transport).
-    pub rkey: u32,
+    pub(crate) dev: usize,
+    /// What the data path needs: keys, and whether it is host memory.
+    pub(crate) keys: MemKeys,
 }
 
 impl Registration {
+    /// A registration of `addr..addr+len` on device `dev`.
+    pub(crate) fn new(addr: usize, len: usize, dev: usize, keys: MemKeys) -> Self {
+        Registration {
+            addr,
+            len,
+            dev,
+            keys,
+        }
+    }
+
     /// Whether `addr..addr+len` lies inside this registration.
     #[inline]
-    pub fn covers(&self, addr: usize, len: usize) -> bool {
+    pub(crate) fn covers(&self, addr: usize, len: usize) -> bool {
         len == 0 || (addr >= self.addr && addr.saturating_add(len) <= self.addr + self.len)
     }
 }
-
-/// What keeps a registration's verbs MR alive; dropped at deregistration.
-pub type Hold = Box<dyn std::any::Any + Send + Sync>;
 
 const CHUNK: usize = 1024;
 const CHUNKS: usize = 4096;
@@ -60,7 +64,7 @@ struct Slot {
     state: AtomicU64,
     addr: AtomicU64,
     len: AtomicU64,
-    /// `ptr_type` (low 32 bits) and device (high 32 bits).
+    /// Host memory (low bit) and device (high 32 bits).
     kind: AtomicU64,
     /// `lkey` (low 32 bits) and `rkey` (high 32 bits).
     keys: AtomicU64,
@@ -74,7 +78,7 @@ struct Writer {
 }
 
 /// All live registrations of the process.
-pub struct MrTable {
+pub(crate) struct MrTable {
     chunks: Box<[OnceLock<Box<[Slot]>>]>,
     writer: Mutex<Writer>,
 }
@@ -111,7 +115,7 @@ impl MrTable {
     }
 
     /// Records a registration and returns its handle (never 0).
-    pub fn insert(&self, reg: Registration, hold: Option<Hold>) -> Result<u64> {
+    pub(crate) fn insert(&self, reg: Registration, hold: Option<Hold>) -> Result<u64> {
         let mut w = self.writer.lock();
         let index = match w.free.pop() {
             Some(i) => i,
@@ -136,11 +140,11 @@ impl MrTable {
         slot.addr.store(reg.addr as u64, Ordering::Relaxed);
         slot.len.store(reg.len as u64, Ordering::Relaxed);
         slot.kind.store(
-            u64::from(reg.ptr_type as u32) | (reg.dev as u64) << 32,
+            u64::from(reg.keys.host) | (reg.dev as u64) << 32,
             Ordering::Relaxed,
         );
         slot.keys.store(
-            u64::from(reg.lkey) | u64::from(reg.rkey) << 32,
+            u64::from(reg.keys.lkey) | u64::from(reg.keys.rkey) << 32,
             Ordering::Relaxed,
         );
         slot.state.store(generation << 2 | LIVE, Ordering::Release);
@@ -150,7 +154,7 @@ impl MrTable {
 
     /// Looks a handle up without taking a lock (inlined: the data path calls it per message).
     #[inline(always)]
-    pub fn get(&self, handle: u64) -> Result<Registration> {
+    pub(crate) fn get(&self, handle: u64) -> Result<Registration> {
         let (index, generation) = split(handle).ok_or_else(|| unknown(handle))?;
         let slot = self.slot(index).ok_or_else(|| unknown(handle))?;
         let before = slot.state.load(Ordering::Acquire);
@@ -164,10 +168,12 @@ impl MrTable {
         let reg = Registration {
             addr: slot.addr.load(Ordering::Relaxed) as usize,
             len: slot.len.load(Ordering::Relaxed) as usize,
-            ptr_type: kind as u32 as i32,
             dev: (kind >> 32) as usize,
-            lkey: keys as u32,
-            rkey: (keys >> 32) as u32,
+            keys: MemKeys {
+                lkey: keys as u32,
+                rkey: (keys >> 32) as u32,
+                host: kind & 1 != 0,
+            },
         };
         fence(Ordering::Acquire);
         if slot.state.load(Ordering::Relaxed) != before {
@@ -178,7 +184,7 @@ impl MrTable {
     }
 
     /// Releases a handle (dropping what held its MR).
-    pub fn remove(&self, handle: u64) -> Result<Registration> {
+    pub(crate) fn remove(&self, handle: u64) -> Result<Registration> {
         let mut w = self.writer.lock();
         let reg = self.get(handle)?;
         let (index, generation) = split(handle).ok_or_else(|| unknown(handle))?;
@@ -194,13 +200,9 @@ impl MrTable {
     }
 
     /// Number of live registrations.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.writer.lock().holds.len()
-    }
-
-    /// True when nothing is registered.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
@@ -210,14 +212,12 @@ mod tests {
     use std::sync::Arc;
 
     fn reg(addr: usize) -> Registration {
-        Registration {
-            addr,
-            len: 100,
-            ptr_type: 1,
-            dev: 3,
+        let keys = MemKeys {
             lkey: 7,
             rkey: 9,
-        }
+            host: true,
+        };
+        Registration::new(addr, 100, 3, keys)
     }
 
     #[test]
@@ -266,7 +266,7 @@ mod tests {
                                 if let Ok(r) = t.get(generation << 32 | h) {
                                     // Fields written together are read together.
                                     assert_eq!(r.len, r.addr * 2);
-                                    assert_eq!(r.lkey as usize, r.addr);
+                                    assert_eq!(r.keys.lkey as usize, r.addr);
                                     seen += 1;
                                 }
                             }
@@ -280,14 +280,16 @@ mod tests {
             let a = round % 1000 + 1;
             let h = t
                 .insert(
-                    Registration {
-                        addr: a,
-                        len: a * 2,
-                        ptr_type: 1,
-                        dev: 0,
-                        lkey: a as u32,
-                        rkey: 0,
-                    },
+                    Registration::new(
+                        a,
+                        a * 2,
+                        0,
+                        MemKeys {
+                            lkey: a as u32,
+                            rkey: 0,
+                            host: true,
+                        },
+                    ),
                     None,
                 )
                 .unwrap();

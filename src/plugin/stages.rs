@@ -12,10 +12,10 @@ use std::{
 
 /// How long a connect may go unpolled before it counts as abandoned. NCCL polls every
 /// connect in a loop until it is done, so this much silence means nobody will come back.
-pub const ABANDONED_AFTER: Duration = Duration::from_secs(600);
+pub(crate) const ABANDONED_AFTER: Duration = Duration::from_secs(600);
 
 /// Connect stages by id, each with the time it was last polled.
-pub struct Stages<T> {
+pub(crate) struct Stages<T> {
     map: HashMap<u64, (T, Instant)>,
     next: u64,
 }
@@ -33,7 +33,7 @@ impl<T> Default for Stages<T> {
 impl<T> Stages<T> {
     /// Adds `stage`, polled at `now`; first drops the abandoned ones. Returns the new id and
     /// how many were dropped.
-    pub fn insert(&mut self, stage: T, now: Instant) -> (u64, usize) {
+    pub(crate) fn insert(&mut self, stage: T, now: Instant) -> (u64, usize) {
         let before = self.map.len();
         self.map
             .retain(|_, (_, polled)| now.saturating_duration_since(*polled) < ABANDONED_AFTER);
@@ -45,7 +45,7 @@ impl<T> Stages<T> {
     }
 
     /// Stage `id`, marked polled at `now`.
-    pub fn poll(&mut self, id: u64, now: Instant) -> Option<&mut T> {
+    pub(crate) fn poll(&mut self, id: u64, now: Instant) -> Option<&mut T> {
         self.map.get_mut(&id).map(|(stage, polled)| {
             *polled = now;
             stage
@@ -53,17 +53,19 @@ impl<T> Stages<T> {
     }
 
     /// Takes stage `id` out (finished or failed).
-    pub fn remove(&mut self, id: u64) -> Option<T> {
+    pub(crate) fn remove(&mut self, id: u64) -> Option<T> {
         self.map.remove(&id).map(|(stage, _)| stage)
     }
 
     /// Stages held.
-    pub fn len(&self) -> usize {
+    #[cfg(test)]
+    fn len(&self) -> usize {
         self.map.len()
     }
 
     /// True when none is held.
-    pub fn is_empty(&self) -> bool {
+    #[cfg(test)]
+    fn is_empty(&self) -> bool {
         self.map.is_empty()
     }
 }

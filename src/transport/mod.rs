@@ -1,17 +1,226 @@
-//! Transports behind the version-neutral core: `tcp` (sockets, for hosts without RDMA and
-//! for tests) and `verbs`. Both honour the same request contract, defined here.
+//! The transport contract: what the version-neutral core (`plugin`) needs from whatever
+//! carries the data, as traits. [`Transport`] is the per-process backend (its devices, memory
+//! registration, listen and connect); a connection goes [`Connecting`] or [`Listening`] ->
+//! [`SendEndpoint`] / [`RecvEndpoint`]. `tcp` (sockets) and `verbs` (eRDMA, RoCE, IB)
+//! implement it; [`open`] picks one, and `plugin` never names either.
+//!
+//! The request contract both honour, as NCCL expects it: `isend`/`irecv` return `Ok(None)`
+//! (a NULL request) when they cannot post yet, never block and never allocate; a request id
+//! is small and dense (an index into the comm's fixed token table); `test` reports each
+//! request done exactly once; a comm that failed stays failed (its later calls return the
+//! error); closing never waits for the peer.
 
-pub mod tcp;
-pub mod verbs;
+pub(crate) mod tcp;
+pub(crate) mod verbs;
 
+use std::{any::Any, ffi::CString, net::IpAddr};
+
+use crate::buffer::UserBuffer;
+use crate::config::{Config, TransportChoice};
 use crate::error::{Error, Result};
+use crate::log::INIT;
+use crate::oob::{iface::LocalAddr, Handle, TransportKind};
 
 /// Largest `n` of a grouped receive (`maxRecvs`).
-pub const MAX_RECVS: usize = 8;
+pub(crate) const MAX_RECVS: usize = 8;
 /// Requests in flight per comm NCCL may rely on (`NCCL_NET_MAX_REQUESTS`).
-pub const MAX_REQUESTS: usize = 32;
+pub(crate) const MAX_REQUESTS: usize = 32;
 /// Sends in flight per send comm: one per entry of every in-flight grouped receive.
-pub const MAX_SEND_REQUESTS: usize = MAX_REQUESTS * MAX_RECVS;
+pub(crate) const MAX_SEND_REQUESTS: usize = MAX_REQUESTS * MAX_RECVS;
+/// Largest message per request we advertise (`maxP2pBytes`): what `test` can report in an
+/// `int`, rounded to 1 GiB as NCCL's shims do for older plugins.
+pub(crate) const MAX_P2P_BYTES: usize = 1 << 30;
+
+/// `NCCL_PTR_HOST`.
+pub(crate) const PTR_HOST: i32 = 1;
+/// `NCCL_PTR_CUDA`.
+pub(crate) const PTR_CUDA: i32 = 2;
+/// `NCCL_PTR_DMABUF`.
+pub(crate) const PTR_DMABUF: i32 = 4;
+
+/// One network device as NCCL sees it (`getProperties`).
+#[derive(Debug)]
+pub(crate) struct DeviceProps {
+    pub(crate) name: CString,
+    pub(crate) pci_path: Option<CString>,
+    /// Devices with the same guid are one NIC.
+    pub(crate) guid: u64,
+    /// `NCCL_PTR_*` bits.
+    pub(crate) ptr_support: i32,
+    pub(crate) speed_mbps: i32,
+    pub(crate) port: i32,
+    pub(crate) max_comms: i32,
+    pub(crate) force_flush: bool,
+}
+
+impl DeviceProps {
+    /// The name, for messages.
+    pub(crate) fn name(&self) -> &str {
+        self.name.to_str().unwrap_or("?")
+    }
+}
+
+/// A registration as the data path uses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct MemKeys {
+    /// Local key (verbs).
+    pub(crate) lkey: u32,
+    /// Remote key (verbs).
+    pub(crate) rkey: u32,
+    /// Host memory (the CPU may read it), as opposed to GPU memory.
+    pub(crate) host: bool,
+}
+
+/// What keeps a registration alive; dropped at deregistration.
+pub(crate) type Hold = Box<dyn Any + Send + Sync>;
+
+/// What `test` reports for a finished request: the size of each of its `n` messages. Sizes
+/// fit in 32 bits (`maxP2pBytes` is 1 GiB), which keeps the data path's results small.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Completion {
+    /// Number of messages (1 for a send, `n` for a grouped receive, 0 for a flush).
+    pub(crate) n: usize,
+    /// Received (or sent) size of each message.
+    pub(crate) sizes: [u32; MAX_RECVS],
+}
+
+impl Completion {
+    /// A completion of one message of `size` bytes.
+    pub(crate) fn single(size: usize) -> Self {
+        let mut sizes = [0; MAX_RECVS];
+        sizes[0] = size as u32;
+        Completion { n: 1, sizes }
+    }
+
+    /// A completion with no message (a flush).
+    pub(crate) const EMPTY: Completion = Completion {
+        n: 0,
+        sizes: [0; MAX_RECVS],
+    };
+
+    /// Total bytes of the messages.
+    pub(crate) fn bytes(&self) -> u64 {
+        self.sizes[..self.n].iter().map(|s| u64::from(*s)).sum()
+    }
+}
+
+/// The per-process backend of a transport.
+pub(crate) trait Transport: Send + Sync {
+    /// Which transport this is (it travels in handles, so both ends must agree).
+    fn kind(&self) -> TransportKind;
+    /// The devices NCCL numbers 0, 1, ...
+    fn devices(&self) -> &[DeviceProps];
+    /// Binds a listener for one connection on device `dev` (checked), on `ip`.
+    fn listen(&self, dev: usize, ip: IpAddr) -> Result<Box<dyn Listening>>;
+    /// Starts connecting to the listener `handle` describes, from device `dev` (checked).
+    /// `traffic_class` is the communicator's (v10+), used when `NCCL_IB_TC` is unset.
+    fn connect(
+        &self,
+        dev: usize,
+        handle: &Handle,
+        traffic_class: Option<i32>,
+    ) -> Result<Box<dyn Connecting>>;
+    /// Registers `addr..addr+len` (host memory, or GPU memory through peer memory) on device
+    /// `dev` (checked): its keys, and what keeps the registration alive (none where nothing
+    /// needs to).
+    fn register(
+        &self,
+        dev: usize,
+        addr: usize,
+        len: usize,
+        host: bool,
+    ) -> Result<(MemKeys, Option<Hold>)>;
+    /// Registers a DMA-BUF (`fd` at `offset`) mapped at `addr..addr+len` on device `dev`.
+    fn register_dmabuf(
+        &self,
+        dev: usize,
+        addr: usize,
+        len: usize,
+        offset: u64,
+        fd: i32,
+    ) -> Result<(MemKeys, Hold)>;
+}
+
+/// One listener; NCCL polls `accept` until a peer connected.
+pub(crate) trait Listening: Send {
+    /// The handle for the peer's `connect`.
+    fn handle(&self) -> &Handle;
+    /// One non-blocking step of `accept`.
+    fn poll_accept(&mut self) -> Result<Option<Box<dyn RecvEndpoint>>>;
+}
+
+/// One connect in progress; NCCL polls it until the connection is up.
+pub(crate) trait Connecting: Send {
+    /// One non-blocking step of `connect`.
+    fn poll(&mut self) -> Result<Option<Box<dyn SendEndpoint>>>;
+}
+
+/// The sending end of a connection.
+pub(crate) trait SendEndpoint: Send + Sync {
+    /// The peer, for messages.
+    fn peer(&self) -> String;
+    /// Posts a send of `buf` (registered as `mem`); `Ok(None)` until the receiver has posted a
+    /// matching receive. Returns a request id below `MAX_SEND_REQUESTS`.
+    fn isend(&self, buf: UserBuffer, tag: i32, mem: MemKeys) -> Result<Option<usize>>;
+    /// Tests send request `id`.
+    fn test(&self, id: usize) -> Result<Option<Completion>>;
+    /// What the comm's close summary adds (e.g. per-rail counters).
+    fn summary(&self) -> String {
+        String::new()
+    }
+}
+
+/// The receiving end of a connection.
+pub(crate) trait RecvEndpoint: Send + Sync {
+    /// The peer, for messages.
+    fn peer(&self) -> String;
+    /// Posts a grouped receive of `bufs` (1..=8, registered as `mem`) with `tags`;
+    /// `Ok(None)` when 32 are in flight. Returns a request id below `2 * MAX_REQUESTS`.
+    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], mem: &[MemKeys]) -> Result<Option<usize>>;
+    /// Posts a flush of received GPU data; `Ok(None)` when nothing needs one.
+    fn iflush(&self, bufs: &[UserBuffer], mem: &[MemKeys]) -> Result<Option<usize>>;
+    /// Tests receive or flush request `id`.
+    fn test(&self, id: usize) -> Result<Option<Completion>>;
+    /// What the comm's close summary adds (e.g. clear-to-send batching, per-rail counters).
+    fn summary(&self) -> String {
+        String::new()
+    }
+}
+
+/// Opens the transport `NCCL_ERDMA_TRANSPORT` asks for: verbs, tcp, or verbs where a device
+/// is usable and tcp otherwise. `bootstrap` is the interface the tcp transport reports.
+pub(crate) fn open(config: &Config, bootstrap: &LocalAddr) -> Result<Box<dyn Transport>> {
+    match config.transport.value {
+        TransportChoice::Tcp => Ok(Box::new(tcp::TcpTransport::new(config, bootstrap))),
+        TransportChoice::Verbs => {
+            let t = verbs::VerbsTransport::open(config).map_err(|e| {
+                Error::NoDevice(format!(
+                    "verbs transport unavailable: {e}. NCCL falls back to its own \
+                     transports; set NCCL_ERDMA_TRANSPORT=tcp (or auto) to use this plugin \
+                     over TCP"
+                ))
+            })?;
+            Ok(Box::new(t))
+        }
+        TransportChoice::Auto => match verbs::VerbsTransport::open(config) {
+            Ok(t) => Ok(Box::new(t)),
+            Err(e) => {
+                tracing::info!(target: INIT, "verbs transport unavailable ({e}); using tcp");
+                Ok(Box::new(tcp::TcpTransport::new(config, bootstrap)))
+            }
+        },
+    }
+}
+
+/// The device `dev` of `devices`, or an error naming how many there are.
+pub(crate) fn device<T>(devices: &[T], dev: usize) -> Result<&T> {
+    devices.get(dev).ok_or_else(|| {
+        Error::InvalidArgument(format!(
+            "device {dev} does not exist ({} devices)",
+            devices.len()
+        ))
+    })
+}
 
 /// The error for `test` on request `id` (a `what`: send, receive, flush) that is not in
 /// flight: never posted, or already reported done.
@@ -20,36 +229,6 @@ pub(crate) fn not_in_flight(what: &str, id: usize) -> Error {
     Error::Misuse(format!(
         "test on {what} request {id}, which is not in flight"
     ))
-}
-
-/// What `test` reports for a finished request: the size of each of its `n` messages. Sizes
-/// fit in 32 bits (`maxP2pBytes` is 1 GiB), which keeps the data path's results small.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Completion {
-    /// Number of messages (1 for a send, `n` for a grouped receive, 0 for a flush).
-    pub n: usize,
-    /// Received (or sent) size of each message.
-    pub sizes: [u32; MAX_RECVS],
-}
-
-impl Completion {
-    /// A completion of one message of `size` bytes.
-    pub fn single(size: usize) -> Self {
-        let mut sizes = [0; MAX_RECVS];
-        sizes[0] = size as u32;
-        Completion { n: 1, sizes }
-    }
-
-    /// A completion with no message (a flush).
-    pub const EMPTY: Completion = Completion {
-        n: 0,
-        sizes: [0; MAX_RECVS],
-    };
-
-    /// Total bytes of the messages.
-    pub fn bytes(&self) -> u64 {
-        self.sizes[..self.n].iter().map(|s| u64::from(*s)).sum()
-    }
 }
 
 /// A sticky connection failure: once set, every call that needs the peer returns it.
@@ -63,6 +242,7 @@ impl Failure {
             self.0 = Some(msg);
         }
     }
+
     /// Passes `r` through, remembering its error as the comm's failure.
     #[inline]
     pub(crate) fn record<T>(&mut self, r: Result<T>) -> Result<T> {
@@ -77,6 +257,7 @@ impl Failure {
     pub(crate) fn note(&mut self, e: &Error) {
         self.set(e.to_string());
     }
+
     #[inline]
     pub(crate) fn check(&self) -> Result<()> {
         match &self.0 {

@@ -11,18 +11,26 @@
 
 use std::{
     collections::VecDeque,
+    ffi::CString,
     io::{self, IoSlice, Read},
-    net::SocketAddr,
+    net::{IpAddr, SocketAddr},
+    time::Duration,
 };
 
 use parking_lot::Mutex;
 use socket2::Socket;
 
-use crate::abi::buffer::UserBuffer;
+use crate::buffer::UserBuffer;
+use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::oob::{self, Channel, Handle, Hello, Listener, MsgKind, Timeouts, TransportKind};
+use crate::oob::{
+    self, iface::LocalAddr, would_block, Channel, Handle, Hello, Listener, MsgKind, Timeouts,
+    TransportKind,
+};
+use crate::sysfs;
 use crate::transport::{
-    not_in_flight, Completion, Failure, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS,
+    device, not_in_flight, Completion, Connecting, DeviceProps, Failure, Hold, Listening, MemKeys,
+    RecvEndpoint, SendEndpoint, Transport, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS, PTR_HOST,
 };
 
 const FRAME_CTS: u8 = 1;
@@ -33,51 +41,150 @@ const CTS_ENTRY: usize = 16;
 const CTS_MAX: usize = CTS_HEADER + MAX_RECVS * CTS_ENTRY;
 const DATA_HEADER: usize = 16;
 
-fn would_block(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::WouldBlock | io::ErrorKind::Interrupted
-    )
-}
-
 fn send_nosignal(sock: &Socket, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
     // MSG_NOSIGNAL: a peer that closed must be an error code, not a SIGPIPE that kills the
     // training process.
     sock.send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
 }
 
-fn into_data_socket(chan: Channel) -> Result<Socket> {
-    let sock = Socket::from(chan.into_stream());
+fn into_data_socket(stream: std::net::TcpStream) -> Result<Socket> {
+    let sock = Socket::from(stream);
     sock.set_nonblocking(true)
         .map_err(|e| Error::io("making the data socket non-blocking", e))?;
     Ok(sock)
 }
 
 // ---------------------------------------------------------------------------------------
+// The backend
+
+/// The tcp backend: one device, the bootstrap interface.
+pub(crate) struct TcpTransport {
+    props: [DeviceProps; 1],
+    timeouts: Timeouts,
+}
+
+impl TcpTransport {
+    /// The transport over `bootstrap`'s interface.
+    pub(crate) fn new(config: &Config, bootstrap: &LocalAddr) -> Self {
+        let ifname = &bootstrap.ifname;
+        let sys = format!("/sys/class/net/{ifname}");
+        let speed = config
+            .speed_mbps
+            .value
+            .map(|s| s as i32)
+            .or_else(|| {
+                sysfs::read(&format!("{sys}/speed"))
+                    .and_then(|s| s.parse::<i32>().ok())
+                    .filter(|s| *s > 0)
+            })
+            .unwrap_or(10_000);
+        let pci_path = std::fs::canonicalize(format!("{sys}/device"))
+            .ok()
+            .and_then(|p| CString::new(p.to_string_lossy().into_owned()).ok());
+        let peer = config.peer_timeout_s.value;
+        TcpTransport {
+            props: [DeviceProps {
+                name: CString::new(format!("erdma-tcp-{ifname}")).unwrap_or_default(),
+                pci_path,
+                guid: 0,
+                ptr_support: PTR_HOST,
+                speed_mbps: speed,
+                port: 1,
+                max_comms: 65536,
+                force_flush: false,
+            }],
+            timeouts: Timeouts {
+                connect: Duration::from_millis(config.connect_timeout_ms.value),
+                peer: (peer > 0).then(|| Duration::from_secs(peer)),
+            },
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn devices(&self) -> &[DeviceProps] {
+        &self.props
+    }
+
+    fn listen(&self, dev: usize, ip: IpAddr) -> Result<Box<dyn Listening>> {
+        device(&self.props, dev)?;
+        Ok(Box::new(TcpListen::bind(ip, self.timeouts)?))
+    }
+
+    fn connect(
+        &self,
+        dev: usize,
+        handle: &Handle,
+        _traffic_class: Option<i32>,
+    ) -> Result<Box<dyn Connecting>> {
+        device(&self.props, dev)?;
+        Ok(Box::new(TcpConnecting::start(handle, self.timeouts)?))
+    }
+
+    fn register(
+        &self,
+        dev: usize,
+        _addr: usize,
+        _len: usize,
+        host: bool,
+    ) -> Result<(MemKeys, Option<Hold>)> {
+        device(&self.props, dev)?;
+        let keys = MemKeys {
+            host,
+            ..MemKeys::default()
+        };
+        Ok((keys, None))
+    }
+
+    fn register_dmabuf(
+        &self,
+        _dev: usize,
+        _addr: usize,
+        _len: usize,
+        _offset: u64,
+        _fd: i32,
+    ) -> Result<(MemKeys, Hold)> {
+        Err(Error::Usage(
+            "DMA-BUF registration is not supported here (transport tcp); NCCL should not have \
+             asked"
+                .into(),
+        ))
+    }
+}
+
+/// Records a failed step of a comm's progress as its failure, naming the peer (and the
+/// keepalive timeout when that was the cause); `dir` is "to" or "from".
+fn note_broken(failure: &mut Failure, r: Result<()>, dir: &str, peer: SocketAddr) {
+    if let Err(e) = r {
+        let hint = oob::peer_timeout_hint(&e);
+        failure.set(format!("connection {dir} {peer} failed: {e}{hint}"));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
 // Connection setup
 
 /// The listening side of one connection.
-pub struct TcpListen {
+pub(crate) struct TcpListen {
     listener: Listener,
     accepted: Option<Channel>,
 }
 
 impl TcpListen {
     /// Binds the bootstrap listener; its handle goes to the peer.
-    pub fn bind(ip: std::net::IpAddr, timeouts: Timeouts) -> Result<Self> {
+    fn bind(ip: std::net::IpAddr, timeouts: Timeouts) -> Result<Self> {
         Ok(TcpListen {
             listener: Listener::bind(ip, TransportKind::Tcp, timeouts)?,
             accepted: None,
         })
     }
 
-    /// The handle to publish.
-    pub fn handle(&self) -> &Handle {
-        self.listener.handle()
-    }
-
     /// One non-blocking step of `accept`.
-    pub fn poll_accept(&mut self) -> Result<Option<TcpRecvComm>> {
+    fn step(&mut self) -> Result<Option<TcpRecvComm>> {
         if self.accepted.is_none() {
             match self.listener.poll_hello()? {
                 Some((mut chan, _hello)) => {
@@ -93,18 +200,32 @@ impl TcpListen {
         }
         let chan = self.accepted.take().expect("set above");
         let peer = chan.peer();
-        Ok(Some(TcpRecvComm::new(into_data_socket(chan)?, peer)))
+        Ok(Some(TcpRecvComm::new(
+            into_data_socket(chan.into_stream())?,
+            peer,
+        )))
+    }
+}
+
+impl Listening for TcpListen {
+    fn handle(&self) -> &Handle {
+        self.listener.handle()
+    }
+
+    fn poll_accept(&mut self) -> Result<Option<Box<dyn RecvEndpoint>>> {
+        Ok(self.step()?.map(|c| Box::new(c) as Box<dyn RecvEndpoint>))
     }
 }
 
 /// The connecting side, between NCCL's repeated `connect` calls.
-pub struct TcpConnecting {
-    chan: Channel,
+pub(crate) struct TcpConnecting {
+    /// Until the listener accepted; then the data socket.
+    chan: Option<Channel>,
 }
 
 impl TcpConnecting {
     /// Starts connecting to the listener described by `handle`.
-    pub fn start(handle: &Handle, timeouts: Timeouts) -> Result<Self> {
+    fn start(handle: &Handle, timeouts: Timeouts) -> Result<Self> {
         let mut chan = Channel::connect(handle.addr, timeouts)?;
         let hello = Hello {
             nonce: handle.nonce,
@@ -112,34 +233,40 @@ impl TcpConnecting {
             payload: Vec::new(),
         };
         chan.queue(MsgKind::Hello, &hello.encode());
-        Ok(TcpConnecting { chan })
+        Ok(TcpConnecting { chan: Some(chan) })
     }
+}
 
-    /// One non-blocking step of `connect`.
-    pub fn poll(&mut self) -> Result<Option<()>> {
-        if !self.chan.flush()? {
+impl Connecting for TcpConnecting {
+    fn poll(&mut self) -> Result<Option<Box<dyn SendEndpoint>>> {
+        let chan = self
+            .chan
+            .as_mut()
+            .ok_or_else(|| Error::Misuse("connect polled again after it finished".into()))?;
+        if !chan.flush()? {
             return Ok(None);
         }
-        match self.chan.poll_recv()? {
+        match chan.poll_recv()? {
             None => Ok(None),
-            Some(m) if m.kind == MsgKind::Accept => Ok(Some(())),
+            Some(m) if m.kind == MsgKind::Accept => {
+                let peer = chan.peer();
+                let Some(chan) = self.chan.take() else {
+                    return Ok(None);
+                };
+                let sock = into_data_socket(chan.into_stream())?;
+                Ok(Some(Box::new(TcpSendComm::new(sock, peer))))
+            }
             Some(m) if m.kind == MsgKind::Reject => Err(Error::Remote(format!(
                 "{} refused the connection: {}",
-                self.chan.peer(),
+                chan.peer(),
                 String::from_utf8_lossy(&m.payload)
             ))),
             Some(m) => Err(Error::Remote(format!(
                 "{} answered the hello with message type {:?}",
-                self.chan.peer(),
+                chan.peer(),
                 m.kind
             ))),
         }
-    }
-
-    /// Turns the finished handshake into a send comm.
-    pub fn finish(self) -> Result<TcpSendComm> {
-        let peer = self.chan.peer();
-        Ok(TcpSendComm::new(into_data_socket(self.chan)?, peer))
     }
 }
 
@@ -203,7 +330,7 @@ struct RecvInner {
 }
 
 /// A receive comm over TCP.
-pub struct TcpRecvComm {
+pub(crate) struct TcpRecvComm {
     inner: Mutex<RecvInner>,
 }
 
@@ -225,14 +352,20 @@ impl TcpRecvComm {
             }),
         }
     }
+}
 
-    /// The peer's address.
-    pub fn peer(&self) -> String {
+impl RecvEndpoint for TcpRecvComm {
+    fn peer(&self) -> String {
         self.inner.lock().peer.to_string()
     }
 
+    fn iflush(&self, _bufs: &[UserBuffer], _mem: &[MemKeys]) -> Result<Option<usize>> {
+        // Data is copied by the CPU: nothing to flush.
+        Ok(None)
+    }
+
     /// Posts a grouped receive; `Ok(None)` when 32 are already in flight.
-    pub fn irecv(&self, bufs: &[UserBuffer], tags: &[i32]) -> Result<Option<usize>> {
+    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], _mem: &[MemKeys]) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.failure.check()?;
         let slot = s.next_seq as usize % MAX_REQUESTS;
@@ -266,7 +399,7 @@ impl TcpRecvComm {
     }
 
     /// Tests a receive; `Ok(Some)` once every message of the group has arrived.
-    pub fn test(&self, slot: usize) -> Result<Option<Completion>> {
+    fn test(&self, slot: usize) -> Result<Option<Completion>> {
         let mut s = self.inner.lock();
         s.progress();
         let req = s
@@ -303,13 +436,9 @@ impl RecvInner {
     /// Sends pending CTS frames and reads whatever data has arrived. Failures are recorded,
     /// not returned, so requests that already completed can still be collected.
     fn progress(&mut self) {
-        if self.failure.0.is_some() {
-            return;
-        }
-        if let Err(e) = self.flush_cts().and_then(|()| self.read_data()) {
-            let hint = oob::peer_timeout_hint(&e);
-            let msg = format!("connection from {} failed: {e}{hint}", self.peer);
-            self.failure.set(msg);
+        if self.failure.0.is_none() {
+            let r = self.flush_cts().and_then(|()| self.read_data());
+            note_broken(&mut self.failure, r, "from", self.peer);
         }
     }
 
@@ -510,7 +639,7 @@ struct SendInner {
 }
 
 /// A send comm over TCP.
-pub struct TcpSendComm {
+pub(crate) struct TcpSendComm {
     inner: Mutex<SendInner>,
 }
 
@@ -538,14 +667,15 @@ impl TcpSendComm {
             }),
         }
     }
+}
 
-    /// The peer's address.
-    pub fn peer(&self) -> String {
+impl SendEndpoint for TcpSendComm {
+    fn peer(&self) -> String {
         self.inner.lock().peer.to_string()
     }
 
     /// Posts a send; `Ok(None)` until the receiver has posted a matching receive.
-    pub fn isend(&self, buf: UserBuffer, tag: i32) -> Result<Option<usize>> {
+    fn isend(&self, buf: UserBuffer, tag: i32, _mem: MemKeys) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.progress();
         s.failure.check()?;
@@ -594,7 +724,7 @@ impl TcpSendComm {
     }
 
     /// Tests a send; done once all of its bytes are in the socket.
-    pub fn test(&self, slot: usize) -> Result<Option<Completion>> {
+    fn test(&self, slot: usize) -> Result<Option<Completion>> {
         let mut s = self.inner.lock();
         s.progress();
         let req = s
@@ -617,13 +747,9 @@ impl TcpSendComm {
 
 impl SendInner {
     fn progress(&mut self) {
-        if self.failure.0.is_some() {
-            return;
-        }
-        if let Err(e) = self.read_cts().and_then(|()| self.write_data()) {
-            let hint = oob::peer_timeout_hint(&e);
-            let msg = format!("connection to {} failed: {e}{hint}", self.peer);
-            self.failure.set(msg);
+        if self.failure.0.is_none() {
+            let r = self.read_cts().and_then(|()| self.write_data());
+            note_broken(&mut self.failure, r, "to", self.peer);
         }
     }
 

@@ -7,10 +7,12 @@ use std::{net::IpAddr, sync::Arc};
 
 use rdma_sys::*;
 
+use super::nic::LocalPort;
 use super::resources::{Context, Pd};
 use super::VerbsLib;
 use crate::config::{parse_cidr, AddrFamily, Config};
 use crate::error::{Error, Result};
+use crate::sysfs::read as sysfs;
 
 /// PCI vendor id of Alibaba's eRDMA devices.
 pub const ERDMA_VENDOR_ID: u32 = 0x1ded;
@@ -24,28 +26,18 @@ pub const LINK_LAYER_IB: u8 = 1;
 /// `IBV_LINK_LAYER_ETHERNET`.
 pub const LINK_LAYER_ETHERNET: u8 = 2;
 
-/// One usable (device, port).
+/// One (device, port), usable or not.
 pub struct VerbsDevice {
-    /// `name` reported to NCCL (`rxe0`, `erdma_0`; `:port` appended for ports > 1).
-    pub name: String,
+    /// Name, port, link layer, MTU, LID and the GID a connection uses.
+    pub local: LocalPort,
     /// Device name in libibverbs.
     pub ibv_name: String,
-    /// Port number.
-    pub port: u8,
     /// Port state (`ibv_port_state`; 4 = active).
     pub state: u32,
     /// Whether `NCCL_IB_HCA` selects this port.
     pub selected: bool,
-    /// Link layer (IB or Ethernet).
-    pub link_layer: u8,
-    /// Active MTU (`ibv_mtu`).
-    pub active_mtu: u32,
-    /// LID (IB).
-    pub lid: u16,
-    /// GID index used for RoCE.
-    pub gid_index: u8,
-    /// That GID.
-    pub gid: [u8; 16],
+    /// Partition key index QPs use (`NCCL_IB_PKEY`).
+    pub pkey_index: u16,
     /// The whole GID table as the selection saw it.
     pub gids: Vec<GidEntry>,
     /// Network interface behind the chosen GID (RoCE).
@@ -78,7 +70,29 @@ pub struct VerbsDevice {
     pub pd: Arc<Pd>,
 }
 
+/// What kind of device a port is, for the settings that depend on it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DeviceClass {
+    /// Alibaba Cloud eRDMA.
+    Erdma,
+    /// Soft-RoCE or Soft-iWARP: each post is a system call running the packet path.
+    Software,
+    /// Any other (hardware) device.
+    Hardware,
+}
+
 impl VerbsDevice {
+    /// What kind of device this is.
+    pub fn class(&self) -> DeviceClass {
+        if self.is_erdma() {
+            DeviceClass::Erdma
+        } else if self.is_software() {
+            DeviceClass::Software
+        } else {
+            DeviceClass::Hardware
+        }
+    }
+
     /// Whether this is an Alibaba eRDMA device.
     pub fn is_erdma(&self) -> bool {
         self.vendor_id == ERDMA_VENDOR_ID || self.driver.as_deref() == Some("erdma")
@@ -90,41 +104,48 @@ impl VerbsDevice {
         self.vendor_id == RXE_VENDOR_ID || self.vendor_id == SIW_VENDOR_ID
     }
 
+    /// The name NCCL sees.
+    pub fn name(&self) -> &str {
+        &self.local.name
+    }
+
     /// Whether the port is active.
     pub fn active(&self) -> bool {
         self.state == ibv_port_state::IBV_PORT_ACTIVE
     }
 
+    /// Whether the port runs RoCE (Ethernet link layer), as eRDMA does.
+    pub fn is_roce(&self) -> bool {
+        self.local.link_layer == LINK_LAYER_ETHERNET
+    }
+
     /// Whether the plugin would use this port.
     pub fn usable(&self) -> bool {
-        self.selected
-            && self.active()
-            && (self.link_layer == LINK_LAYER_IB || self.link_layer == LINK_LAYER_ETHERNET)
+        self.selected && self.active() && (self.local.link_layer == LINK_LAYER_IB || self.is_roce())
     }
 
     /// The chosen GID as an address (IPv4 for IPv4-mapped GIDs).
     pub fn gid_ip(&self) -> IpAddr {
-        gid_ip(&self.gid)
+        gid_ip(&self.local.gid)
     }
 
     /// RoCE version of the chosen GID, when sysfs says.
     pub fn gid_roce_version(&self) -> Option<u32> {
         self.gids
             .iter()
-            .find(|g| g.index == self.gid_index)
+            .find(|g| g.index == self.local.gid_index)
             .and_then(|g| g.roce_version)
     }
 
     /// Active MTU in bytes.
     pub fn active_mtu_bytes(&self) -> u32 {
-        128u32 << self.active_mtu.clamp(1, 5)
+        mtu_bytes(self.local.active_mtu)
     }
 }
 
-fn sysfs(path: &str) -> Option<String> {
-    std::fs::read_to_string(path)
-        .ok()
-        .map(|s| s.trim().to_string())
+/// An `ibv_mtu` value in bytes (1 = 256 ... 5 = 4096).
+pub fn mtu_bytes(mtu: u32) -> u32 {
+    128u32 << mtu.clamp(1, 5)
 }
 
 /// NCCL's `ncclIbSpeed` × `ncclIbWidth`, in Mbps.
@@ -343,16 +364,19 @@ pub fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice
                 ibv_name.clone()
             };
             found.push(VerbsDevice {
-                name,
+                local: LocalPort {
+                    name,
+                    port,
+                    link_layer: attr.link_layer,
+                    active_mtu: attr.active_mtu,
+                    lid: attr.lid,
+                    gid_index,
+                    gid,
+                },
                 ibv_name: ibv_name.clone(),
-                port,
                 state: attr.state,
                 selected: hca.is_none_or(|f| f.accepts(&ibv_name, Some(u32::from(port)))),
-                link_layer: attr.link_layer,
-                active_mtu: attr.active_mtu,
-                lid: attr.lid,
-                gid_index,
-                gid,
+                pkey_index: config.ib_pkey.value as u16,
                 gids,
                 netdev,
                 netdev_mtu,
@@ -378,7 +402,7 @@ pub fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice
 /// NCCL would number them: by PCI path.
 pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice>> {
     let all = survey(lib, config)?;
-    let seen: Vec<String> = all.iter().map(|d| d.name.clone()).collect();
+    let seen: Vec<String> = all.iter().map(|d| d.name().to_string()).collect();
     let mut found: Vec<VerbsDevice> = all.into_iter().filter(VerbsDevice::usable).collect();
     if found.is_empty() {
         let why = match config.ib_hca.value {
@@ -391,7 +415,7 @@ pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevi
         };
         return Err(Error::NoDevice(why));
     }
-    found.sort_by(|a, b| (&a.pci_path, &a.name).cmp(&(&b.pci_path, &b.name)));
+    found.sort_by(|a, b| (&a.pci_path, a.name()).cmp(&(&b.pci_path, b.name())));
     Ok(found)
 }
 

@@ -6,12 +6,12 @@
 use std::{
     alloc::{self, Layout},
     marker::PhantomData,
-    sync::{atomic, Arc},
+    sync::atomic,
 };
 
 use rdma_sys::*;
 
-use super::resources::{Mr, Pd, Qp};
+use super::nic::Nic;
 use crate::error::{Error, Result};
 
 /// `IBV_ACCESS_LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ`.
@@ -19,10 +19,34 @@ pub const ACCESS_RDMA: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
     | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
     | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
 
-/// A zeroed, page-aligned array of `T` registered on a PD. The peer may write it at any
-/// time, so reads are volatile.
-pub struct DmaBuffer<T: Copy> {
-    mr: Option<Mr>,
+/// The size of a memory page (`sysconf(_SC_PAGESIZE)`), which registration pins and, where
+/// `ibv_fork_init` is active on a kernel without copy-on-fork for pinned memory, marks
+/// `MADV_DONTFORK` as a whole.
+pub fn page_size() -> usize {
+    // SAFETY: sysconf has no preconditions.
+    let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
+    usize::try_from(size)
+        .ok()
+        .filter(|s| s.is_power_of_two())
+        .unwrap_or(4096)
+}
+
+/// The layout of a registered array of `len` elements of `T`: whole pages, page-aligned, so
+/// it shares no page with other heap memory. (Were it to share one, a registration under
+/// `ibv_fork_init` would mark a page DONTFORK that ordinary allocations also live in, and a
+/// forked child touching one of those would crash.)
+pub fn page_layout<T>(len: usize) -> Option<Layout> {
+    let page = page_size();
+    let bytes = std::mem::size_of::<T>().checked_mul(len.max(1))?;
+    Layout::from_size_align(bytes.checked_next_multiple_of(page)?, page).ok()
+}
+
+/// A zeroed array of `T` in whole pages of its own, registered by the caller's function. The
+/// peer may write it at any time, so reads are volatile.
+pub struct DmaBuffer<T: Copy, R> {
+    mr: Option<R>,
+    lkey: u32,
+    rkey: u32,
     ptr: *mut T,
     len: usize,
     layout: Layout,
@@ -31,16 +55,20 @@ pub struct DmaBuffer<T: Copy> {
 
 // SAFETY: the buffer is plain memory owned by this value; concurrent NIC writes are the
 // reason every access is volatile. The owning comm serialises CPU access.
-unsafe impl<T: Copy + Send> Send for DmaBuffer<T> {}
+unsafe impl<T: Copy + Send, R: Send> Send for DmaBuffer<T, R> {}
 // SAFETY: as above.
-unsafe impl<T: Copy + Send> Sync for DmaBuffer<T> {}
+unsafe impl<T: Copy + Send, R: Sync> Sync for DmaBuffer<T, R> {}
 
-impl<T: Copy> DmaBuffer<T> {
-    /// Allocates `len` zeroed elements and registers them with `access`.
-    pub fn new(pd: &Arc<Pd>, len: usize, access: u32) -> Result<Self> {
-        let layout = Layout::array::<T>(len.max(1))
-            .and_then(|l| l.align_to(4096))
-            .map_err(|_| Error::InvalidArgument(format!("buffer of {len} elements")))?;
+impl<T: Copy, R> DmaBuffer<T, R> {
+    /// Allocates `len` zeroed elements and registers them with `register(addr, bytes)`, which
+    /// returns the registration and its (lkey, rkey).
+    pub fn new(
+        len: usize,
+        register: impl FnOnce(usize, usize) -> Result<(R, u32, u32)>,
+    ) -> Result<Self> {
+        let layout = page_layout::<T>(len)
+            .filter(|l| l.align() >= std::mem::align_of::<T>())
+            .ok_or_else(|| Error::InvalidArgument(format!("buffer of {len} elements")))?;
         // SAFETY: the layout has non-zero size; T: Copy is plain data for which all-zero
         // bytes are the initial value the protocol expects.
         let ptr = unsafe { alloc::alloc_zeroed(layout) } as *mut T;
@@ -52,17 +80,24 @@ impl<T: Copy> DmaBuffer<T> {
         }
         let mut buf = DmaBuffer {
             mr: None,
+            lkey: 0,
+            rkey: 0,
             ptr,
             len,
             layout,
             _t: PhantomData,
         };
-        buf.mr = Some(pd.reg_mr(ptr as usize, layout.size(), access)?);
+        let (mr, lkey, rkey) = register(ptr as usize, layout.size())?;
+        buf.mr = Some(mr);
+        buf.lkey = lkey;
+        buf.rkey = rkey;
         Ok(buf)
     }
 
-    fn mr(&self) -> &Mr {
-        self.mr.as_ref().expect("registered in new")
+    /// Bytes allocated (whole pages).
+    #[cfg(test)]
+    fn allocated(&self) -> usize {
+        self.layout.size()
     }
 
     /// Reads element `i` as the NIC last wrote it.
@@ -75,18 +110,19 @@ impl<T: Copy> DmaBuffer<T> {
         v
     }
 
-    /// Reads the `u32` at byte `offset` of element `i` as the NIC last wrote it, before any
-    /// later read: the flag a peer's write sets in the last bytes of an element, checked
-    /// before the rest of it is read. (A read of the whole element is several loads in no
-    /// set order, so it could pair a new flag with fields the write had not yet placed.)
-    #[inline]
-    pub fn get_u32(&self, i: usize, offset: usize) -> u32 {
-        assert!(i < self.len && offset + 4 <= std::mem::size_of::<T>() && offset % 4 == 0);
-        assert!(std::mem::align_of::<T>() >= 4);
-        // SAFETY: the u32 lies inside element i of our allocation (checked above), and is
-        // 4-aligned: elements are at least 4-aligned and the offset is a multiple of 4.
+    /// Reads the `u64` at byte `offset` of element `i` as the NIC last wrote it, before any
+    /// later read: the sequence number a peer's write places in the last bytes of an element,
+    /// checked before the rest of it is read. (A read of the whole element is several loads in
+    /// no set order, so it could pair a new sequence number with fields the write had not yet
+    /// placed.) An aligned 8-byte word is placed by one PCIe write, never torn.
+    #[inline(always)]
+    pub fn get_u64(&self, i: usize, offset: usize) -> u64 {
+        assert!(i < self.len && offset + 8 <= std::mem::size_of::<T>() && offset % 8 == 0);
+        assert!(std::mem::align_of::<T>() >= 8);
+        // SAFETY: the u64 lies inside element i of our allocation (checked above), and is
+        // 8-aligned: elements are at least 8-aligned and the offset is a multiple of 8.
         let v = unsafe {
-            std::ptr::read_volatile((self.ptr.add(i) as *const u8).add(offset) as *const u32)
+            std::ptr::read_volatile((self.ptr.add(i) as *const u8).add(offset) as *const u64)
         };
         atomic::fence(atomic::Ordering::Acquire);
         v
@@ -106,16 +142,16 @@ impl<T: Copy> DmaBuffer<T> {
 
     /// Local key.
     pub fn lkey(&self) -> u32 {
-        self.mr().lkey()
+        self.lkey
     }
 
     /// Remote key.
     pub fn rkey(&self) -> u32 {
-        self.mr().rkey()
+        self.rkey
     }
 }
 
-impl<T: Copy> Drop for DmaBuffer<T> {
+impl<T: Copy, R> Drop for DmaBuffer<T, R> {
     fn drop(&mut self) {
         // Deregister before freeing the memory.
         self.mr = None;
@@ -159,11 +195,6 @@ impl SendChain {
     /// Empties the chain.
     pub fn clear(&mut self) {
         self.len = 0;
-    }
-
-    /// Number of work requests.
-    pub fn len(&self) -> usize {
-        self.len
     }
 
     /// True when empty.
@@ -249,9 +280,10 @@ impl SendChain {
     /// clear-to-send), without the chain's per-request loops. The chain then holds that
     /// one request.
     #[allow(clippy::too_many_arguments)] // one work request's fields
-    pub fn post_one(
+    pub fn post_one<N: Nic>(
         &mut self,
-        qp: &Qp,
+        nic: &N,
+        qp: &N::Qp,
         local: (u64, u32, u32),
         remote: (u64, u32),
         imm: Option<u32>,
@@ -272,11 +304,11 @@ impl SendChain {
         if signaled {
             wr.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
-        qp.post_send(wr)
+        nic.post_send(qp, wr)
     }
 
-    /// Posts the chain on `qp`.
-    pub fn post(&mut self, qp: &Qp) -> Result<()> {
+    /// Posts the chain on `qp` of `nic`.
+    pub fn post<N: Nic>(&mut self, nic: &N, qp: &N::Qp) -> Result<()> {
         if self.len == 0 {
             return Ok(());
         }
@@ -292,7 +324,7 @@ impl SendChain {
                 std::ptr::null_mut()
             };
         }
-        qp.post_send(&mut self.wrs[0])
+        nic.post_send(qp, &mut self.wrs[0])
     }
 }
 
@@ -307,9 +339,9 @@ fn inline_flag(opcode: ibv_wr_opcode::Type, length: u32, max_inline: u32) -> u32
     }
 }
 
-/// Up to 16 work completions from one poll.
+/// Up to [`WcBatch::CAPACITY`] work completions from one poll.
 pub struct WcBatch {
-    wcs: [ibv_wc; 16],
+    wcs: [ibv_wc; WcBatch::CAPACITY],
     n: usize,
 }
 
@@ -337,6 +369,9 @@ impl Default for WcBatch {
 }
 
 impl WcBatch {
+    /// Completions one poll may return.
+    pub const CAPACITY: usize = 16;
+
     /// An empty batch.
     pub fn new() -> Self {
         WcBatch {
@@ -346,9 +381,10 @@ impl WcBatch {
         }
     }
 
-    /// Polls `cq` into the batch; returns how many completions arrived.
-    pub fn poll(&mut self, cq: &super::resources::Cq) -> Result<usize> {
-        self.n = cq.poll(&mut self.wcs)?;
+    /// Polls `cq` of `nic` into the batch; returns how many completions arrived.
+    #[inline(always)]
+    pub fn poll<N: Nic>(&mut self, nic: &N, cq: &N::Cq) -> Result<usize> {
+        self.n = nic.poll_cq(cq, &mut self.wcs)?;
         Ok(self.n)
     }
 
@@ -377,3 +413,37 @@ impl WcBatch {
 pub const WC_SUCCESS: u32 = ibv_wc_status::IBV_WC_SUCCESS;
 /// `IBV_WC_RECV_RDMA_WITH_IMM`.
 pub const WC_RECV_RDMA_WITH_IMM: u32 = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn registered_buffers_own_whole_pages() {
+        // A registration under ibv_fork_init marks its pages DONTFORK: a buffer sharing a
+        // page with ordinary heap chunks would take them along.
+        let page = page_size();
+        assert!(page >= 4096 && page.is_power_of_two());
+        for len in [1usize, 16, 257, 1024, 1025] {
+            let mut seen = None;
+            let b = DmaBuffer::<u32, ()>::new(len, |addr, bytes| {
+                seen = Some((addr, bytes));
+                Ok(((), 11, 22))
+            })
+            .unwrap();
+            let (addr, bytes) = seen.unwrap();
+            assert_eq!(addr % page, 0, "{len} elements: page-aligned");
+            assert_eq!(bytes % page, 0, "{len} elements: whole pages registered");
+            assert!(bytes >= len * 4);
+            assert_eq!(
+                b.allocated(),
+                bytes,
+                "the registration covers the allocation"
+            );
+            assert_eq!((b.lkey(), b.rkey(), b.addr(0)), (11, 22, addr as u64));
+            assert_eq!(b.get(len - 1), 0, "zeroed");
+            b.set(len - 1, 7);
+            assert_eq!(b.get(len - 1), 7);
+        }
+    }
+}

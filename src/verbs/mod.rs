@@ -9,6 +9,9 @@
 
 pub mod device;
 pub mod dma;
+#[cfg(test)]
+pub mod fake;
+pub mod nic;
 pub mod resources;
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};

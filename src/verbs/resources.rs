@@ -54,11 +54,6 @@ impl Context {
         }
     }
 
-    /// The device name.
-    pub fn name(&self) -> &str {
-        &self.name
-    }
-
     /// The library this context came from.
     pub fn lib(&self) -> &'static VerbsLib {
         self.lib
@@ -281,17 +276,24 @@ impl Drop for Context {
     }
 }
 
+/// The error of a verbs call that returned `rc` (0 = success). Verbs report failure three
+/// ways: -1 with errno set (libibverbs' own calls), the errno itself (mlx5 and most
+/// providers' post and modify calls), or minus the errno without setting errno (eRDMA's
+/// post_send/post_recv: -ENOMEM for a full queue, -EINVAL/-EIO for a QP in error), where
+/// errno would be a stale, unrelated value.
+fn verbs_error(rc: i32) -> std::io::Error {
+    match rc {
+        -1 => std::io::Error::last_os_error(),
+        rc if rc < -1 => std::io::Error::from_raw_os_error(-rc),
+        rc => std::io::Error::from_raw_os_error(rc),
+    }
+}
+
 fn errno_rc(rc: i32, what: impl FnOnce() -> String) -> Result<()> {
     if rc == 0 {
         return Ok(());
     }
-    // Verbs return either -1 with errno set or the errno itself.
-    let err = if rc > 0 {
-        std::io::Error::from_raw_os_error(rc)
-    } else {
-        std::io::Error::last_os_error()
-    };
-    Err(Error::io(what(), err))
+    Err(Error::io(what(), verbs_error(rc)))
 }
 
 /// A protection domain.
@@ -317,11 +319,6 @@ impl Pd {
             ctx: Arc::clone(ctx),
             raw,
         }))
-    }
-
-    /// The device context.
-    pub fn context(&self) -> &Arc<Context> {
-        &self.ctx
     }
 
     /// `ibv_reg_mr` of `addr..addr+len` (the caller keeps the memory alive while the MR is).
@@ -532,8 +529,6 @@ pub struct QpPath {
     pub timeout: u8,
     /// Retry count.
     pub retry_cnt: u8,
-    /// Partition key index.
-    pub pkey_index: u16,
 }
 
 /// An RC queue pair.
@@ -585,7 +580,7 @@ impl Qp {
                 continue;
             }
             let psn = (NEXT_PSN.fetch_add(0x9e37, Ordering::Relaxed) as u32
-                ^ crate::oob::random_u64() as u32)
+                ^ crate::random::random_u64() as u32)
                 & 0xff_ffff;
             return Ok(Qp {
                 raw,
@@ -616,13 +611,14 @@ impl Qp {
         })
     }
 
-    /// RESET -> INIT with `access` for remote operations.
-    pub fn to_init(&self, path: &QpPath, access: u32) -> Result<()> {
+    /// RESET -> INIT on `port` with partition key index `pkey_index` and `access` for remote
+    /// operations.
+    pub fn to_init(&self, port: u8, pkey_index: u16, access: u32) -> Result<()> {
         // SAFETY: all-zero is a valid attr.
         let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ibv_qp_state::IBV_QPS_INIT;
-        a.pkey_index = path.pkey_index;
-        a.port_num = path.port;
+        a.pkey_index = pkey_index;
+        a.port_num = port;
         a.qp_access_flags = access;
         let mask = ibv_qp_attr_mask::IBV_QP_STATE
             | ibv_qp_attr_mask::IBV_QP_PKEY_INDEX
@@ -736,7 +732,31 @@ impl Drop for Qp {
 #[cfg(test)]
 mod tests {
     use super::async_event::{CQ_ERR, DEVICE_FATAL, QP_FATAL};
-    use super::{EventElement, FatalEvents};
+    use super::{verbs_error, EventElement, FatalEvents};
+
+    #[test]
+    fn post_errors_name_the_returned_errno_not_a_stale_one() {
+        // errno holds something unrelated, as after an earlier failed call.
+        std::fs::File::open("/nonexistent/nccl-net-erdma").unwrap_err();
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::ENOENT)
+        );
+        // eRDMA: minus the errno, errno untouched.
+        assert_eq!(
+            verbs_error(-libc::ENOMEM).raw_os_error(),
+            Some(libc::ENOMEM)
+        );
+        assert_eq!(
+            verbs_error(-libc::EINVAL).raw_os_error(),
+            Some(libc::EINVAL)
+        );
+        assert_eq!(verbs_error(-libc::EIO).raw_os_error(), Some(libc::EIO));
+        // mlx5 and others: the errno itself.
+        assert_eq!(verbs_error(libc::ENOMEM).raw_os_error(), Some(libc::ENOMEM));
+        // libibverbs' own calls: -1 with errno set.
+        assert_eq!(verbs_error(-1).raw_os_error(), Some(libc::ENOENT));
+    }
 
     #[test]
     fn fatal_events_break_only_the_comms_they_name() {

@@ -12,8 +12,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-pub use nccl_net_erdma::abi::client::{self, Net, Opaque, VERSIONS};
-pub use nccl_net_erdma::abi::ffi::ncclResult_t;
+pub use nccl_net_erdma::ffi::ncclResult_t;
+pub use nccl_net_erdma_tools::client::{self, Net, Opaque, VERSIONS};
 
 /// `NCCL_PTR_HOST`.
 pub const HOST: i32 = 1;

@@ -1,6 +1,6 @@
 //! Memory registration cache of one device, keyed by page range, as NCCL's IB transport
-//! keeps it: a registration reuses any MR that fully covers its page-aligned range
-//! (a hit), otherwise registers exactly that range (a miss). Entries are refcounted; the last
+//! keeps it: a registration reuses any MR that fully covers its page-aligned range (a hit),
+//! otherwise registers exactly that range (a miss). Entries are refcounted; the last
 //! [`CachedMr`] of a range to drop deregisters it.
 
 use std::sync::{
@@ -11,54 +11,57 @@ use std::sync::{
 use parking_lot::Mutex;
 
 use crate::error::Result;
-use crate::verbs::dma::ACCESS_RDMA;
-use crate::verbs::resources::{Mr, Pd};
+use crate::verbs::dma::page_size;
+use crate::verbs::nic::{MemoryRegion, Nic};
 
-struct Entry {
+struct Entry<M> {
     start: usize,
     end: usize,
     refs: usize,
-    mr: Arc<Mr>,
+    mr: Arc<M>,
 }
 
-/// The cache of one device (one PD).
-pub struct MrCache {
-    pd: Arc<Pd>,
-    entries: Mutex<Vec<Entry>>,
+/// The cache of one device.
+pub(crate) struct MrCache<N: Nic> {
+    nic: Arc<N>,
+    entries: Mutex<Vec<Entry<N::Mr>>>,
     /// Registrations served by an existing MR.
-    pub hits: AtomicU64,
+    pub(crate) hits: AtomicU64,
     /// Registrations that created an MR.
-    pub misses: AtomicU64,
+    pub(crate) misses: AtomicU64,
 }
 
 /// A registration held by an NCCL memory handle.
-pub struct CachedMr {
-    cache: Arc<MrCache>,
+pub(crate) struct CachedMr<N: Nic> {
+    cache: Arc<MrCache<N>>,
     start: usize,
     end: usize,
-    mr: Arc<Mr>,
+    mr: Arc<N::Mr>,
 }
 
-impl CachedMr {
+impl<N: Nic> CachedMr<N> {
     /// Local key.
-    pub fn lkey(&self) -> u32 {
+    pub(crate) fn lkey(&self) -> u32 {
         self.mr.lkey()
     }
     /// Remote key.
-    pub fn rkey(&self) -> u32 {
+    pub(crate) fn rkey(&self) -> u32 {
         self.mr.rkey()
     }
 }
 
-fn page_size() -> usize {
-    4096
+/// The page-aligned range `addr..addr+len` lies in (a zero-length range is one byte's page).
+fn page_range(addr: usize, len: usize, page: usize) -> (usize, usize) {
+    let start = addr & !(page - 1);
+    let end = (addr + len.max(1)).div_ceil(page) * page;
+    (start, end)
 }
 
-impl MrCache {
-    /// An empty cache on `pd`.
-    pub fn new(pd: Arc<Pd>) -> Arc<Self> {
+impl<N: Nic> MrCache<N> {
+    /// An empty cache on `nic`.
+    pub(crate) fn new(nic: Arc<N>) -> Arc<Self> {
         Arc::new(MrCache {
-            pd,
+            nic,
             entries: Mutex::new(Vec::new()),
             hits: AtomicU64::new(0),
             misses: AtomicU64::new(0),
@@ -67,10 +70,12 @@ impl MrCache {
 
     /// Registers `addr..addr+len` (or reuses a covering registration); the flag says
     /// whether it was a hit.
-    pub fn register(self: &Arc<Self>, addr: usize, len: usize) -> Result<(CachedMr, bool)> {
-        let page = page_size();
-        let start = addr & !(page - 1);
-        let end = (addr + len.max(1)).div_ceil(page) * page;
+    pub(crate) fn register(
+        self: &Arc<Self>,
+        addr: usize,
+        len: usize,
+    ) -> Result<(CachedMr<N>, bool)> {
+        let (start, end) = page_range(addr, len, page_size());
         let mut entries = self.entries.lock();
         if let Some(e) = entries
             .iter_mut()
@@ -86,7 +91,7 @@ impl MrCache {
             };
             return Ok((held, true));
         }
-        let mr = Arc::new(self.pd.reg_mr(start, end - start, ACCESS_RDMA)?);
+        let mr = Arc::new(self.nic.register(start, end - start)?);
         self.misses.fetch_add(1, Ordering::Relaxed);
         entries.push(Entry {
             start,
@@ -104,17 +109,12 @@ impl MrCache {
     }
 
     /// Number of distinct MRs held.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.entries.lock().len()
-    }
-
-    /// True when no MR is held.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 
-impl Drop for CachedMr {
+impl<N: Nic> Drop for CachedMr<N> {
     fn drop(&mut self) {
         let mut entries = self.cache.entries.lock();
         if let Some(i) = entries.iter().position(|e| {
@@ -126,5 +126,48 @@ impl Drop for CachedMr {
                 entries.swap_remove(i);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::verbs::fake::Fabric;
+
+    #[test]
+    fn page_ranges_cover_the_buffer_in_whole_pages() {
+        assert_eq!(page_range(0x1000, 0x1000, 0x1000), (0x1000, 0x2000));
+        assert_eq!(page_range(0x1001, 0x1000, 0x1000), (0x1000, 0x3000));
+        assert_eq!(page_range(0x1fff, 1, 0x1000), (0x1000, 0x2000));
+        assert_eq!(page_range(0x1fff, 2, 0x1000), (0x1000, 0x3000));
+        assert_eq!(page_range(0x5000, 0, 0x1000), (0x5000, 0x6000));
+    }
+
+    #[test]
+    fn covering_registrations_are_hits_and_the_last_release_deregisters() {
+        let nic = Fabric::new().nic("fake0");
+        let cache = MrCache::new(nic);
+        let page = page_size();
+        let buf = vec![0u8; 4 * page];
+        let base = (buf.as_ptr() as usize).next_multiple_of(page);
+        let (whole, hit) = cache.register(base, 2 * page).unwrap();
+        assert!(!hit);
+        // Inside the first registration: the same MR.
+        let (inner, hit) = cache.register(base + 10, page).unwrap();
+        assert!(hit);
+        assert_eq!((inner.lkey(), inner.rkey()), (whole.lkey(), whole.rkey()));
+        // Reaching past it: a new one.
+        let (past, hit) = cache.register(base + page, 2 * page).unwrap();
+        assert!(!hit);
+        assert_ne!(past.lkey(), whole.lkey());
+        assert_eq!(cache.len(), 2);
+        assert_eq!(cache.hits.load(Ordering::Relaxed), 1);
+        assert_eq!(cache.misses.load(Ordering::Relaxed), 2);
+        drop(whole);
+        assert_eq!(cache.len(), 2, "still held by `inner`");
+        drop(inner);
+        assert_eq!(cache.len(), 1);
+        drop(past);
+        assert_eq!(cache.len(), 0);
     }
 }

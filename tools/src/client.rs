@@ -9,7 +9,7 @@ use std::{
     sync::{Mutex, OnceLock},
 };
 
-use super::ffi::*;
+use nccl_net_erdma::ffi::*;
 
 /// Most buffers one `irecv` through this client may name (more than `maxRecvs`, so tests
 /// can pass too many).
@@ -141,6 +141,17 @@ pub struct ProfilerEvent {
     pub descr: Option<(u32, u32, u64, i32)>,
 }
 
+/// The descriptor the plugin passes as `extData` with a Start event (README: `{u32 kind
+/// (0 send, 1 recv), u32 n, u64 bytes, i32 tag}`), as a profiler plugin would declare it.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct NetEventDescr {
+    kind: u32,
+    n: u32,
+    size: u64,
+    tag: i32,
+}
+
 static PROFILED: Mutex<Vec<ProfilerEvent>> = Mutex::new(Vec::new());
 
 /// Events the plugin reported to [`Net::init_profiled`]'s profiler so far.
@@ -162,8 +173,8 @@ extern "C" fn test_profiler(
     }
     let start = ty == ncclProfilerNetEventStart as c_int;
     let descr = (start && !ext.is_null()).then(|| {
-        // SAFETY: the plugin passes its NetEvent descriptor, alive for the call.
-        let e = unsafe { *(ext as *const super::profiler::NetEvent) };
+        // SAFETY: the plugin passes its descriptor (this layout), alive for the call.
+        let e = unsafe { *(ext as *const NetEventDescr) };
         (e.kind, e.n, e.size, e.tag)
     });
     let h = if start {
@@ -862,4 +873,43 @@ pub fn default_library() -> PathBuf {
         PathBuf::from("libnccl-net-erdma.so")
     })
     .clone()
+}
+
+/// A connection handle as text (lower-case hex), to pass it between processes (an
+/// environment variable, a control line), as NCCL passes it through its bootstrap.
+pub fn handle_to_hex(handle: &[u8; 128]) -> String {
+    handle.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// The handle [`handle_to_hex`] wrote, or why `text` is not one.
+pub fn handle_from_hex(text: &str) -> Result<[u8; 128], String> {
+    let text = text.trim();
+    if text.len() != 256 || !text.is_ascii() {
+        return Err(format!(
+            "a handle is 256 hex digits, got {} characters",
+            text.len()
+        ));
+    }
+    let mut out = [0u8; 128];
+    for (i, o) in out.iter_mut().enumerate() {
+        *o = u8::from_str_radix(&text[2 * i..2 * i + 2], 16)
+            .map_err(|_| format!("not hex at {}: {:?}", 2 * i, &text[2 * i..2 * i + 2]))?;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn handles_survive_hex_and_bad_text_is_an_error() {
+        let mut h = [0u8; 128];
+        for (i, b) in h.iter_mut().enumerate() {
+            *b = (i * 37) as u8;
+        }
+        assert_eq!(handle_from_hex(&handle_to_hex(&h)).unwrap(), h);
+        assert!(handle_from_hex("00").is_err());
+        assert!(handle_from_hex(&"zz".repeat(128)).is_err());
+    }
 }

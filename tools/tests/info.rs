@@ -1,11 +1,21 @@
 //! `nccl-net-erdma-info`: its report and exit status, on a host without RDMA and (in the
 //! Soft-RoCE tier) on rxe0, including the warnings it must raise.
 
-mod common;
-
 use std::process::{Command, Output};
 
-use common::{require_verbs, verbs_device};
+/// The RDMA device the Soft-RoCE tier names (`NCCL_ERDMA_TEST_DEVICE`), if any.
+fn verbs_device() -> Option<String> {
+    std::env::var("NCCL_ERDMA_TEST_DEVICE")
+        .ok()
+        .filter(|d| !d.is_empty())
+}
+
+/// Panics with the reason when a verbs test cannot run here (run by the Soft-RoCE tier).
+fn require_verbs() -> String {
+    verbs_device().expect(
+        "this test needs an RDMA device: set NCCL_ERDMA_TEST_DEVICE (the Soft-RoCE tier does)",
+    )
+}
 
 fn info(env: &[(&str, &str)], unset: &[&str]) -> (i32, String) {
     // NCCL_ERDMA_INFO_BIN: where the binary is when the tests run elsewhere (the VM tier).

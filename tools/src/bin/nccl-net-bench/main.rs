@@ -41,8 +41,8 @@ use std::{
     time::{Duration, Instant},
 };
 
-use nccl_net_erdma::abi::client::{self, Code, Net, Opaque, Properties};
-use nccl_net_erdma::abi::ffi::NCCL_PTR_HOST;
+use nccl_net_erdma::ffi::NCCL_PTR_HOST;
+use nccl_net_erdma_tools::client::{self, Code, Net, Opaque, Properties};
 
 /// Result type of this program: errors are messages for the user.
 type Res<T> = Result<T, String>;
@@ -787,7 +787,7 @@ fn last_warning() -> String {
     client::logged_lines()
         .iter()
         .rev()
-        .find(|l| l.level <= nccl_net_erdma::abi::ffi::NCCL_LOG_WARN)
+        .find(|l| l.level <= nccl_net_erdma::ffi::NCCL_LOG_WARN)
         .map_or_else(|| "the plugin logged no warning".into(), |l| l.text.clone())
 }
 

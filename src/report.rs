@@ -7,7 +7,7 @@ use std::fmt::Write as _;
 use crate::config::{AddrFamily, Config};
 use crate::oob::iface;
 use crate::plugin::Plugin;
-use crate::verbs::device::{self, VerbsDevice, LINK_LAYER_ETHERNET};
+use crate::verbs::device::{self, VerbsDevice};
 use crate::verbs::VerbsLib;
 
 /// One problem and what to do about it.
@@ -99,7 +99,7 @@ fn mtu_ok(d: &VerbsDevice, mtu: u32) -> bool {
 }
 
 fn describe_port(d: &VerbsDevice, config: &Config) -> String {
-    let layer = if d.link_layer == LINK_LAYER_ETHERNET {
+    let layer = if d.is_roce() {
         match d.gid_roce_version() {
             Some(v) => format!("Ethernet (RoCE v{v})"),
             None => "Ethernet (RoCE)".to_string(),
@@ -129,7 +129,7 @@ fn describe_port(d: &VerbsDevice, config: &Config) -> String {
          active MTU {} ({netdev}), GID index {} {} ({gid_src}), speed {speed}\n    \
          PCI {}, NUMA node {}, max QPs {}, clear-to-send batch {}, {}",
         d.ibv_name,
-        d.port,
+        d.local.port,
         port_state(d.state),
         d.driver.as_deref().unwrap_or(if d.pci_path.is_none() {
             "none (a software device)"
@@ -138,12 +138,14 @@ fn describe_port(d: &VerbsDevice, config: &Config) -> String {
         }),
         d.vendor_id,
         d.active_mtu_bytes(),
-        d.gid_index,
+        d.local.gid_index,
         d.gid_ip(),
         d.pci_path.as_deref().unwrap_or("none"),
         d.numa_node.map_or("?".to_string(), |n| n.to_string()),
         d.max_qp,
-        crate::transport::verbs::cts_batch(config.cts_batch.value, d),
+        crate::transport::verbs::profile::tuning(config, d.class())
+            .cts_batch
+            .value,
         if d.usable() {
             "used by the plugin"
         } else if !d.selected {
@@ -163,14 +165,14 @@ fn check_port(r: &mut Report, d: &VerbsDevice, config: &Config) {
             format!(
                 "{} port {} is {}, not active",
                 d.ibv_name,
-                d.port,
+                d.local.port,
                 port_state(d.state)
             ),
             "check the cable/ERI and the driver (`ibv_devinfo`), or exclude it with NCCL_IB_HCA",
         );
         return;
     }
-    if d.link_layer == LINK_LAYER_ETHERNET {
+    if d.is_roce() {
         let v4_v2 = d.gids.iter().any(|g| {
             g.gid[..10].iter().all(|b| *b == 0)
                 && g.gid[10] == 0xff
@@ -179,7 +181,10 @@ fn check_port(r: &mut Report, d: &VerbsDevice, config: &Config) {
         });
         if !v4_v2 {
             r.warn(
-                format!("{} port {} has no IPv4 RoCE v2 GID", d.ibv_name, d.port),
+                format!(
+                    "{} port {} has no IPv4 RoCE v2 GID",
+                    d.ibv_name, d.local.port
+                ),
                 "give the interface an IPv4 address (eRDMA: check the ERI's address), or set \
                  NCCL_IB_ADDR_FAMILY=AF_INET6 on every node",
             );
@@ -196,7 +201,7 @@ fn check_port(r: &mut Report, d: &VerbsDevice, config: &Config) {
                     format!(
                         "{} port {}: netdev {} has MTU {mtu} (RDMA path MTU {})",
                         d.ibv_name,
-                        d.port,
+                        d.local.port,
                         d.netdev.as_deref().unwrap_or("?"),
                         d.active_mtu_bytes()
                     ),
@@ -205,9 +210,9 @@ fn check_port(r: &mut Report, d: &VerbsDevice, config: &Config) {
             }
         }
     }
-    if config.gid_index.value < 0 && d.gid.iter().all(|b| *b == 0) {
+    if config.gid_index.value < 0 && d.local.gid.iter().all(|b| *b == 0) {
         r.warn(
-            format!("{} port {}: no usable GID found", d.ibv_name, d.port),
+            format!("{} port {}: no usable GID found", d.ibv_name, d.local.port),
             "check `ibv_devinfo -v` for the GID table; set NCCL_IB_GID_INDEX if needed",
         );
     }
@@ -310,7 +315,7 @@ pub fn collect() -> Report {
         },
     };
     if config.ib_hca.value.is_some() && !devices.is_empty() && !devices.iter().any(|d| d.selected) {
-        let names: Vec<&str> = devices.iter().map(|d| d.name.as_str()).collect();
+        let names: Vec<&str> = devices.iter().map(|d| d.name()).collect();
         r.warn(
             format!(
                 "NCCL_IB_HCA={} matches none of the ports here ({})",
@@ -334,7 +339,7 @@ pub fn collect() -> Report {
     drop(devices);
     match Plugin::from_config(config) {
         Ok(p) => {
-            let mut lines = vec![format!("transport: {}", p.transport.name())];
+            let mut lines = vec![format!("transport: {}", p.transport_kind().name())];
             for i in 0..p.device_count() {
                 if let Ok(d) = p.device(i as i32) {
                     lines.push(format!(

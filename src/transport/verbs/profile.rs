@@ -1,0 +1,189 @@
+//! What a verbs device changes in the settings, decided in one place ([`tuning`]): where the
+//! user set nothing, eRDMA gets Alibaba Cloud's preset of 8 QPs per connection, and a
+//! software device (Soft-RoCE, Soft-iWARP) batches clear-to-sends. And the parameters each
+//! connection is made with ([`conn_params`]).
+
+use std::time::Duration;
+
+use super::setup::ConnParams;
+use crate::config::{Config, Setting};
+use crate::oob::Timeouts;
+use crate::verbs::device::{DeviceClass, VerbsDevice};
+
+/// QPs per connection on eRDMA when the user set none: Alibaba's published preset for NCCL
+/// on eRDMA (PAI "eRDMA" guide: `NCCL_IB_QPS_PER_CONNECTION=8`).
+pub(crate) const ERDMA_DEFAULT_QPS: u32 = 8;
+/// `NCCL_ERDMA_CTS_BATCH` when unset, on a software RDMA device. On such a device every post
+/// is a system call that runs the whole packet path before it returns, so one write
+/// announcing several receives takes most clear-to-sends out of a round trip (8-byte
+/// ping-pong on Soft-RoCE: ~2.1x -> ~1.2x ib_write_lat). On hardware a post is a doorbell
+/// and the clear-to-send is off the critical path, while holding entries back could leave
+/// the sender waiting: 1, as NCCL's IB transport does.
+pub(crate) const CTS_BATCH_SOFTWARE: u32 = 8;
+
+/// A value in effect and where it came from, for the log and the info command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Resolved<T> {
+    pub(crate) value: T,
+    pub(crate) source: &'static str,
+}
+
+/// The device-dependent settings of one device.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Tuning {
+    /// `NCCL_IB_QPS_PER_CONNECTION`.
+    pub(crate) qps_per_connection: Resolved<u32>,
+    /// `NCCL_ERDMA_CTS_BATCH`.
+    pub(crate) cts_batch: Resolved<u32>,
+}
+
+/// The settings a device of `class` changes where the user set nothing.
+pub(crate) fn tuning(config: &Config, class: DeviceClass) -> Tuning {
+    fn pick<T: Copy>(s: &Setting<T>, device: Option<(T, &'static str)>) -> Resolved<T> {
+        match device {
+            Some((value, source)) if !s.from_env => Resolved { value, source },
+            _ => Resolved {
+                value: s.value,
+                source: s.source(),
+            },
+        }
+    }
+    let qps = (class == DeviceClass::Erdma).then_some((ERDMA_DEFAULT_QPS, "eRDMA preset"));
+    let batch = match class {
+        DeviceClass::Software => (CTS_BATCH_SOFTWARE, "software device"),
+        DeviceClass::Erdma | DeviceClass::Hardware => (1, "hardware device"),
+    };
+    let batch_setting = Setting {
+        value: config.cts_batch.value.unwrap_or(batch.0),
+        from_env: config.cts_batch.from_env,
+    };
+    Tuning {
+        qps_per_connection: pick(&config.qps_per_connection, qps),
+        cts_batch: pick(&batch_setting, Some(batch)),
+    }
+}
+
+/// How long posted work may go without a completion before the comm fails:
+/// `NCCL_ERDMA_WORK_TIMEOUT_S`, or by default twice the longest a device following
+/// `NCCL_IB_TIMEOUT`/`NCCL_IB_RETRY_CNT` takes to report a dead path itself
+/// (`(retry_cnt + 1) * 4.096 us * 2^timeout`), and at least 60 s. So the device's own error
+/// comes first wherever the device bounds its retries, and a healthy job never trips it.
+pub(crate) fn work_timeout(config: &Config) -> Option<Duration> {
+    match config.work_timeout_s.value {
+        Some(0) => None,
+        Some(s) => Some(Duration::from_secs(s)),
+        None => {
+            let per_try = 4.096e-6 * 2f64.powi(config.ib_timeout.value as i32);
+            let device = per_try * f64::from(config.ib_retry_cnt.value + 1);
+            Some(Duration::from_secs_f64((2.0 * device).max(60.0)))
+        }
+    }
+}
+
+/// The parameters of a connection on `dev`; `traffic_class` is the communicator's (v10+),
+/// used when `NCCL_IB_TC` is unset.
+pub(crate) fn conn_params(
+    config: &Config,
+    dev: &VerbsDevice,
+    traffic_class: Option<i32>,
+) -> ConnParams {
+    let c = config;
+    let tc = if c.ib_tc.value >= 0 {
+        c.ib_tc.value
+    } else {
+        traffic_class.filter(|t| *t >= 0).unwrap_or(0)
+    };
+    let sl = c.ib_sl.value.max(0);
+    let peer = c.peer_timeout_s.value;
+    let t = tuning(config, dev.class());
+    ConnParams {
+        qps_per_connection: t.qps_per_connection.value,
+        split_data: c.split_data_on_qps.value,
+        timeout: c.ib_timeout.value as u8,
+        retry_cnt: c.ib_retry_cnt.value as u8,
+        traffic_class: tc.clamp(0, 255) as u8,
+        sl: sl.clamp(0, 15) as u8,
+        flush: c.force_flush.value || dev.peermem || dev.dmabuf,
+        timeouts: Timeouts {
+            connect: Duration::from_millis(c.connect_timeout_ms.value),
+            peer: (peer > 0).then(|| Duration::from_secs(peer)),
+        },
+        cts_batch: t.cts_batch.value,
+        work_timeout: work_timeout(config),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(pairs: &[(&str, &str)]) -> Config {
+        let map: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        Config::from_lookup(|k| map.get(k).cloned()).unwrap()
+    }
+
+    #[test]
+    fn device_defaults_apply_only_where_the_user_set_nothing() {
+        let t = tuning(&cfg(&[]), DeviceClass::Erdma);
+        assert_eq!(
+            (t.qps_per_connection.value, t.qps_per_connection.source),
+            (8, "eRDMA preset")
+        );
+        assert_eq!(
+            (t.cts_batch.value, t.cts_batch.source),
+            (1, "hardware device")
+        );
+        let t = tuning(&cfg(&[]), DeviceClass::Software);
+        assert_eq!(
+            (t.qps_per_connection.value, t.qps_per_connection.source),
+            (1, "default")
+        );
+        assert_eq!(
+            (t.cts_batch.value, t.cts_batch.source),
+            (8, "software device")
+        );
+        let set = cfg(&[
+            ("NCCL_IB_QPS_PER_CONNECTION", "2"),
+            ("NCCL_ERDMA_CTS_BATCH", "4"),
+        ]);
+        for class in [
+            DeviceClass::Erdma,
+            DeviceClass::Software,
+            DeviceClass::Hardware,
+        ] {
+            let t = tuning(&set, class);
+            assert_eq!(
+                (t.qps_per_connection.value, t.qps_per_connection.source),
+                (2, "env")
+            );
+            assert_eq!((t.cts_batch.value, t.cts_batch.source), (4, "env"));
+        }
+    }
+
+    #[test]
+    fn work_timeout_follows_the_ib_retry_bound_with_a_floor() {
+        assert_eq!(
+            work_timeout(&cfg(&[])),
+            Some(Duration::from_secs_f64(
+                2.0 * 8.0 * 4.096e-6 * f64::from(1u32 << 20)
+            ))
+        );
+        let short = cfg(&[("NCCL_IB_TIMEOUT", "14")]);
+        assert_eq!(work_timeout(&short), Some(Duration::from_secs(60)));
+        let long = cfg(&[("NCCL_IB_TIMEOUT", "22"), ("NCCL_IB_RETRY_CNT", "3")]);
+        let want = 2.0 * 4.0 * 4.096e-6 * f64::from(1u32 << 22);
+        assert_eq!(work_timeout(&long), Some(Duration::from_secs_f64(want)));
+        assert_eq!(
+            work_timeout(&cfg(&[("NCCL_ERDMA_WORK_TIMEOUT_S", "7")])),
+            Some(Duration::from_secs(7))
+        );
+        assert_eq!(
+            work_timeout(&cfg(&[("NCCL_ERDMA_WORK_TIMEOUT_S", "0")])),
+            None
+        );
+    }
+}

@@ -1,0 +1,472 @@
+//! The sending side of a verbs connection: `isend` matches a send against the clear-to-send
+//! entries the receiver wrote into this comm's FIFO and, once every buffer of a receive
+//! slot has its send, posts the RDMA WRITEs; `test` reports a send done when the slot's
+//! writes have completed.
+//!
+//! A slot's writes: one WRITE_WITH_IMM per QP used, carrying the size as its immediate for a
+//! single receive; for a grouped receive, data WRITEs and a final WRITE_WITH_IMM of the
+//! sizes into the receiver's size record. A send larger than its buffer is not sent: its
+//! size is marked `TRUNCATED` (and so are the sends of the slot that never came, so the
+//! receiver learns of it whichever send was too large), the slot is posted at once and the
+//! comm fails from then on.
+
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+
+use super::cq::CqPoller;
+use super::wire::{cts_index, piece, qps_for, CtsEntry, WrKind, CTS_SEQ_OFFSET, SLOTS, TRUNCATED};
+use crate::buffer::UserBuffer;
+use crate::error::{Error, Result};
+use crate::transport::{not_in_flight, Completion, Failure, MemKeys, SendEndpoint, MAX_RECVS};
+use crate::verbs::dma::{DmaBuffer, SendChain};
+use crate::verbs::nic::Nic;
+
+/// Where in `sizes_local` a probe's byte lands (after the size records).
+pub(crate) const PROBE_AT: usize = SLOTS * MAX_RECVS;
+
+/// The sends matched to one receive slot.
+#[derive(Debug, Clone, Copy)]
+struct SendSlot {
+    busy: bool,
+    n: usize,
+    matched: u8,
+    tested: u8,
+    cqe_pending: u32,
+    posted: bool,
+    sizes: [usize; MAX_RECVS],
+    addrs: [u64; MAX_RECVS],
+    lkeys: [u32; MAX_RECVS],
+    trunc: u8,
+    /// Entries whose buffer is not host memory (GPU memory registered for GPUDirect).
+    device_mem: u8,
+}
+
+impl SendSlot {
+    const FREE: SendSlot = SendSlot {
+        busy: false,
+        n: 0,
+        matched: 0,
+        tested: 0,
+        cqe_pending: 0,
+        posted: false,
+        sizes: [0; MAX_RECVS],
+        addrs: [0; MAX_RECVS],
+        lkeys: [0; MAX_RECVS],
+        trunc: 0,
+        device_mem: 0,
+    };
+
+    fn start(&mut self, n: usize) {
+        // Only the bookkeeping is reset: the per-message arrays are written as each send
+        // matches, and only the first n are read.
+        self.busy = true;
+        self.n = n;
+        self.matched = 0;
+        self.tested = 0;
+        self.cqe_pending = 0;
+        self.posted = false;
+        self.trunc = 0;
+        self.device_mem = 0;
+    }
+
+    /// Every buffer of the receive has its send.
+    fn complete(&self) -> bool {
+        self.matched.count_ones() as usize == self.n
+    }
+
+    /// The slot's writes are all done.
+    fn done(&self) -> bool {
+        self.posted && self.cqe_pending == 0
+    }
+
+    /// The most bytes a write of this slot may carry inline, given the QP's limit. Inline
+    /// data is copied by the CPU at post time, so nothing is inlined when a buffer of the
+    /// slot is GPU memory: the CPU cannot read a device address (NCCL's IB transport never
+    /// inlines data either).
+    fn max_inline(&self, qp_limit: u32) -> u32 {
+        if self.device_mem == 0 {
+            qp_limit
+        } else {
+            0
+        }
+    }
+}
+
+/// Everything a send comm owns.
+pub(crate) struct SendState<N: Nic> {
+    // Field order is teardown order: QPs before the memory they use, the CQ last.
+    pub(crate) qps: Vec<N::Qp>,
+    pub(crate) fifo: DmaBuffer<CtsEntry, N::Mr>,
+    /// Size records of grouped receives as sent, and the probe's landing byte.
+    pub(crate) sizes_local: DmaBuffer<u32, N::Mr>,
+    pub(crate) cq: CqPoller<N>,
+    pub(crate) nic: Arc<N>,
+    /// The receiver's size records (address, rkey).
+    pub(crate) remote_sizes: (u64, u32),
+    pub(crate) split: bool,
+    /// Sequence number of the next receive slot to fill.
+    pub(crate) seq: u64,
+    slots: [SendSlot; SLOTS],
+    chain: SendChain,
+    failure: Failure,
+    pub(crate) peer: String,
+    /// `isend` calls that found nothing to post.
+    idle_calls: u32,
+    /// Signaled work requests posted and not yet completed.
+    in_flight: u32,
+}
+
+impl<N: Nic> SendState<N> {
+    /// A comm over connected `qps`, once the listener's answer gave the size records.
+    #[allow(clippy::too_many_arguments)] // what setup made, in teardown order
+    pub(crate) fn new(
+        qps: Vec<N::Qp>,
+        fifo: DmaBuffer<CtsEntry, N::Mr>,
+        sizes_local: DmaBuffer<u32, N::Mr>,
+        cq: CqPoller<N>,
+        nic: Arc<N>,
+        remote_sizes: (u64, u32),
+        split: bool,
+        peer: String,
+    ) -> Self {
+        SendState {
+            qps,
+            fifo,
+            sizes_local,
+            cq,
+            nic,
+            remote_sizes,
+            split,
+            seq: 0,
+            slots: [SendSlot::FREE; SLOTS],
+            chain: SendChain::new(),
+            failure: Failure::default(),
+            peer,
+            idle_calls: 0,
+            in_flight: 0,
+        }
+    }
+
+    /// `isend` (see the module doc); returns the request id `slot * 8 + entry`.
+    #[inline(always)]
+    fn isend(&mut self, buf: UserBuffer, tag: i32, mem: MemKeys) -> Result<Option<usize>> {
+        self.failure.check()?;
+        let slot = (self.seq % SLOTS as u64) as usize;
+        let want = self.seq + 1;
+        let base = cts_index(slot, 0);
+        // The previous use of this slot must be tested, and the receiver's clear-to-send for
+        // this one must have landed: one load decides, as in NCCL's IB transport. An entry's
+        // sequence number is read first and alone, the rest only once it matches.
+        if (self.slots[slot].busy && self.slots[slot].posted)
+            || cts_landed(&self.fifo, base) != want
+        {
+            return self.nothing_to_post();
+        }
+        let first = self.fifo.get(base);
+        let n = first.nreqs as usize;
+        if n == 0 || n > MAX_RECVS {
+            return self.protocol_error(n);
+        }
+        let st = &mut self.slots[slot];
+        if !st.busy {
+            st.start(n);
+        }
+        // The first unmatched entry with this tag; each entry is read only when reached, and
+        // one that has not landed yet means "not yet".
+        let mut found = None;
+        for i in 0..n {
+            if st.matched & (1 << i) != 0 {
+                continue;
+            }
+            if i != 0 && cts_landed(&self.fifo, base + i) != want {
+                return self.nothing_to_post();
+            }
+            let entry = if i == 0 {
+                first
+            } else {
+                self.fifo.get(base + i)
+            };
+            if entry.tag == tag {
+                found = Some((i, entry.size));
+                break;
+            }
+        }
+        let Some((e, room)) = found else {
+            return self.nothing_to_post();
+        };
+        let st = &mut self.slots[slot];
+        st.matched |= 1 << e;
+        st.sizes[e] = buf.len();
+        st.addrs[e] = buf.addr() as u64;
+        st.lkeys[e] = mem.lkey;
+        st.device_mem |= u8::from(!mem.host) << e;
+        let truncated = buf.len() as u64 > u64::from(room);
+        if truncated {
+            // The receive fails as a whole: every buffer of it whose send has not come
+            // yet is marked too, and the slot goes out now, so the receiver learns of it
+            // whichever of its sends this was.
+            let all = ((1u16 << n) - 1) as u8;
+            st.trunc |= (1 << e) | (all & !st.matched);
+            st.matched = all;
+        }
+        if st.complete() {
+            let r = self.post_slot(slot, n);
+            self.failure.record(r)?;
+        }
+        if truncated {
+            // No request goes back, so this slot is never tested and never free again: the
+            // comm fails from here on (every later call returns the error rather than
+            // waiting on the slot).
+            let e = truncation_error(buf.len(), tag, &self.peer, room);
+            self.failure.note(&e);
+            return Err(e);
+        }
+        Ok(Some(base + e))
+    }
+
+    /// `test` of send request `id`.
+    fn test(&mut self, id: usize) -> Result<Option<Completion>> {
+        let (slot, e) = (id / MAX_RECVS, id % MAX_RECVS);
+        if slot >= SLOTS || !self.slots[slot].busy || self.slots[slot].matched & (1 << e) == 0 {
+            return Err(not_in_flight("send", id));
+        }
+        // The CQ is polled only for a request not yet known to be done: a drain that
+        // completed it also completed the ones behind it.
+        if !self.slots[slot].done() {
+            let r = self.progress(false);
+            let _ = self.failure.record(r);
+        }
+        let st = &mut self.slots[slot];
+        if st.done() {
+            let size = st.sizes[e];
+            st.tested |= 1 << e;
+            if st.tested == st.matched && st.complete() {
+                st.busy = false;
+            }
+            return Ok(Some(Completion::single(size)));
+        }
+        self.failure.check()?;
+        if self.cq.peer_gone {
+            let e = self.cq.gone_error(&self.peer);
+            return self.failure.record(Err(e));
+        }
+        Ok(None)
+    }
+
+    /// `isend` found nothing to post. Keeps completions, the peer watch and the watchdog
+    /// moving now and then, without paying for a CQ poll on every "not yet".
+    #[inline(never)]
+    fn nothing_to_post(&mut self) -> Result<Option<usize>> {
+        self.idle_calls = self.idle_calls.wrapping_add(1);
+        if self.idle_calls % 16 == 0 {
+            let r = self.progress(true);
+            self.failure.record(r)?;
+        }
+        if self.cq.peer_gone {
+            let e = self.cq.gone_error(&self.peer);
+            return self.failure.record(Err(e));
+        }
+        Ok(None)
+    }
+
+    #[cold]
+    fn protocol_error(&mut self, n: usize) -> Result<Option<usize>> {
+        let e = Error::Remote(format!(
+            "protocol error: clear-to-send from {} announces {n} buffers",
+            self.peer
+        ));
+        self.failure.record(Err(e))
+    }
+
+    /// Drains the CQ; `waiting`: a send waits for its clear-to-send.
+    fn progress(&mut self, waiting: bool) -> Result<()> {
+        let (slots, in_flight) = (&mut self.slots, &mut self.in_flight);
+        let busy = (*in_flight > 0, waiting);
+        let probe = self.cq.drain(&self.nic, &self.qps, &self.peer, busy, |c| {
+            match WrKind::of(c.wr_id) {
+                Some(WrKind::Send) => {
+                    let st = &mut slots[WrKind::slot(c.wr_id)];
+                    st.cqe_pending = st.cqe_pending.saturating_sub(1);
+                }
+                Some(WrKind::Probe) => {}
+                _ => return,
+            }
+            *in_flight = in_flight.saturating_sub(1);
+        })?;
+        if probe {
+            self.post_probe()?;
+        }
+        Ok(())
+    }
+
+    /// A 1-byte read of the receiver's size records: work that completes at once on a live
+    /// path, for the watchdog.
+    #[cold]
+    fn post_probe(&mut self) -> Result<()> {
+        self.chain.clear();
+        self.chain.read(
+            self.sizes_local.addr(PROBE_AT),
+            1,
+            self.sizes_local.lkey(),
+            self.remote_sizes.0,
+            self.remote_sizes.1,
+        );
+        self.chain.finish(WrKind::Probe.id(0), 0);
+        self.chain.post(&*self.nic, &self.qps[0])?;
+        self.in_flight += 1;
+        Ok(())
+    }
+
+    /// Posts the writes of a fully matched slot of `n` messages.
+    fn post_slot(&mut self, slot: usize, n: usize) -> Result<()> {
+        let nqps = self.qps.len();
+        let (first_qp, used) = qps_for(self.seq, nqps, self.split);
+        let base = cts_index(slot, 0);
+        let st = &self.slots[slot];
+        let nic = &*self.nic;
+        if n == 1 && used == 1 && st.trunc == 0 {
+            // The common case: one WRITE_WITH_IMM carrying the data and its size.
+            let e = self.fifo.get(base);
+            let qp = &self.qps[first_qp];
+            let len = st.sizes[0] as u32;
+            self.chain.post_one(
+                nic,
+                qp,
+                (st.addrs[0], len, st.lkeys[0]),
+                (e.addr, e.rkey),
+                Some(len),
+                WrKind::Send.id(slot),
+                true,
+                st.max_inline(crate::verbs::nic::QueuePair::max_inline(qp)),
+            )?;
+            return self.posted(slot, 1);
+        }
+        if n > 1 {
+            for i in 0..n {
+                let v = if st.trunc & (1 << i) != 0 {
+                    TRUNCATED
+                } else {
+                    st.sizes[i] as u32
+                };
+                self.sizes_local.set(base + i, v);
+            }
+        }
+        let chain = &mut self.chain;
+        for k in 0..used {
+            let qp = &self.qps[(first_qp + k) % nqps];
+            chain.clear();
+            for i in 0..n {
+                if st.trunc & (1 << i) != 0 {
+                    continue;
+                }
+                // Matched entries have landed and stay put until this slot completes.
+                let e = self.fifo.get(base + i);
+                let (off, len) = piece(st.sizes[i], k, used);
+                if len > 0 {
+                    chain.write(
+                        st.addrs[i] + off as u64,
+                        len as u32,
+                        st.lkeys[i],
+                        e.addr + off as u64,
+                        e.rkey,
+                    );
+                }
+            }
+            if n == 1 {
+                let imm = if st.trunc & 1 != 0 {
+                    TRUNCATED
+                } else {
+                    st.sizes[0] as u32
+                };
+                if chain.is_empty() {
+                    let e = self.fifo.get(base);
+                    chain.write_imm(0, 0, 0, e.addr, e.rkey, imm);
+                } else {
+                    chain.last_with_imm(imm);
+                }
+            } else {
+                chain.write_imm(
+                    self.sizes_local.addr(base),
+                    (4 * n) as u32,
+                    self.sizes_local.lkey(),
+                    self.remote_sizes.0 + (base * 4) as u64,
+                    self.remote_sizes.1,
+                    slot as u32,
+                );
+            }
+            let max_inline = st.max_inline(crate::verbs::nic::QueuePair::max_inline(qp));
+            chain.finish(WrKind::Send.id(slot), max_inline);
+            chain.post(nic, qp)?;
+        }
+        self.posted(slot, used)
+    }
+
+    /// Records that `slot`'s writes are posted, `cqes` of them signaled.
+    fn posted(&mut self, slot: usize, cqes: usize) -> Result<()> {
+        let st = &mut self.slots[slot];
+        st.cqe_pending = cqes as u32;
+        st.posted = true;
+        self.in_flight += cqes as u32;
+        self.seq += 1;
+        Ok(())
+    }
+}
+
+#[cold]
+fn truncation_error(len: usize, tag: i32, peer: &str, room: u32) -> Error {
+    Error::Truncated(format!(
+        "send of {len} bytes (tag {tag}) to {peer} is larger than the {room}-byte receive \
+         posted for it"
+    ))
+}
+
+/// The sequence number + 1 of the receive clear-to-send entry `i` of `fifo` announces, once
+/// the receiver's write has placed it (and the fields before it).
+#[inline(always)]
+fn cts_landed<R>(fifo: &DmaBuffer<CtsEntry, R>, i: usize) -> u64 {
+    fifo.get_u64(i, CTS_SEQ_OFFSET)
+}
+
+/// A send comm over verbs.
+pub(crate) struct VerbsSendComm<N: Nic> {
+    inner: Mutex<SendState<N>>,
+}
+
+impl<N: Nic> VerbsSendComm<N> {
+    pub(crate) fn new(state: SendState<N>) -> Self {
+        VerbsSendComm {
+            inner: Mutex::new(state),
+        }
+    }
+
+    /// Makes the next slot the one of receive `seq` (the receiver must do the same). Only
+    /// while nothing is in flight: tests cross the 32-bit boundary without 2^32 messages.
+    #[cfg(test)]
+    pub(crate) fn skip_to(&self, seq: u64) {
+        let mut s = self.inner.lock();
+        assert!(s.slots.iter().all(|st| !st.busy) && s.in_flight == 0);
+        s.seq = seq;
+    }
+
+    /// The QP numbers of the connection.
+    #[cfg(test)]
+    pub(crate) fn qpns(&self) -> Vec<u32> {
+        use crate::verbs::nic::QueuePair;
+        self.inner.lock().qps.iter().map(|q| q.qpn()).collect()
+    }
+}
+
+impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
+    fn peer(&self) -> String {
+        self.inner.lock().peer.clone()
+    }
+
+    fn isend(&self, buf: UserBuffer, tag: i32, mem: MemKeys) -> Result<Option<usize>> {
+        self.inner.lock().isend(buf, tag, mem)
+    }
+
+    fn test(&self, id: usize) -> Result<Option<Completion>> {
+        self.inner.lock().test(id)
+    }
+}

@@ -1,0 +1,831 @@
+//! The verbs transport's state machines on the in-memory fabric (`verbs::fake`): connections
+//! set up over loopback `oob` between two fake NICs, then NCCL-style traffic with every byte
+//! and size checked, and the faults the VM tiers cannot stage exactly (a write half placed, a
+//! sequence number crossing 2^32, a link that never answers, a failed work request).
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use super::recv::{VerbsRecvComm, FLUSH_ID_BASE};
+use super::send::VerbsSendComm;
+use super::setup::{ConnParams, VerbsConnecting, VerbsListen};
+use super::wire::{SLOTS, SPLIT_ALIGN};
+use crate::buffer::{TestMem, UserBuffer};
+use crate::error::{Error, ErrorKind, Result};
+use crate::oob::Timeouts;
+use crate::transport::{Completion, Listening, MemKeys, RecvEndpoint, SendEndpoint, MAX_RECVS};
+use crate::verbs::fake::{Cut, Fabric, FakeMr, FakeNic, REMOTE_ACCESS_ERROR, RETRY_EXCEEDED};
+use crate::verbs::nic::{MemoryRegion, Nic};
+
+/// How many polls a request that should complete at once may take (the fake carries work
+/// out as it is posted; the peer and watchdog checks run every 256 polls).
+const POLLS: usize = 100_000;
+
+fn params() -> ConnParams {
+    ConnParams {
+        qps_per_connection: 1,
+        split_data: false,
+        timeout: 14,
+        retry_cnt: 7,
+        traffic_class: 0,
+        sl: 0,
+        flush: false,
+        timeouts: Timeouts {
+            connect: Duration::from_secs(10),
+            peer: None,
+        },
+        cts_batch: 1,
+        work_timeout: None,
+    }
+}
+
+/// A connection between two fake NICs.
+struct Conn {
+    fabric: Fabric,
+    tx_nic: Arc<FakeNic>,
+    rx_nic: Arc<FakeNic>,
+    send: VerbsSendComm<FakeNic>,
+    recv: VerbsRecvComm<FakeNic>,
+}
+
+/// Connects `tx` (sender, with `tx_params`) to `rx` (receiver) over loopback `oob`.
+fn try_connect(
+    tx: &Arc<FakeNic>,
+    rx: &Arc<FakeNic>,
+    tx_params: ConnParams,
+    rx_params: ConnParams,
+) -> Result<(VerbsSendComm<FakeNic>, VerbsRecvComm<FakeNic>)> {
+    let mut listen = VerbsListen::bind("127.0.0.1".parse().unwrap(), rx, rx_params)?;
+    let handle = *Listening::handle(&listen);
+    let mut connecting = VerbsConnecting::start(tx, &handle, tx_params)?;
+    let (mut send, mut recv) = (None, None);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while send.is_none() || recv.is_none() {
+        if send.is_none() {
+            send = connecting.step()?;
+        }
+        if recv.is_none() {
+            recv = listen.step()?;
+        }
+        assert!(Instant::now() < deadline, "connect/accept did not complete");
+    }
+    Ok((send.unwrap(), recv.unwrap()))
+}
+
+fn connect_with(tx_params: ConnParams, rx_params: ConnParams) -> Conn {
+    let fabric = Fabric::new();
+    let (tx_nic, rx_nic) = (fabric.nic("fake0"), fabric.nic("fake1"));
+    let (send, recv) = try_connect(&tx_nic, &rx_nic, tx_params, rx_params).unwrap();
+    Conn {
+        fabric,
+        tx_nic,
+        rx_nic,
+        send,
+        recv,
+    }
+}
+
+fn connect(p: ConnParams) -> Conn {
+    connect_with(p, p)
+}
+
+/// Test memory registered on a fake NIC.
+struct Buf {
+    mem: TestMem,
+    mr: FakeMr,
+}
+
+impl Buf {
+    fn new(nic: &FakeNic, len: usize, seed: u64) -> Self {
+        let mem = TestMem::new(len, seed);
+        let mr = nic.register(mem.addr(), len.max(1)).unwrap();
+        Buf { mem, mr }
+    }
+    fn keys(&self) -> MemKeys {
+        MemKeys {
+            lkey: self.mr.lkey(),
+            rkey: self.mr.rkey(),
+            host: true,
+        }
+    }
+    fn whole(&mut self) -> UserBuffer {
+        self.mem.buffer()
+    }
+}
+
+impl Conn {
+    fn buf(&self, sender: bool, len: usize, seed: u64) -> Buf {
+        Buf::new(if sender { &self.tx_nic } else { &self.rx_nic }, len, seed)
+    }
+
+    /// Posts a receive of `bufs` with `tags`, which must be accepted at once.
+    fn irecv(&self, bufs: &mut [&mut Buf], tags: &[i32]) -> usize {
+        let keys: Vec<MemKeys> = bufs.iter().map(|b| b.keys()).collect();
+        let ubufs: Vec<UserBuffer> = bufs.iter_mut().map(|b| b.whole()).collect();
+        self.recv
+            .irecv(&ubufs, tags, &keys)
+            .expect("irecv")
+            .expect("a free receive slot")
+    }
+
+    /// Polls `isend` until it posts (the clear-to-send must arrive within `POLLS`).
+    fn isend(&self, buf: UserBuffer, keys: MemKeys, tag: i32) -> Result<usize> {
+        for _ in 0..POLLS {
+            if let Some(id) = self.send.isend(buf, tag, keys)? {
+                return Ok(id);
+            }
+        }
+        panic!("isend of tag {tag} never found its clear-to-send");
+    }
+
+    fn send_buf(&self, b: &mut Buf, tag: i32) -> usize {
+        self.isend(b.whole(), b.keys(), tag).expect("isend")
+    }
+}
+
+/// Polls `test` until done or an error, within `POLLS`.
+fn wait(test: impl Fn() -> Result<Option<Completion>>) -> Result<Completion> {
+    for _ in 0..POLLS {
+        if let Some(c) = test()? {
+            return Ok(c);
+        }
+    }
+    panic!("request not done after {POLLS} polls");
+}
+
+/// Polls `test` until it fails, for at most `within`.
+fn wait_error(within: Duration, test: impl Fn() -> Result<Option<Completion>>) -> Error {
+    let deadline = Instant::now() + within;
+    loop {
+        match test() {
+            Err(e) => return e,
+            Ok(Some(c)) => panic!("completed ({c:?}) where an error was expected"),
+            Ok(None) => assert!(Instant::now() < deadline, "no error within {within:?}"),
+        }
+    }
+}
+
+fn one_message(c: &Conn, len: usize, seed: u64) {
+    let mut dst = c.buf(false, len, 0);
+    let mut src = c.buf(true, len, seed);
+    let r = c.irecv(&mut [&mut dst], &[7]);
+    let s = c.send_buf(&mut src, 7);
+    assert_eq!(wait(|| c.send.test(s)).unwrap(), Completion::single(len));
+    assert_eq!(wait(|| c.recv.test(r)).unwrap(), Completion::single(len));
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(len, seed), "{len} bytes");
+}
+
+#[test]
+fn single_messages_of_every_size_arrive_intact_with_their_sizes() {
+    let c = connect(params());
+    // 0, inline boundary (96), split boundaries, and a large one.
+    for (i, len) in [0, 1, 8, 95, 96, 97, 128, 4095, 4096, 65_537, 1 << 20]
+        .into_iter()
+        .enumerate()
+    {
+        one_message(&c, len, i as u64 + 1);
+    }
+}
+
+#[test]
+fn a_send_waits_for_its_clear_to_send() {
+    let c = connect(params());
+    let mut src = c.buf(true, 64, 3);
+    let mut dst = c.buf(false, 64, 0);
+    for _ in 0..1000 {
+        assert_eq!(c.send.isend(src.whole(), 5, src.keys()).unwrap(), None);
+    }
+    let r = c.irecv(&mut [&mut dst], &[5]);
+    let s = c.send_buf(&mut src, 5);
+    wait(|| c.send.test(s)).unwrap();
+    assert_eq!(wait(|| c.recv.test(r)).unwrap().sizes[0], 64);
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 3));
+}
+
+#[test]
+fn a_send_with_another_tag_waits() {
+    let c = connect(params());
+    let mut src = c.buf(true, 16, 1);
+    let mut dst = c.buf(false, 16, 0);
+    let r = c.irecv(&mut [&mut dst], &[1]);
+    assert_eq!(c.send.isend(src.whole(), 2, src.keys()).unwrap(), None);
+    let s = c.send_buf(&mut src, 1);
+    wait(|| c.send.test(s)).unwrap();
+    wait(|| c.recv.test(r)).unwrap();
+}
+
+#[test]
+fn grouped_receive_matches_tags_in_any_order_and_fills_every_size() {
+    let c = connect(params());
+    let lens = [100, 0, 4096, 7];
+    let tags = [10, 11, 12, 11];
+    let mut dsts: Vec<Buf> = lens.iter().map(|&l| c.buf(false, l + 64, 0)).collect();
+    let mut refs: Vec<&mut Buf> = dsts.iter_mut().collect();
+    let r = c.irecv(&mut refs, &tags);
+    // Sends in another order; the two with tag 11 go to the entries in order.
+    let mut srcs: Vec<Buf> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| c.buf(true, l, 40 + i as u64))
+        .collect();
+    let mut ids = Vec::new();
+    for i in [2, 1, 3, 0] {
+        let (b, k) = (srcs[i].mem.slice(0, lens[i]), srcs[i].keys());
+        ids.push((i, c.isend(b, k, tags[i]).unwrap()));
+    }
+    for (i, id) in ids {
+        assert_eq!(
+            wait(|| c.send.test(id)).unwrap(),
+            Completion::single(lens[i])
+        );
+    }
+    let done = wait(|| c.recv.test(r)).unwrap();
+    assert_eq!(done.n, 4);
+    assert_eq!(&done.sizes[..4], &[100, 0, 4096, 7]);
+    for (i, d) in dsts.iter().enumerate() {
+        assert_eq!(
+            &d.mem.bytes()[..lens[i]],
+            &TestMem::pattern(lens[i], 40 + i as u64)[..]
+        );
+    }
+}
+
+#[test]
+fn receives_beyond_the_window_are_null_and_slots_come_back_when_tested() {
+    let c = connect(params());
+    let mut dsts: Vec<Buf> = (0..SLOTS + 1).map(|_| c.buf(false, 8, 0)).collect();
+    let mut ids = Vec::new();
+    for d in dsts.iter_mut().take(SLOTS) {
+        ids.push(c.irecv(&mut [d], &[0]));
+    }
+    let (k, b) = (dsts[SLOTS].keys(), dsts[SLOTS].whole());
+    assert_eq!(
+        c.recv.irecv(&[b], &[0], &[k]).unwrap(),
+        None,
+        "33rd receive"
+    );
+    let mut src = c.buf(true, 8, 9);
+    let s = c.send_buf(&mut src, 0);
+    wait(|| c.send.test(s)).unwrap();
+    wait(|| c.recv.test(ids[0])).unwrap();
+    assert!(
+        c.recv.irecv(&[b], &[0], &[k]).unwrap().is_some(),
+        "slot 0 free again"
+    );
+}
+
+#[test]
+fn the_sender_reuses_a_slot_only_after_its_sends_are_tested() {
+    let c = connect(params());
+    let mut src = c.buf(true, 8, 1);
+    let mut dsts: Vec<Buf> = (0..SLOTS + 1).map(|_| c.buf(false, 8, 0)).collect();
+    let mut rids = Vec::new();
+    let mut sids = Vec::new();
+    for d in dsts.iter_mut().take(SLOTS) {
+        rids.push(c.irecv(&mut [d], &[0]));
+        sids.push(c.send_buf(&mut src, 0));
+    }
+    wait(|| c.recv.test(rids[0])).unwrap();
+    rids.remove(0);
+    let last = dsts.last_mut().unwrap();
+    rids.push(c.irecv(&mut [last], &[0]));
+    // Slot 0 holds an untested send: the 33rd send must wait for it.
+    for _ in 0..1000 {
+        assert_eq!(c.send.isend(src.whole(), 0, src.keys()).unwrap(), None);
+    }
+    wait(|| c.send.test(sids[0])).unwrap();
+    let s = c.send_buf(&mut src, 0);
+    wait(|| c.send.test(s)).unwrap();
+}
+
+#[test]
+fn messages_split_over_qps_arrive_intact() {
+    let c = connect(ConnParams {
+        qps_per_connection: 4,
+        split_data: true,
+        ..params()
+    });
+    for (i, len) in [1, SPLIT_ALIGN * 4 - 1, SPLIT_ALIGN * 4 + 1, 100_003]
+        .into_iter()
+        .enumerate()
+    {
+        one_message(&c, len, i as u64 + 100);
+    }
+    // A split grouped receive.
+    let mut d1 = c.buf(false, 5000, 0);
+    let mut d2 = c.buf(false, 700, 0);
+    let r = c.irecv(&mut [&mut d1, &mut d2], &[1, 2]);
+    let mut s1 = c.buf(true, 5000, 1);
+    let mut s2 = c.buf(true, 700, 2);
+    let a = c.send_buf(&mut s2, 2);
+    let b = c.send_buf(&mut s1, 1);
+    wait(|| c.send.test(a)).unwrap();
+    wait(|| c.send.test(b)).unwrap();
+    assert_eq!(&wait(|| c.recv.test(r)).unwrap().sizes[..2], &[5000, 700]);
+    assert_eq!(d1.mem.bytes(), TestMem::pattern(5000, 1));
+    assert_eq!(d2.mem.bytes(), TestMem::pattern(700, 2));
+}
+
+#[test]
+fn messages_take_turns_over_qps_without_split() {
+    let c = connect(ConnParams {
+        qps_per_connection: 3,
+        ..params()
+    });
+    assert_eq!(c.send.qpns().len(), 3);
+    for i in 0..10 {
+        one_message(&c, 1000 + i, i as u64);
+    }
+}
+
+#[test]
+fn split_setting_mismatch_uses_the_receivers() {
+    // Had the sender split while the receiver posted one receive per message, writes with
+    // immediate would land on QPs with no receive (receiver not ready for ever).
+    for (tx_split, rx_split) in [(true, false), (false, true)] {
+        let tx = ConnParams {
+            qps_per_connection: 4,
+            split_data: tx_split,
+            ..params()
+        };
+        let rx = ConnParams {
+            split_data: rx_split,
+            ..tx
+        };
+        let c = connect_with(tx, rx);
+        for i in 0..6 {
+            one_message(&c, 10_000 + i, i as u64 + 1);
+        }
+    }
+}
+
+#[test]
+fn a_send_larger_than_its_receive_fails_on_both_sides() {
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 65, 1);
+    let r = c.irecv(&mut [&mut dst], &[3]);
+    let e = c.isend(src.whole(), src.keys(), 3).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidUsage);
+    assert!(e.to_string().contains("65 bytes"), "{e}");
+    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+    // The comm stays failed: a later send is an error, not a wait.
+    assert!(c.send.isend(src.whole(), 3, src.keys()).is_err());
+}
+
+#[test]
+fn a_truncated_first_send_of_a_group_fails_the_receive_while_the_sender_lives() {
+    let c = connect(params());
+    let mut a = c.buf(false, 64, 0);
+    let mut b = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut a, &mut b], &[1, 2]);
+    let mut big = c.buf(true, 128, 1);
+    let e = c.isend(big.whole(), big.keys(), 1).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidUsage);
+    // The second send never comes (the comm failed); the receive must fail, not wait.
+    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    assert!(e.to_string().contains("more bytes than the receive"), "{e}");
+}
+
+#[test]
+fn a_truncated_last_send_of_a_group_fails_the_receive_and_the_first_completes() {
+    let c = connect(params());
+    let mut a = c.buf(false, 64, 0);
+    let mut b = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut a, &mut b], &[1, 2]);
+    let mut ok = c.buf(true, 64, 1);
+    let mut big = c.buf(true, 65, 2);
+    let first = c.send_buf(&mut ok, 2);
+    assert!(c.isend(big.whole(), big.keys(), 1).is_err());
+    assert_eq!(wait(|| c.send.test(first)).unwrap(), Completion::single(64));
+    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+}
+
+#[test]
+fn clear_to_sends_are_batched_while_the_receiver_polls() {
+    let c = connect(ConnParams {
+        cts_batch: 8,
+        ..params()
+    });
+    let n = 200;
+    let mut dsts: Vec<Buf> = (0..4).map(|_| c.buf(false, 32, 0)).collect();
+    let mut src = c.buf(true, 32, 5);
+    let mut posted = std::collections::VecDeque::new();
+    let mut received = 0;
+    let mut sent = 0;
+    // A proxy loop: keep receives posted ahead, test the oldest, send when possible.
+    while received < n {
+        while posted.len() < 4 && received + posted.len() < n {
+            let k = (received + posted.len()) % 4;
+            let d = &mut dsts[k];
+            let (b, keys) = (d.whole(), d.keys());
+            let Some(id) = c.recv.irecv(&[b], &[0], &[keys]).unwrap() else {
+                break;
+            };
+            posted.push_back(id);
+        }
+        if sent < n {
+            if let Some(s) = c.send.isend(src.whole(), 0, src.keys()).unwrap() {
+                wait(|| c.send.test(s)).unwrap();
+                sent += 1;
+            }
+        }
+        if let Some(&oldest) = posted.front() {
+            if let Some(done) = c.recv.test(oldest).unwrap() {
+                assert_eq!(done.sizes[0], 32);
+                posted.pop_front();
+                received += 1;
+            }
+        }
+    }
+    let (writes, entries) = c.recv.cts_counts();
+    assert_eq!(entries, n as u64);
+    assert!(
+        writes < entries,
+        "batching engaged: {writes} writes for {entries} receives"
+    );
+    assert_eq!(dsts[0].mem.bytes(), TestMem::pattern(32, 5));
+}
+
+#[test]
+fn clear_to_sends_go_one_per_receive_at_batch_1_and_back_to_back() {
+    let c = connect(params());
+    for i in 0..20 {
+        one_message(&c, 16, i);
+    }
+    assert_eq!(c.recv.cts_counts(), (20, 20));
+    // With a batch, receives posted back to back (not polled in between) go out at once.
+    let c = connect(ConnParams {
+        cts_batch: 8,
+        ..params()
+    });
+    let mut d: Vec<Buf> = (0..3).map(|_| c.buf(false, 16, 0)).collect();
+    for b in d.iter_mut() {
+        c.irecv(&mut [b], &[0]);
+    }
+    assert_eq!(c.recv.cts_counts(), (3, 3));
+}
+
+#[test]
+fn sequence_numbers_cross_2_pow_32_without_a_hitch() {
+    let c = connect(ConnParams {
+        qps_per_connection: 2,
+        ..params()
+    });
+    let start = (1u64 << 32) - 40;
+    c.send.skip_to(start);
+    c.recv.skip_to(start);
+    for i in 0..100u64 {
+        if i % 3 == 0 {
+            let mut a = c.buf(false, 40, 0);
+            let mut b = c.buf(false, 50, 0);
+            let r = c.irecv(&mut [&mut a, &mut b], &[1, 2]);
+            let mut sa = c.buf(true, 40, i);
+            let mut sb = c.buf(true, 50, i + 1000);
+            let x = c.send_buf(&mut sb, 2);
+            let y = c.send_buf(&mut sa, 1);
+            wait(|| c.send.test(x)).unwrap();
+            wait(|| c.send.test(y)).unwrap();
+            assert_eq!(&wait(|| c.recv.test(r)).unwrap().sizes[..2], &[40, 50]);
+            assert_eq!(a.mem.bytes(), TestMem::pattern(40, i));
+            assert_eq!(b.mem.bytes(), TestMem::pattern(50, i + 1000));
+        } else {
+            one_message(&c, 24, i);
+        }
+    }
+}
+
+#[test]
+fn a_stale_entry_from_2_pow_32_receives_ago_never_matches() {
+    let c = connect(params());
+    let s0 = 5u64;
+    c.send.skip_to(s0);
+    c.recv.skip_to(s0);
+    // Receive s0: a group of two in slot s0 % 32, completed.
+    let mut old_a = c.buf(false, 16, 0);
+    let mut old_b = c.buf(false, 16, 0);
+    let r = c.irecv(&mut [&mut old_a, &mut old_b], &[1, 2]);
+    let mut src_a = c.buf(true, 16, 1);
+    let mut src_b = c.buf(true, 16, 2);
+    let ids = [c.send_buf(&mut src_a, 1), c.send_buf(&mut src_b, 2)];
+    for s in ids {
+        wait(|| c.send.test(s)).unwrap();
+    }
+    wait(|| c.recv.test(r)).unwrap();
+    // 2^32 receives later the same slot announces a new group, whose write has placed its
+    // first entry but not yet the second, which still holds receive s0's.
+    let later = s0 + (1 << 32);
+    c.send.skip_to(later);
+    c.recv.skip_to(later);
+    c.fabric.hold(true);
+    let mut new_a = c.buf(false, 16, 0);
+    let mut new_b = c.buf(false, 16, 0);
+    let r = c.irecv(&mut [&mut new_a, &mut new_b], &[1, 2]);
+    c.fabric.place_partial(32);
+    let mut src = c.buf(true, 16, 3);
+    let (b, k) = (src.whole(), src.keys());
+    for _ in 0..1000 {
+        assert_eq!(
+            c.send.isend(b, 2, k).unwrap(),
+            None,
+            "the second entry has not landed: it must not match its stale predecessor"
+        );
+    }
+    c.fabric.hold(false);
+    let ids = [c.isend(b, k, 2).unwrap(), c.send_buf(&mut src_a, 1)];
+    for s in ids {
+        wait(|| c.send.test(s)).unwrap();
+    }
+    assert_eq!(&wait(|| c.recv.test(r)).unwrap().sizes[..2], &[16, 16]);
+    assert_eq!(
+        new_b.mem.bytes(),
+        TestMem::pattern(16, 3),
+        "the new buffer got the data"
+    );
+    assert_eq!(
+        old_b.mem.bytes(),
+        TestMem::pattern(16, 2),
+        "the old one was not touched"
+    );
+}
+
+#[test]
+fn a_half_placed_clear_to_send_is_not_yet() {
+    let c = connect(params());
+    c.fabric.hold(true);
+    let mut dst = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut dst], &[4]);
+    // Everything but the sequence number (the last 8 bytes of the entry).
+    c.fabric.place_partial(24);
+    let mut src = c.buf(true, 64, 8);
+    for _ in 0..100 {
+        assert_eq!(c.send.isend(src.whole(), 4, src.keys()).unwrap(), None);
+    }
+    c.fabric.hold(false);
+    let s = c.send_buf(&mut src, 4);
+    wait(|| c.send.test(s)).unwrap();
+    wait(|| c.recv.test(r)).unwrap();
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 8));
+}
+
+#[test]
+fn a_failed_write_is_an_error_naming_peer_operation_and_status() {
+    let c = connect(params());
+    let qpn = c.send.qpns()[0];
+    c.fabric.fail_next(qpn, REMOTE_ACCESS_ERROR);
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 1);
+    c.irecv(&mut [&mut dst], &[0]);
+    let s = c.send_buf(&mut src, 0);
+    let e = wait_error(Duration::from_secs(5), || c.send.test(s));
+    assert_eq!(e.kind(), ErrorKind::Remote);
+    let msg = e.to_string();
+    for part in [
+        "data RDMA write",
+        "127.0.0.1",
+        "fake1",
+        "fake0",
+        "remote access error",
+    ] {
+        assert!(msg.contains(part), "{part:?} missing in: {msg}");
+    }
+    // The comm stays failed.
+    assert!(c.send.isend(src.whole(), 0, src.keys()).is_err());
+}
+
+#[test]
+fn a_receiver_whose_clear_to_send_fails_gets_an_error() {
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    // The receiver's QP towards the sender: its clear-to-send writes fail.
+    c.fabric.cut(&c.rx_nic, Some(Cut::Fail(RETRY_EXCEEDED)));
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    assert!(e.to_string().contains("clear-to-send RDMA write"), "{e}");
+    assert!(e.to_string().contains("retry exceeded"), "{e}");
+}
+
+#[test]
+fn a_peer_that_closes_fails_the_waiting_side() {
+    // Receiver waits, sender closes.
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    drop(c.send);
+    let e = wait_error(Duration::from_secs(10), || c.recv.test(r));
+    assert_eq!(e.kind(), ErrorKind::Remote);
+    assert!(e.to_string().contains("closed its connection"), "{e}");
+    // Sender waits for a clear-to-send, receiver closes.
+    let c = connect(params());
+    let mut src = c.buf(true, 64, 0);
+    drop(c.recv);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let e = loop {
+        match c.send.isend(src.whole(), 0, src.keys()) {
+            Err(e) => break e,
+            Ok(None) => assert!(Instant::now() < deadline, "no error"),
+            Ok(Some(_)) => panic!("posted to a closed peer"),
+        }
+    };
+    assert!(e.to_string().contains("closed its connection"), "{e}");
+}
+
+fn watchdog_params() -> ConnParams {
+    ConnParams {
+        work_timeout: Some(Duration::from_millis(300)),
+        ..params()
+    }
+}
+
+#[test]
+fn a_cut_link_that_never_answers_fails_a_posted_send_within_the_work_timeout() {
+    let c = connect(watchdog_params());
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 1);
+    c.irecv(&mut [&mut dst], &[0]);
+    c.fabric.cut(&c.tx_nic, Some(Cut::Silent));
+    let t0 = Instant::now();
+    let s = c.send_buf(&mut src, 0);
+    let e = wait_error(Duration::from_secs(10), || c.send.test(s));
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_millis(300), "{took:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("NCCL_ERDMA_WORK_TIMEOUT_S") && msg.contains("fake0"),
+        "{msg}"
+    );
+    assert!(msg.contains("127.0.0.1"), "names the peer: {msg}");
+}
+
+#[test]
+fn a_receiver_waiting_on_a_dead_link_probes_and_fails() {
+    let c = connect(watchdog_params());
+    let mut dst = c.buf(false, 64, 0);
+    c.fabric.cut(&c.rx_nic, Some(Cut::Silent));
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    let t0 = Instant::now();
+    let e = wait_error(Duration::from_secs(10), || c.recv.test(r));
+    assert!(t0.elapsed() >= Duration::from_millis(300));
+    assert!(e.to_string().contains("has not completed"), "{e}");
+}
+
+#[test]
+fn a_sender_waiting_for_a_clear_to_send_on_a_dead_link_probes_and_fails() {
+    let c = connect(watchdog_params());
+    c.fabric.cut(&c.tx_nic, Some(Cut::Silent));
+    let mut src = c.buf(true, 64, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let e = loop {
+        match c.send.isend(src.whole(), 0, src.keys()) {
+            Err(e) => break e,
+            Ok(None) => assert!(Instant::now() < deadline, "no error"),
+            Ok(Some(_)) => panic!("nothing was announced"),
+        }
+    };
+    assert!(e.to_string().contains("has not completed"), "{e}");
+}
+
+#[test]
+fn a_waiting_comm_on_a_live_link_never_trips_the_watchdog() {
+    let c = connect(watchdog_params());
+    let mut dst = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    // The peer sends nothing for 4 work timeouts: probes complete, no error.
+    let until = Instant::now() + Duration::from_millis(1200);
+    while Instant::now() < until {
+        assert_eq!(c.recv.test(r).unwrap(), None);
+    }
+    let mut src = c.buf(true, 64, 6);
+    let s = c.send_buf(&mut src, 0);
+    wait(|| c.send.test(s)).unwrap();
+    wait(|| c.recv.test(r)).unwrap();
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 6));
+}
+
+#[test]
+fn a_link_that_flaps_inside_the_work_timeout_loses_nothing() {
+    let c = connect(ConnParams {
+        work_timeout: Some(Duration::from_secs(5)),
+        ..params()
+    });
+    let mut dst = c.buf(false, 4096, 0);
+    let mut src = c.buf(true, 4096, 12);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    c.fabric.cut(&c.tx_nic, Some(Cut::Silent));
+    let s = c.send_buf(&mut src, 0);
+    for _ in 0..5000 {
+        assert_eq!(c.send.test(s).unwrap(), None);
+    }
+    c.fabric.cut(&c.tx_nic, None);
+    wait(|| c.send.test(s)).unwrap();
+    wait(|| c.recv.test(r)).unwrap();
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(4096, 12));
+}
+
+#[test]
+fn a_fatal_asynchronous_event_fails_the_comm() {
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    c.fabric.fatal_event(&c.rx_nic, None, "device fatal");
+    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    assert!(
+        e.to_string()
+            .contains("fatal asynchronous event: fake1: device fatal"),
+        "{e}"
+    );
+}
+
+#[test]
+fn flushes_complete_and_reuse_their_slots_and_a_33rd_is_refused() {
+    let c = connect(ConnParams {
+        flush: true,
+        ..params()
+    });
+    let mut dst = c.buf(false, 64, 0);
+    let keys = [dst.keys()];
+    let bufs = [dst.whole()];
+    let mut held = Vec::new();
+    for _ in 0..SLOTS {
+        held.push(
+            c.recv
+                .iflush(&bufs, &keys)
+                .unwrap()
+                .expect("a flush request"),
+        );
+    }
+    let e = c.recv.iflush(&bufs, &keys).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidUsage);
+    assert!(held.iter().all(|&id| id >= FLUSH_ID_BASE));
+    assert_eq!(wait(|| c.recv.test(held[3])).unwrap(), Completion::EMPTY);
+    let again = c.recv.iflush(&bufs, &keys).unwrap().unwrap();
+    assert_eq!(again, held[3], "the freed slot is taken");
+    // Nothing to flush: no request.
+    let empty = [UserBuffer::EMPTY];
+    assert_eq!(c.recv.iflush(&empty, &keys).unwrap(), None);
+    // Without GPUDirect there is no flush QP: no request either.
+    let plain = connect(params());
+    assert_eq!(plain.recv.iflush(&bufs, &keys).unwrap(), None);
+}
+
+#[test]
+fn gpu_memory_is_never_inlined() {
+    let c = connect(params());
+    // 8 bytes (one write) and a group of two small ones (chained writes).
+    let mut src = c.buf(true, 64, 21);
+    c.fabric.device_memory(src.mem.addr(), 64);
+    let gpu = MemKeys {
+        host: false,
+        ..src.keys()
+    };
+    let mut d1 = c.buf(false, 8, 0);
+    let r = c.irecv(&mut [&mut d1], &[0]);
+    let s = c.isend(src.mem.slice(0, 8), gpu, 0).unwrap();
+    wait(|| c.send.test(s)).unwrap();
+    wait(|| c.recv.test(r)).unwrap();
+    assert_eq!(d1.mem.bytes(), TestMem::pattern(64, 21)[..8].to_vec());
+    let mut d2 = c.buf(false, 16, 0);
+    let mut d3 = c.buf(false, 16, 0);
+    let r = c.irecv(&mut [&mut d2, &mut d3], &[1, 2]);
+    let a = c.isend(src.mem.slice(0, 16), gpu, 1).unwrap();
+    let b = c.isend(src.mem.slice(16, 16), gpu, 2).unwrap();
+    wait(|| c.send.test(a)).unwrap();
+    wait(|| c.send.test(b)).unwrap();
+    wait(|| c.recv.test(r)).unwrap();
+    assert_eq!(d3.mem.bytes(), TestMem::pattern(64, 21)[16..32].to_vec());
+}
+
+#[test]
+fn testing_a_request_that_is_not_in_flight_is_misuse() {
+    let c = connect(params());
+    for e in [
+        c.send.test(0).unwrap_err(),
+        c.send.test(SLOTS * MAX_RECVS + 5).unwrap_err(),
+        c.recv.test(3).unwrap_err(),
+        c.recv.test(FLUSH_ID_BASE + 1).unwrap_err(),
+    ] {
+        assert_eq!(e.kind(), ErrorKind::Internal, "{e}");
+        assert!(e.to_string().contains("not in flight"), "{e}");
+    }
+    // A request reported done once is not in flight any more.
+    one_message(&c, 8, 1);
+    assert!(c.recv.test(0).is_err());
+}
+
+#[test]
+fn a_connect_to_a_device_of_another_link_layer_is_refused_with_both_names() {
+    let fabric = Fabric::new();
+    let tx = fabric.nic("fake0");
+    let rx = fabric.nic_with_link_layer("ib0", crate::verbs::device::LINK_LAYER_IB);
+    let e = match try_connect(&tx, &rx, params(), params()) {
+        Err(e) => e,
+        Ok(_) => panic!("connected across link layers"),
+    };
+    let msg = e.to_string();
+    assert!(msg.contains("link layer mismatch"), "{msg}");
+    assert!(msg.contains("NCCL_IB_HCA"), "{msg}");
+}

@@ -1,0 +1,620 @@
+//! An in-memory RDMA fabric for unit tests. Its NICs implement [`Nic`]: QPs, CQs and
+//! registrations live in one shared table, and work requests are carried out by copying
+//! bytes, with the semantics the verbs transport relies on:
+//! - RDMA WRITE, WRITE WITH IMMEDIATE (which consumes a receive posted on the remote QP and
+//!   completes it there with the immediate) and RDMA READ, checked against the local and
+//!   remote keys and ranges as a NIC checks them;
+//! - completions for signaled requests, and for every failed one; a failure moves the QP to
+//!   the error state, and what follows on it is flushed;
+//! - per-QP order: a WRITE WITH IMMEDIATE that finds no receive waits (receiver not ready,
+//!   retried for ever as with `rnr_retry = 7`), and so does everything posted after it.
+//!
+//! and the faults of a real network: work held back and placed later, or only in part
+//! ([`Fabric::hold`], [`Fabric::place_partial`]), a link cut that makes
+//! work never complete (a device retrying for ever) or fail ([`Fabric::cut`]), a QP that
+//! fails, a fatal asynchronous event, and GPU memory the CPU cannot read (inline data from it
+//! is a crash on real hardware, a panic here).
+
+use std::{
+    collections::{HashMap, VecDeque},
+    sync::Arc,
+};
+
+use parking_lot::Mutex;
+use rdma_sys::*;
+
+use super::nic::{LocalPort, MemoryRegion, Nic, QueuePair};
+use super::resources::{QpPath, RemoteQp};
+use crate::error::{Error, Result};
+
+/// `IBV_WC_REM_ACCESS_ERR`.
+pub const REMOTE_ACCESS_ERROR: u32 = ibv_wc_status::IBV_WC_REM_ACCESS_ERR;
+/// `IBV_WC_RETRY_EXC_ERR`.
+pub const RETRY_EXCEEDED: u32 = ibv_wc_status::IBV_WC_RETRY_EXC_ERR;
+/// `IBV_WC_WR_FLUSH_ERR`.
+pub const FLUSHED: u32 = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+const LOCAL_PROTECTION_ERROR: u32 = ibv_wc_status::IBV_WC_LOC_PROT_ERR;
+
+/// How a cut link behaves.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cut {
+    /// Work never completes: a device that retries for ever.
+    Silent,
+    /// Work fails with this `ibv_wc_status` (e.g. [`RETRY_EXCEEDED`]).
+    Fail(u32),
+}
+
+/// One posted send work request, as the fabric carries it out.
+#[derive(Debug, Clone)]
+struct Op {
+    qpn: u32,
+    wr_id: u64,
+    opcode: u32,
+    signaled: bool,
+    /// Local memory: (address, length, lkey).
+    local: (u64, u32, u32),
+    /// Data copied at post time (IBV_SEND_INLINE).
+    inline: Option<Vec<u8>>,
+    remote: (u64, u32),
+    /// Immediate, in network order as the work request carries it.
+    imm_be: u32,
+    /// Bytes already placed by [`Fabric::place_partial`].
+    placed: usize,
+}
+
+struct QpEntry {
+    nic: usize,
+    cq: u32,
+    remote: Option<u32>,
+    recvs: VecDeque<u64>,
+    error: bool,
+    /// The next work request fails with this status.
+    fail_next: Option<u32>,
+}
+
+struct MrEntry {
+    nic: usize,
+    addr: usize,
+    len: usize,
+}
+
+struct NicEntry {
+    gid: [u8; 16],
+    cut: Option<Cut>,
+}
+
+#[derive(Default)]
+struct World {
+    nics: Vec<NicEntry>,
+    qps: HashMap<u32, QpEntry>,
+    mrs: HashMap<u32, MrEntry>,
+    cqs: HashMap<u32, VecDeque<ibv_wc>>,
+    queue: VecDeque<Op>,
+    hold: bool,
+    next_id: u32,
+    /// Fatal asynchronous events: (NIC, QP or None for the whole device, description).
+    fatal: Vec<(usize, Option<u32>, String)>,
+    /// Address ranges that are GPU memory.
+    device_memory: Vec<(usize, usize)>,
+}
+
+/// What happened to an op this pass.
+enum Outcome {
+    Done,
+    /// Cannot proceed yet (no receive posted, link silent): stays queued, blocks its QP.
+    Wait,
+}
+
+impl World {
+    fn id(&mut self) -> u32 {
+        self.next_id += 1;
+        self.next_id
+    }
+
+    fn complete(&mut self, cq: u32, wc: ibv_wc) {
+        if let Some(q) = self.cqs.get_mut(&cq) {
+            q.push_back(wc);
+        }
+    }
+
+    fn wc(wr_id: u64, status: u32, opcode: u32, qpn: u32) -> ibv_wc {
+        // SAFETY: all-zero is a valid work completion.
+        let mut wc: ibv_wc = unsafe { std::mem::zeroed() };
+        wc.wr_id = wr_id;
+        wc.status = status;
+        wc.opcode = opcode;
+        wc.qp_num = qpn;
+        wc
+    }
+
+    fn covers(&self, key: u32, nic: usize, addr: u64, len: usize) -> bool {
+        len == 0
+            || self.mrs.get(&key).is_some_and(|m| {
+                m.nic == nic
+                    && addr as usize >= m.addr
+                    && (addr as usize).saturating_add(len) <= m.addr + m.len
+            })
+    }
+
+    /// Fails `op` with `status`: its QP goes to the error state.
+    fn fail(&mut self, op: &Op, status: u32) {
+        let Some(qp) = self.qps.get_mut(&op.qpn) else {
+            return;
+        };
+        qp.error = true;
+        let cq = qp.cq;
+        let wc = Self::wc(op.wr_id, status, wc_opcode(op.opcode), op.qpn);
+        self.complete(cq, wc);
+    }
+
+    fn execute(&mut self, op: &mut Op) -> Outcome {
+        let Some(qp) = self.qps.get(&op.qpn) else {
+            return Outcome::Done; // destroyed: its work is gone
+        };
+        let (nic, cq, remote, error, fail_next) =
+            (qp.nic, qp.cq, qp.remote, qp.error, qp.fail_next);
+        if error {
+            self.fail(op, FLUSHED);
+            return Outcome::Done;
+        }
+        if let Some(status) = fail_next {
+            self.qps.get_mut(&op.qpn).expect("present").fail_next = None;
+            self.fail(op, status);
+            return Outcome::Done;
+        }
+        let Some(rqpn) = remote else {
+            self.fail(op, RETRY_EXCEEDED);
+            return Outcome::Done;
+        };
+        let Some(rnic) = self.qps.get(&rqpn).map(|r| r.nic) else {
+            // The peer's QP is gone: nothing acknowledges, the retries run out.
+            self.fail(op, RETRY_EXCEEDED);
+            return Outcome::Done;
+        };
+        match self.nics[nic].cut.or(self.nics[rnic].cut) {
+            Some(Cut::Silent) => return Outcome::Wait,
+            Some(Cut::Fail(status)) => {
+                self.fail(op, status);
+                return Outcome::Done;
+            }
+            None => {}
+        }
+        let len = op.local.1 as usize;
+        let (laddr, lkey) = (op.local.0, op.local.2);
+        if op.inline.is_none() && !self.covers(lkey, nic, laddr, len) {
+            self.fail(op, LOCAL_PROTECTION_ERROR);
+            return Outcome::Done;
+        }
+        if !self.covers(op.remote.1, rnic, op.remote.0, len) {
+            self.fail(op, REMOTE_ACCESS_ERROR);
+            return Outcome::Done;
+        }
+        let with_imm = op.opcode == ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
+        if with_imm && self.qps[&rqpn].recvs.is_empty() {
+            return Outcome::Wait;
+        }
+        if op.opcode == ibv_wr_opcode::IBV_WR_RDMA_READ {
+            copy(
+                op.remote.0 as usize + op.placed,
+                laddr as usize + op.placed,
+                len - op.placed,
+            );
+        } else {
+            match &op.inline {
+                Some(data) => copy_from(&data[op.placed..], op.remote.0 as usize + op.placed),
+                None => copy(
+                    laddr as usize + op.placed,
+                    op.remote.0 as usize + op.placed,
+                    len - op.placed,
+                ),
+            }
+        }
+        op.placed = len;
+        if with_imm {
+            let r = self.qps.get_mut(&rqpn).expect("checked above");
+            let recv_id = r.recvs.pop_front().expect("checked above");
+            let rcq = r.cq;
+            let mut wc = Self::wc(recv_id, 0, ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM, rqpn);
+            wc.wc_flags = ibv_wc_flags::IBV_WC_WITH_IMM.0;
+            wc.imm_data_invalidated_rkey_union.imm_data = op.imm_be;
+            wc.byte_len = len as u32;
+            self.complete(rcq, wc);
+        }
+        if op.signaled {
+            let wc = Self::wc(op.wr_id, 0, wc_opcode(op.opcode), op.qpn);
+            self.complete(cq, wc);
+        }
+        Outcome::Done
+    }
+
+    /// Carries out queued work in order, each QP's in its own order; returns how many ops
+    /// ran. Stops early at `limit`.
+    fn deliver(&mut self, limit: usize) -> usize {
+        let mut ran = 0;
+        let mut blocked: Vec<u32> = Vec::new();
+        let mut i = 0;
+        while i < self.queue.len() && ran < limit {
+            let qpn = self.queue[i].qpn;
+            if blocked.contains(&qpn) {
+                i += 1;
+                continue;
+            }
+            let mut op = self.queue[i].clone();
+            match self.execute(&mut op) {
+                Outcome::Done => {
+                    self.queue.remove(i);
+                    ran += 1;
+                }
+                Outcome::Wait => {
+                    self.queue[i] = op;
+                    blocked.push(qpn);
+                    i += 1;
+                }
+            }
+        }
+        ran
+    }
+}
+
+fn wc_opcode(wr_opcode: u32) -> u32 {
+    if wr_opcode == ibv_wr_opcode::IBV_WR_RDMA_READ {
+        ibv_wc_opcode::IBV_WC_RDMA_READ
+    } else {
+        ibv_wc_opcode::IBV_WC_RDMA_WRITE
+    }
+}
+
+fn copy(from: usize, to: usize, len: usize) {
+    if len > 0 {
+        // SAFETY: both ranges were checked against live registrations, whose owners keep the
+        // memory valid while registered (the contract of a real NIC too); ranges of one
+        // registration may overlap, hence `copy` rather than `copy_nonoverlapping`.
+        unsafe { std::ptr::copy(from as *const u8, to as *mut u8, len) };
+    }
+}
+
+fn copy_from(data: &[u8], to: usize) {
+    // SAFETY: the target range was checked against a live registration.
+    unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), to as *mut u8, data.len()) };
+}
+
+/// A set of NICs that can reach each other.
+#[derive(Clone, Default)]
+pub struct Fabric {
+    world: Arc<Mutex<World>>,
+}
+
+impl Fabric {
+    /// An empty fabric; work is carried out as it is posted (as on Soft-RoCE).
+    pub fn new() -> Self {
+        Fabric::default()
+    }
+
+    /// A new RoCE NIC on the fabric, with its own GID.
+    pub fn nic(&self, name: &str) -> Arc<FakeNic> {
+        self.nic_with_link_layer(name, super::device::LINK_LAYER_ETHERNET)
+    }
+
+    /// A new NIC with link layer `link_layer` (IB or Ethernet).
+    pub fn nic_with_link_layer(&self, name: &str, link_layer: u8) -> Arc<FakeNic> {
+        let mut w = self.world.lock();
+        let index = w.nics.len();
+        let mut gid = [0u8; 16];
+        gid[10] = 0xff;
+        gid[11] = 0xff;
+        gid[12..].copy_from_slice(&[198, 18, index as u8 + 1, 1]);
+        w.nics.push(NicEntry { gid, cut: None });
+        Arc::new(FakeNic {
+            world: Arc::clone(&self.world),
+            index,
+            local: LocalPort {
+                name: name.to_string(),
+                port: 1,
+                link_layer,
+                active_mtu: 3,
+                lid: 0,
+                gid_index: 1,
+                gid,
+            },
+        })
+    }
+
+    /// Holds posted work back (true), or carries it out as it is posted (false, the
+    /// default; held work runs at once).
+    pub fn hold(&self, on: bool) {
+        let mut w = self.world.lock();
+        w.hold = on;
+        if !on {
+            w.deliver(usize::MAX);
+        }
+    }
+
+    /// Places the first `bytes` of the oldest held write without completing it: a write
+    /// whose later bytes the NIC has not placed yet.
+    pub fn place_partial(&self, bytes: usize) {
+        let mut w = self.world.lock();
+        let Some(op) = w.queue.front_mut() else {
+            return;
+        };
+        let len = (op.local.1 as usize).min(bytes);
+        if len > op.placed {
+            let at = op.placed;
+            match &op.inline {
+                Some(d) => copy_from(&d[at..len], op.remote.0 as usize + at),
+                None => copy(
+                    op.local.0 as usize + at,
+                    op.remote.0 as usize + at,
+                    len - at,
+                ),
+            }
+            op.placed = len;
+        }
+    }
+
+    /// Cuts `nic`'s link (`Some`), or mends it (`None`, and held-back work runs).
+    pub fn cut(&self, nic: &FakeNic, how: Option<Cut>) {
+        let mut w = self.world.lock();
+        w.nics[nic.index].cut = how;
+        if how.is_none() && !w.hold {
+            w.deliver(usize::MAX);
+        }
+    }
+
+    /// Makes the next work request on QP `qpn` fail with `status`.
+    pub fn fail_next(&self, qpn: u32, status: u32) {
+        if let Some(q) = self.world.lock().qps.get_mut(&qpn) {
+            q.fail_next = Some(status);
+        }
+    }
+
+    /// Raises a fatal asynchronous event on `nic` (on QP `qpn`, or the whole device).
+    pub fn fatal_event(&self, nic: &FakeNic, qpn: Option<u32>, what: &str) {
+        self.world
+            .lock()
+            .fatal
+            .push((nic.index, qpn, what.to_string()));
+    }
+
+    /// Marks `addr..addr+len` as GPU memory: the CPU cannot read it.
+    pub fn device_memory(&self, addr: usize, len: usize) {
+        self.world.lock().device_memory.push((addr, len));
+    }
+}
+
+/// A NIC of a [`Fabric`].
+pub struct FakeNic {
+    world: Arc<Mutex<World>>,
+    index: usize,
+    local: LocalPort,
+}
+
+/// A QP of a [`FakeNic`]; destroyed on drop.
+pub struct FakeQp {
+    world: Arc<Mutex<World>>,
+    qpn: u32,
+    max_inline: u32,
+}
+
+/// A CQ of a [`FakeNic`].
+pub struct FakeCq {
+    world: Arc<Mutex<World>>,
+    id: u32,
+}
+
+/// A registration on a [`FakeNic`]; deregistered on drop.
+pub struct FakeMr {
+    world: Arc<Mutex<World>>,
+    key: u32,
+}
+
+impl QueuePair for FakeQp {
+    fn qpn(&self) -> u32 {
+        self.qpn
+    }
+    fn psn(&self) -> u32 {
+        self.qpn & 0xff_ffff
+    }
+    fn max_inline(&self) -> u32 {
+        self.max_inline
+    }
+}
+
+impl MemoryRegion for FakeMr {
+    fn lkey(&self) -> u32 {
+        self.key
+    }
+    fn rkey(&self) -> u32 {
+        self.key
+    }
+}
+
+impl Drop for FakeQp {
+    fn drop(&mut self) {
+        let mut w = self.world.lock();
+        w.qps.remove(&self.qpn);
+        let qpn = self.qpn;
+        w.queue.retain(|op| op.qpn != qpn);
+    }
+}
+
+impl Drop for FakeCq {
+    fn drop(&mut self) {
+        self.world.lock().cqs.remove(&self.id);
+    }
+}
+
+impl Drop for FakeMr {
+    fn drop(&mut self) {
+        self.world.lock().mrs.remove(&self.key);
+    }
+}
+
+impl Nic for FakeNic {
+    type Qp = FakeQp;
+    type Cq = FakeCq;
+    type Mr = FakeMr;
+
+    fn local(&self) -> &LocalPort {
+        &self.local
+    }
+
+    fn create_cq(&self, _entries: usize) -> Result<FakeCq> {
+        let mut w = self.world.lock();
+        let id = w.id();
+        w.cqs.insert(id, VecDeque::new());
+        Ok(FakeCq {
+            world: Arc::clone(&self.world),
+            id,
+        })
+    }
+
+    fn create_qp(&self, cq: &FakeCq, _send: u32, _recv: u32, max_inline: u32) -> Result<FakeQp> {
+        let mut w = self.world.lock();
+        let qpn = w.id();
+        w.qps.insert(
+            qpn,
+            QpEntry {
+                nic: self.index,
+                cq: cq.id,
+                remote: None,
+                recvs: VecDeque::new(),
+                error: false,
+                fail_next: None,
+            },
+        );
+        Ok(FakeQp {
+            world: Arc::clone(&self.world),
+            qpn,
+            max_inline,
+        })
+    }
+
+    fn connect_qp(&self, qp: &FakeQp, _path: &QpPath, remote: &RemoteQp) -> Result<()> {
+        let mut w = self.world.lock();
+        let gid_ok = w
+            .qps
+            .get(&remote.qpn)
+            .is_some_and(|r| w.nics[r.nic].gid == remote.gid);
+        if !gid_ok {
+            return Err(Error::Remote(format!(
+                "fake fabric: no QP {} behind the GID given",
+                remote.qpn
+            )));
+        }
+        w.qps.get_mut(&qp.qpn).expect("live QP").remote = Some(remote.qpn);
+        Ok(())
+    }
+
+    fn register(&self, addr: usize, len: usize) -> Result<FakeMr> {
+        let mut w = self.world.lock();
+        let key = w.id();
+        w.mrs.insert(
+            key,
+            MrEntry {
+                nic: self.index,
+                addr,
+                len,
+            },
+        );
+        Ok(FakeMr {
+            world: Arc::clone(&self.world),
+            key,
+        })
+    }
+
+    fn post_send(&self, qp: &FakeQp, wr: &mut ibv_send_wr) -> Result<()> {
+        let mut w = self.world.lock();
+        let mut p: *const ibv_send_wr = wr;
+        while !p.is_null() {
+            // SAFETY: `SendChain` hands us a chain of valid work requests linked by `next`.
+            let wr = unsafe { &*p };
+            let sge = if wr.num_sge > 0 {
+                // SAFETY: a request with an SGE points at a valid one.
+                let s = unsafe { &*wr.sg_list };
+                (s.addr, s.length, s.lkey)
+            } else {
+                (0, 0, 0)
+            };
+            let inline = (wr.send_flags & ibv_send_flags::IBV_SEND_INLINE.0 != 0).then(|| {
+                let (addr, len) = (sge.0 as usize, sge.1 as usize);
+                assert!(
+                    !w.device_memory
+                        .iter()
+                        .any(|&(a, l)| addr < a + l && a < addr + len),
+                    "inline data from GPU memory: the CPU cannot read it (a crash on a real NIC)"
+                );
+                // SAFETY: inline data is read by the CPU at post time, from memory the
+                // caller owns for the call.
+                unsafe { std::slice::from_raw_parts(addr as *const u8, len) }.to_vec()
+            });
+            w.queue.push_back(Op {
+                qpn: qp.qpn,
+                wr_id: wr.wr_id,
+                opcode: wr.opcode,
+                signaled: wr.send_flags & ibv_send_flags::IBV_SEND_SIGNALED.0 != 0,
+                local: sge,
+                inline,
+                // SAFETY: RDMA opcodes use the `rdma` member of the union.
+                remote: unsafe { (wr.wr.rdma.remote_addr, wr.wr.rdma.rkey) },
+                // SAFETY: the immediate member is plain data.
+                imm_be: unsafe { wr.imm_data_invalidated_rkey_union.imm_data },
+                placed: 0,
+            });
+            p = wr.next;
+        }
+        if !w.hold {
+            w.deliver(usize::MAX);
+        }
+        Ok(())
+    }
+
+    fn post_recv(&self, qp: &FakeQp, wr_id: u64) -> Result<()> {
+        let mut w = self.world.lock();
+        let q = w.qps.get_mut(&qp.qpn).expect("live QP");
+        if q.error {
+            let cq = q.cq;
+            let wc = World::wc(wr_id, FLUSHED, ibv_wc_opcode::IBV_WC_RECV, qp.qpn);
+            w.complete(cq, wc);
+            return Ok(());
+        }
+        q.recvs.push_back(wr_id);
+        if !w.hold {
+            w.deliver(usize::MAX);
+        }
+        Ok(())
+    }
+
+    fn poll_cq(&self, cq: &FakeCq, wcs: &mut [ibv_wc]) -> Result<usize> {
+        let mut w = self.world.lock();
+        let q = w.cqs.get_mut(&cq.id).expect("live CQ");
+        let n = wcs.len().min(q.len());
+        for wc in wcs.iter_mut().take(n) {
+            *wc = q.pop_front().expect("counted");
+        }
+        Ok(n)
+    }
+
+    fn drain_async_events(&self) -> u64 {
+        self.world.lock().fatal.len() as u64
+    }
+
+    fn fatal_for(&self, _cq: &FakeCq, qpns: &[u32]) -> Option<String> {
+        let w = self.world.lock();
+        w.fatal
+            .iter()
+            .find(|(nic, qpn, _)| *nic == self.index && qpn.is_none_or(|q| qpns.contains(&q)))
+            .map(|(_, _, what)| format!("{}: {what}", self.local.name))
+    }
+
+    fn status_str(&self, status: u32) -> String {
+        match status {
+            0 => "success",
+            ibv_wc_status::IBV_WC_LOC_PROT_ERR => "local protection error",
+            ibv_wc_status::IBV_WC_WR_FLUSH_ERR => "Work Request Flushed Error",
+            ibv_wc_status::IBV_WC_REM_ACCESS_ERR => "remote access error",
+            ibv_wc_status::IBV_WC_RETRY_EXC_ERR => "transport retry counter exceeded",
+            _ => "other error",
+        }
+        .to_string()
+    }
+}

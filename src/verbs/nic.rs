@@ -1,0 +1,171 @@
+//! The seam between the verbs transport's state machines and an RDMA device: the few things
+//! a connection does with a NIC (create a CQ and QPs, bring QPs up, register memory, post
+//! work requests, poll completions, learn of fatal asynchronous events). [`VerbsDevice`]
+//! implements it with libibverbs; unit tests use the in-memory fabric of [`super::fake`], so
+//! the transport's send and receive logic runs on any host.
+
+use rdma_sys::{ibv_send_wr, ibv_wc};
+
+use super::device::VerbsDevice;
+use super::dma::ACCESS_RDMA;
+use super::resources::{Cq, Mr, Qp, QpPath, RemoteQp};
+use crate::error::Result;
+
+/// What a connection needs to know about the local port it runs on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct LocalPort {
+    /// `name` reported to NCCL (`rxe0`, `erdma_0`; `:port` appended for ports > 1).
+    pub(crate) name: String,
+    /// Port number.
+    pub(crate) port: u8,
+    /// Link layer (`LINK_LAYER_IB` or `LINK_LAYER_ETHERNET`).
+    pub(crate) link_layer: u8,
+    /// Active MTU (`ibv_mtu`).
+    pub(crate) active_mtu: u32,
+    /// LID (IB).
+    pub(crate) lid: u16,
+    /// GID index used for RoCE.
+    pub(crate) gid_index: u8,
+    /// That GID.
+    pub(crate) gid: [u8; 16],
+}
+
+/// A queue pair as the transport sees it.
+pub(crate) trait QueuePair {
+    /// QP number.
+    fn qpn(&self) -> u32;
+    /// Initial send packet sequence number.
+    fn psn(&self) -> u32;
+    /// Inline data limit actually granted.
+    fn max_inline(&self) -> u32;
+}
+
+/// A memory registration as the transport sees it.
+pub(crate) trait MemoryRegion {
+    /// Local key.
+    fn lkey(&self) -> u32;
+    /// Remote key.
+    fn rkey(&self) -> u32;
+}
+
+/// An RDMA device as the verbs transport uses it.
+pub(crate) trait Nic: Send + Sync + 'static {
+    /// Its queue pairs.
+    type Qp: QueuePair + Send + Sync;
+    /// Its completion queues.
+    type Cq: Send + Sync;
+    /// Its memory registrations (deregistered on drop).
+    type Mr: MemoryRegion + Send + Sync;
+
+    /// The port connections run on.
+    fn local(&self) -> &LocalPort;
+    /// A CQ with room for `entries` completions.
+    fn create_cq(&self, entries: usize) -> Result<Self::Cq>;
+    /// An RC QP on `cq`, in the INIT state with remote read and write allowed.
+    fn create_qp(
+        &self,
+        cq: &Self::Cq,
+        send_wr: u32,
+        recv_wr: u32,
+        max_inline: u32,
+    ) -> Result<Self::Qp>;
+    /// INIT -> RTR -> RTS towards `remote`.
+    fn connect_qp(&self, qp: &Self::Qp, path: &QpPath, remote: &RemoteQp) -> Result<()>;
+    /// Registers `addr..addr+len` for local and remote read and write.
+    fn register(&self, addr: usize, len: usize) -> Result<Self::Mr>;
+    /// Posts a chain of send work requests (built by `SendChain`).
+    fn post_send(&self, qp: &Self::Qp, wr: &mut ibv_send_wr) -> Result<()>;
+    /// Posts one zero-SGE receive (a WRITE_WITH_IMM consumes one).
+    fn post_recv(&self, qp: &Self::Qp, wr_id: u64) -> Result<()>;
+    /// Polls up to `wcs.len()` completions; returns how many were written.
+    fn poll_cq(&self, cq: &Self::Cq, wcs: &mut [ibv_wc]) -> Result<usize>;
+    /// Reads pending asynchronous events; returns how many fatal ones were seen so far.
+    fn drain_async_events(&self) -> u64;
+    /// The fatal asynchronous event that breaks a comm polling `cq` with QPs `qpns`.
+    fn fatal_for(&self, cq: &Self::Cq, qpns: &[u32]) -> Option<String>;
+    /// `ibv_wc_status_str`.
+    fn status_str(&self, status: u32) -> String;
+}
+
+impl QueuePair for Qp {
+    fn qpn(&self) -> u32 {
+        Qp::qpn(self)
+    }
+    fn psn(&self) -> u32 {
+        self.psn
+    }
+    fn max_inline(&self) -> u32 {
+        self.max_inline
+    }
+}
+
+impl MemoryRegion for Mr {
+    fn lkey(&self) -> u32 {
+        Mr::lkey(self)
+    }
+    fn rkey(&self) -> u32 {
+        Mr::rkey(self)
+    }
+}
+
+impl Nic for VerbsDevice {
+    type Qp = Qp;
+    type Cq = std::sync::Arc<Cq>;
+    type Mr = Mr;
+
+    fn local(&self) -> &LocalPort {
+        &self.local
+    }
+
+    fn create_cq(&self, entries: usize) -> Result<Self::Cq> {
+        Cq::new(&self.ctx, entries.min(i32::MAX as usize) as i32)
+    }
+
+    fn create_qp(
+        &self,
+        cq: &Self::Cq,
+        send_wr: u32,
+        recv_wr: u32,
+        max_inline: u32,
+    ) -> Result<Self::Qp> {
+        let qp = Qp::new(&self.pd, cq, send_wr, recv_wr, max_inline)?;
+        qp.to_init(self.local.port, self.pkey_index, ACCESS_RDMA)?;
+        Ok(qp)
+    }
+
+    fn connect_qp(&self, qp: &Self::Qp, path: &QpPath, remote: &RemoteQp) -> Result<()> {
+        qp.to_rtr(path, remote)?;
+        qp.to_rts(path)
+    }
+
+    fn register(&self, addr: usize, len: usize) -> Result<Self::Mr> {
+        self.pd.reg_mr(addr, len, ACCESS_RDMA)
+    }
+
+    #[inline(always)]
+    fn post_send(&self, qp: &Self::Qp, wr: &mut ibv_send_wr) -> Result<()> {
+        qp.post_send(wr)
+    }
+
+    #[inline(always)]
+    fn post_recv(&self, qp: &Self::Qp, wr_id: u64) -> Result<()> {
+        qp.post_recv(wr_id)
+    }
+
+    #[inline(always)]
+    fn poll_cq(&self, cq: &Self::Cq, wcs: &mut [ibv_wc]) -> Result<usize> {
+        cq.poll(wcs)
+    }
+
+    fn drain_async_events(&self) -> u64 {
+        self.ctx.drain_async_events()
+    }
+
+    fn fatal_for(&self, cq: &Self::Cq, qpns: &[u32]) -> Option<String> {
+        self.ctx.fatal_for(cq, qpns)
+    }
+
+    fn status_str(&self, status: u32) -> String {
+        self.ctx.lib().status_str(status)
+    }
+}
