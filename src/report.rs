@@ -1,12 +1,14 @@
 //! What `nccl-net-erdma-info` reports: the plugin's view of this host, as the plugin would
 //! use it (devices, ports, GID choice, MTUs, speed, GPUDirect readiness, every setting and
-//! where it came from), and warnings that each carry their fix.
+//! where it came from, what NCCL would get), and warnings that each carry their fix. The
+//! report is data ([`Report`]'s fields, for `--json`) and text ([`Report::render`]).
 
 use std::fmt::Write as _;
 
-use crate::config::{AddrFamily, Config};
+use crate::config::{AddrFamily, Config, SETTINGS};
 use crate::oob::iface;
 use crate::plugin::Plugin;
+use crate::transport::verbs::profile;
 use crate::verbs::device::{self, VerbsDevice};
 use crate::verbs::VerbsLib;
 
@@ -19,11 +21,109 @@ pub struct Warning {
     pub fix: String,
 }
 
+/// One RDMA port as the plugin sees it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Port {
+    /// The name NCCL would see (`rxe0`, `mlx5_0:2`).
+    pub name: String,
+    /// Port number.
+    pub port: u8,
+    /// `ACTIVE`, `DOWN`, ...
+    pub state: String,
+    /// `Ethernet (RoCE v2)`, `InfiniBand`, ...
+    pub link_layer: String,
+    /// Kernel driver, if known.
+    pub driver: Option<String>,
+    /// PCI vendor id.
+    pub vendor_id: u32,
+    /// Active MTU in bytes.
+    pub active_mtu: u32,
+    /// The network interface behind the chosen GID, and its MTU.
+    pub netdev: Option<(String, Option<u32>)>,
+    /// The GID index chosen, and the address it holds.
+    pub gid_index: u8,
+    /// The chosen GID as an address.
+    pub gid: String,
+    /// `automatic` or `NCCL_IB_GID_INDEX`.
+    pub gid_source: String,
+    /// Speed reported to NCCL, and what the port itself says (Mbps).
+    pub speed_mbps: i32,
+    /// Speed the port reports (Mbps).
+    pub port_speed_mbps: i32,
+    /// PCI path, NUMA node.
+    pub pci_path: Option<String>,
+    /// NUMA node of the PCI device.
+    pub numa_node: Option<i32>,
+    /// `max_qp`.
+    pub max_qp: i32,
+    /// QPs per connection in effect, and why.
+    pub qps_per_connection: (u32, String),
+    /// Clear-to-send batch in effect, and why.
+    pub cts_batch: (u32, String),
+    /// Whether the plugin uses this port; if not, why.
+    pub used: Result<(), String>,
+}
+
+/// GPUDirect RDMA readiness.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GpuDirect {
+    /// An NVIDIA GPU is present.
+    pub gpu: bool,
+    /// Peer memory (nvidia_peermem) is loaded.
+    pub peermem: bool,
+    /// DMA-BUF registration works on a used device.
+    pub dmabuf: bool,
+}
+
+/// One setting: variable, value in effect, where it came from, what it does.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SettingEntry {
+    /// The environment variable.
+    pub name: String,
+    /// Its value as the user would write it.
+    pub value: String,
+    /// `env` or `default`.
+    pub source: String,
+    /// What it does.
+    pub doc: String,
+}
+
+/// One device as NCCL would get it (`getProperties`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NcclDevice {
+    /// Its index.
+    pub index: usize,
+    /// `name`.
+    pub name: String,
+    /// `speed` (Mbps).
+    pub speed_mbps: i32,
+    /// `ptrSupport`.
+    pub ptr_support: i32,
+}
+
 /// The whole report.
 #[derive(Debug, Default)]
 pub struct Report {
-    /// Titled sections of lines.
+    /// The plugin's version.
+    pub version: String,
+    /// The ABI versions the library exports.
+    pub abi: String,
+    /// Titled sections of lines (the text form).
     pub sections: Vec<(String, Vec<String>)>,
+    /// The bootstrap interface and address, when one was found.
+    pub bootstrap: Option<String>,
+    /// The libibverbs loaded, when one was.
+    pub libibverbs: Option<String>,
+    /// Every RDMA port.
+    pub ports: Vec<Port>,
+    /// GPUDirect RDMA readiness.
+    pub gpudirect: GpuDirect,
+    /// Every setting.
+    pub settings: Vec<SettingEntry>,
+    /// The transport `init` would pick, when it succeeds.
+    pub transport: Option<String>,
+    /// The devices NCCL would get.
+    pub nccl_devices: Vec<NcclDevice>,
     /// Problems found.
     pub warnings: Vec<Warning>,
     /// Whether the plugin's `init` succeeds with this environment.
@@ -98,8 +198,8 @@ fn mtu_ok(d: &VerbsDevice, mtu: u32) -> bool {
     }
 }
 
-fn describe_port(d: &VerbsDevice, config: &Config) -> String {
-    let layer = if d.is_roce() {
+fn port_report(d: &VerbsDevice, config: &Config) -> Port {
+    let link_layer = if d.is_roce() {
         match d.gid_roce_version() {
             Some(v) => format!("Ethernet (RoCE v{v})"),
             None => "Ethernet (RoCE)".to_string(),
@@ -107,51 +207,86 @@ fn describe_port(d: &VerbsDevice, config: &Config) -> String {
     } else {
         "InfiniBand".to_string()
     };
-    let netdev = match (&d.netdev, d.netdev_mtu) {
-        (Some(n), Some(m)) => format!("netdev {n} MTU {m}"),
-        (Some(n), None) => format!("netdev {n}"),
-        _ => "no netdev".into(),
+    let tuning = profile::tuning(config, d.class());
+    let used = if d.usable() {
+        Ok(())
+    } else if !d.selected {
+        Err("not selected by NCCL_IB_HCA".to_string())
+    } else {
+        Err("not usable".to_string())
+    };
+    Port {
+        name: d.name().to_string(),
+        port: d.local.port,
+        state: port_state(d.state).to_string(),
+        link_layer,
+        driver: d.driver.clone(),
+        vendor_id: d.vendor_id,
+        active_mtu: d.active_mtu_bytes(),
+        netdev: d.netdev.clone().map(|n| (n, d.netdev_mtu)),
+        gid_index: d.local.gid_index,
+        gid: d.gid_ip().to_string(),
+        gid_source: if config.gid_index.value >= 0 {
+            "NCCL_IB_GID_INDEX"
+        } else {
+            "automatic"
+        }
+        .to_string(),
+        speed_mbps: d.speed_mbps,
+        port_speed_mbps: d.port_speed_mbps,
+        pci_path: d.pci_path.clone(),
+        numa_node: d.numa_node,
+        max_qp: d.max_qp,
+        qps_per_connection: (
+            tuning.qps_per_connection.value,
+            tuning.qps_per_connection.source.to_string(),
+        ),
+        cts_batch: (tuning.cts_batch.value, tuning.cts_batch.source.to_string()),
+        used,
+    }
+}
+
+fn describe_port(d: &VerbsDevice, p: &Port, config: &Config) -> String {
+    let netdev = match &p.netdev {
+        Some((n, Some(m))) => format!("netdev {n} MTU {m}"),
+        Some((n, None)) => format!("netdev {n}"),
+        None => "no netdev".into(),
     };
     let speed = match config.speed_mbps.value {
         Some(s) => format!(
             "{s} Mbps (NCCL_ERDMA_SPEED_MBPS; port says {})",
-            d.port_speed_mbps
+            p.port_speed_mbps
         ),
-        None => format!("{} Mbps (from the port)", d.port_speed_mbps),
-    };
-    let gid_src = if config.gid_index.value >= 0 {
-        "NCCL_IB_GID_INDEX"
-    } else {
-        "automatic"
+        None => format!("{} Mbps (from the port)", p.port_speed_mbps),
     };
     format!(
-        "{} port {}: {} {layer}, driver {}, vendor {:#06x}\n    \
-         active MTU {} ({netdev}), GID index {} {} ({gid_src}), speed {speed}\n    \
-         PCI {}, NUMA node {}, max QPs {}, clear-to-send batch {}, {}",
+        "{} port {}: {} {}, driver {}, vendor {:#06x}\n    \
+         active MTU {} ({netdev}), GID index {} {} ({}), speed {speed}\n    \
+         PCI {}, NUMA node {}, max QPs {}, QPs per connection {} ({}), clear-to-send batch \
+         {}, {}",
         d.ibv_name,
-        d.local.port,
-        port_state(d.state),
-        d.driver.as_deref().unwrap_or(if d.pci_path.is_none() {
+        p.port,
+        p.state,
+        p.link_layer,
+        p.driver.as_deref().unwrap_or(if p.pci_path.is_none() {
             "none (a software device)"
         } else {
             "?"
         }),
-        d.vendor_id,
-        d.active_mtu_bytes(),
-        d.local.gid_index,
-        d.gid_ip(),
-        d.pci_path.as_deref().unwrap_or("none"),
-        d.numa_node.map_or("?".to_string(), |n| n.to_string()),
-        d.max_qp,
-        crate::transport::verbs::profile::tuning(config, d.class())
-            .cts_batch
-            .value,
-        if d.usable() {
-            "used by the plugin"
-        } else if !d.selected {
-            "not selected by NCCL_IB_HCA"
-        } else {
-            "not usable"
+        p.vendor_id,
+        p.active_mtu,
+        p.gid_index,
+        p.gid,
+        p.gid_source,
+        p.pci_path.as_deref().unwrap_or("none"),
+        p.numa_node.map_or("?".to_string(), |n| n.to_string()),
+        p.max_qp,
+        p.qps_per_connection.0,
+        p.qps_per_connection.1,
+        p.cts_batch.0,
+        match &p.used {
+            Ok(()) => "used by the plugin",
+            Err(why) => why,
         }
     )
 }
@@ -231,6 +366,11 @@ fn gpudirect(r: &mut Report, devices: &[VerbsDevice]) {
     let peermem = device::peermem_present();
     let dmabuf = devices.iter().filter(|d| d.usable()).any(|d| d.dmabuf);
     let gpu = has_nvidia_gpu();
+    r.gpudirect = GpuDirect {
+        gpu,
+        peermem,
+        dmabuf,
+    };
     r.section(
         "GPUDirect RDMA",
         vec![
@@ -264,12 +404,16 @@ fn gpudirect(r: &mut Report, devices: &[VerbsDevice]) {
 
 /// Builds the report from this process's environment.
 pub fn collect() -> Report {
-    let mut r = Report::default();
+    let mut r = Report {
+        version: env!("CARGO_PKG_VERSION").to_string(),
+        abi: "ncclNetPlugin_v6 .. v11 (NCCL 2.19 - 2.30)".to_string(),
+        ..Report::default()
+    };
     r.section(
         "plugin",
         vec![
-            format!("nccl-net-erdma {}", env!("CARGO_PKG_VERSION")),
-            "ABI: ncclNetPlugin_v6 .. v11 (NCCL 2.19 - 2.30)".into(),
+            format!("nccl-net-erdma {}", r.version),
+            format!("ABI: {}", r.abi),
         ],
     );
     let config = match Config::from_env() {
@@ -284,10 +428,11 @@ pub fn collect() -> Report {
         config.socket_ifname.value.as_ref(),
         config.socket_family.value,
     ) {
-        Ok(a) => r.section(
-            "bootstrap",
-            vec![format!("interface {} address {}", a.ifname, a.ip)],
-        ),
+        Ok(a) => {
+            let line = format!("interface {} address {}", a.ifname, a.ip);
+            r.bootstrap = Some(line.clone());
+            r.section("bootstrap", vec![line]);
+        }
         Err(e) => r.warn(
             e.to_string(),
             "set NCCL_SOCKET_IFNAME to an interface with an address",
@@ -307,8 +452,13 @@ pub fn collect() -> Report {
                 Vec::new()
             }
             Ok(devs) => {
+                r.libibverbs = Some(lib.name.clone());
                 let mut lines = vec![format!("libibverbs: {}", lib.name)];
-                lines.extend(devs.iter().map(|d| describe_port(d, &config)));
+                for d in &devs {
+                    let port = port_report(d, &config);
+                    lines.push(describe_port(d, &port, &config));
+                    r.ports.push(port);
+                }
                 r.section("RDMA devices", lines);
                 devs
             }
@@ -335,11 +485,28 @@ pub fn collect() -> Report {
         );
     }
     gpudirect(&mut r, &devices);
+    r.settings = config
+        .entries()
+        .into_iter()
+        .map(|(name, value, source)| SettingEntry {
+            name: name.to_string(),
+            value,
+            source: source.to_string(),
+            doc: SETTINGS
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map_or("", |(_, doc)| *doc)
+                .trim()
+                .to_string(),
+        })
+        .collect();
     r.section("settings", config.describe());
     drop(devices);
     match Plugin::from_config(config) {
         Ok(p) => {
-            let mut lines = vec![format!("transport: {}", p.transport_kind().name())];
+            let transport = p.transport_kind().name().to_string();
+            let mut lines = vec![format!("transport: {transport}")];
+            r.transport = Some(transport);
             for i in 0..p.device_count() {
                 if let Ok(d) = p.device(i as i32) {
                     lines.push(format!(
@@ -348,6 +515,12 @@ pub fn collect() -> Report {
                         d.speed_mbps,
                         d.ptr_support
                     ));
+                    r.nccl_devices.push(NcclDevice {
+                        index: i,
+                        name: d.name().to_string(),
+                        speed_mbps: d.speed_mbps,
+                        ptr_support: d.ptr_support,
+                    });
                 }
             }
             r.section("what NCCL would get", lines);

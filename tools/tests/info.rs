@@ -62,6 +62,40 @@ fn without_rdma_it_says_why_and_fails() {
 }
 
 #[test]
+fn json_is_one_document_with_devices_settings_and_warnings() {
+    let bin = std::env::var("NCCL_ERDMA_INFO_BIN")
+        .unwrap_or_else(|_| env!("CARGO_BIN_EXE_nccl-net-erdma-info").to_string());
+    let out = Command::new(&bin)
+        .arg("--json")
+        .env("NCCL_SOCKET_IFNAME", "lo")
+        .env("NCCL_ERDMA_TRANSPORT", "auto")
+        .env("NCCL_IB_QPS_PER_CONNECTION", "4")
+        .output()
+        .expect("running nccl-net-erdma-info --json");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("one JSON document");
+    assert_eq!(v["plugin_runs"], true, "{v:#}");
+    assert_eq!(out.status.code(), Some(0));
+    let settings = v["settings"].as_array().expect("settings");
+    let qps = settings
+        .iter()
+        .find(|s| s["name"] == "NCCL_IB_QPS_PER_CONNECTION")
+        .expect("the QPs setting");
+    assert_eq!(
+        (&qps["value"], &qps["source"]),
+        (&"4".into(), &"env".into())
+    );
+    assert!(qps["doc"]
+        .as_str()
+        .is_some_and(|d| d.contains("QPs per connection")));
+    assert!(v["warnings"].is_array() && v["devices"].is_array(), "{v:#}");
+    let nccl = &v["nccl"]["devices"][0]["name"];
+    assert!(nccl.as_str().is_some_and(|n| !n.is_empty()), "{v:#}");
+    // --help says what it does.
+    let help = Command::new(&bin).arg("--help").output().unwrap();
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--json"));
+}
+
+#[test]
 fn auto_transport_runs_over_tcp() {
     if !host_without_rdma() {
         eprintln!("skipped: this host has RDMA devices");
