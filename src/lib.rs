@@ -34,6 +34,7 @@ mod verbs;
 /// The wire format of the connection handle and the bootstrap handshake: what a peer (or a
 /// fuzzer, or a stranger on the port) sends the plugin before any data moves.
 pub mod protocol {
+    pub use crate::error::{Error, ErrorKind};
     pub use crate::oob::handle;
     pub use crate::oob::{
         decode_header, encode_header, Handle, Hello, MsgKind, TransportKind, HANDLE_SIZE,

@@ -15,14 +15,14 @@ use tracing::{field::Field, Event, Level, Subscriber};
 use tracing_subscriber::{layer::Context, prelude::*, Layer};
 
 /// Target for INFO events that NCCL should file under its INIT subsystem.
-pub const INIT: &str = "nccl_net_erdma::init";
+pub(crate) const INIT: &str = "nccl_net_erdma::init";
 
 /// Every line starts with this, as NCCL's own transports prefix theirs (`NET/IB`).
-pub const PREFIX: &str = "NET/erdma";
+pub(crate) const PREFIX: &str = "NET/erdma";
 
 /// NCCL log level of one line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum LogLevel {
+pub(crate) enum LogLevel {
     /// `NCCL_LOG_WARN`.
     Warn,
     /// `NCCL_LOG_INFO`.
@@ -33,7 +33,7 @@ pub enum LogLevel {
 
 /// NCCL subsystem of an INFO line.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Subsys {
+pub(crate) enum Subsys {
     /// `NCCL_INIT`.
     Init,
     /// `NCCL_NET`.
@@ -42,34 +42,34 @@ pub enum Subsys {
 
 /// One formatted line on its way to NCCL.
 #[derive(Debug)]
-pub struct LogLine<'a> {
+pub(crate) struct LogLine<'a> {
     /// Level.
-    pub level: LogLevel,
+    pub(crate) level: LogLevel,
     /// Subsystem (meaningful for INFO).
-    pub subsys: Subsys,
+    pub(crate) subsys: Subsys,
     /// Source file (NCCL prints it for WARN).
-    pub file: &'a str,
+    pub(crate) file: &'a str,
     /// Module path (NCCL prints the function for TRACE).
-    pub module: &'a str,
+    pub(crate) module: &'a str,
     /// Source line.
-    pub line: u32,
+    pub(crate) line: u32,
     /// The complete message, prefix included.
-    pub text: &'a str,
+    pub(crate) text: &'a str,
 }
 
 /// Where lines go once NCCL gave us a logger.
-pub type Sink = Arc<dyn Fn(&LogLine<'_>) + Send + Sync>;
+pub(crate) type Sink = Arc<dyn Fn(&LogLine<'_>) + Send + Sync>;
 
 static SINK: RwLock<Option<Sink>> = RwLock::new(None);
 static INSTALLED: OnceCell<()> = OnceCell::new();
 
 /// Sends every later line to `sink` (NCCL's logger), replacing any earlier one.
-pub fn set_sink(sink: Sink) {
+pub(crate) fn set_sink(sink: Sink) {
     *SINK.write() = Some(sink);
 }
 
 /// Installs the bridge as this library's global `tracing` subscriber (once per process).
-pub fn install() {
+pub(crate) fn install() {
     INSTALLED.get_or_init(|| {
         let stderr_level = stderr_level(std::env::var("NCCL_DEBUG").ok().as_deref());
         let subscriber = tracing_subscriber::registry().with(NcclLayer { stderr_level });

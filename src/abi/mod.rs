@@ -6,7 +6,9 @@
 //! [`to_nccl`], logging one WARN that names the call.
 
 mod profiler;
+mod slots;
 mod tables;
+mod versions;
 
 use std::{
     ffi::{c_int, c_ulong, c_void, CString},
@@ -22,8 +24,24 @@ use crate::plugin::{
     SEND_MAGIC,
 };
 
-/// The one mapping from our errors to NCCL's result codes.
-pub fn to_nccl(e: &Error) -> ncclResult_t {
+/// The one mapping from our errors to NCCL's result codes, following NCCL's plugin README
+/// (`ncclSystemError` for kernel, library or hardware failures, `ncclInternalError` when NCCL
+/// misuses the plugin, `ncclInvalidUsage` for user or configuration errors,
+/// `ncclRemoteError` for a peer or remote failure; never `ncclInProgress`) and `nccl.h`
+/// (`ncclInvalidArgument` for an invalid argument such as a NULL pointer):
+///
+/// | our error | NCCL code | raised for |
+/// |---|---|---|
+/// | `Config` | `ncclInvalidUsage` | a setting with a value the plugin cannot use (`init` fails) |
+/// | `Usage` | `ncclInvalidUsage` | a setup that cannot work as configured: transports or link layers that differ between peers, more flushes in flight than NCCL allows |
+/// | `Truncated` | `ncclInvalidUsage` | a message larger than the receive posted for it (both sides) |
+/// | `InvalidArgument` | `ncclInvalidArgument` | NULL where a pointer is required, a count or size out of range, an unknown device, a buffer outside its registration, a foreign or corrupted handle |
+/// | `Misuse` | `ncclInternalError` | NCCL broke the contract: an unknown memory handle, a request not in flight, a comm of the wrong kind, a call before `init` |
+/// | `NoDevice` | `ncclSystemError` | no usable RDMA device or libibverbs (`init` fails and NCCL falls back to its own transports) |
+/// | `Device` | `ncclSystemError` | a fatal asynchronous event on the device |
+/// | `Os` | `ncclSystemError`, or `ncclRemoteError` when the errno means the peer is gone (reset, refused, timed out, unreachable) | a failed system or verbs call |
+/// | `Remote` | `ncclRemoteError` | the peer failed: a failed completion, a closed or silent peer, work that never completes, a protocol error |
+pub(crate) fn to_nccl(e: &Error) -> ncclResult_t {
     match e.kind() {
         ErrorKind::System => ncclResult_t::ncclSystemError,
         ErrorKind::Internal => ncclResult_t::ncclInternalError,
@@ -208,4 +226,32 @@ pub(crate) unsafe fn test_request(
     // SAFETY: checked non-NULL; writable by contract.
     unsafe { *done = 1 };
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io;
+
+    #[test]
+    fn every_error_maps_to_the_code_its_table_row_names() {
+        use ncclResult_t::*;
+        let os = |k| Error::io("x", io::Error::from(k));
+        for (e, want) in [
+            (Error::config("NCCL_IB_TIMEOUT", "99", "1 to 31"), ncclInvalidUsage),
+            (Error::Usage("x".into()), ncclInvalidUsage),
+            (Error::Truncated("x".into()), ncclInvalidUsage),
+            (Error::InvalidArgument("x".into()), ncclInvalidArgument),
+            (Error::Misuse("x".into()), ncclInternalError),
+            (Error::NoDevice("x".into()), ncclSystemError),
+            (Error::Device("x".into()), ncclSystemError),
+            (os(io::ErrorKind::PermissionDenied), ncclSystemError),
+            (os(io::ErrorKind::ConnectionReset), ncclRemoteError),
+            (os(io::ErrorKind::TimedOut), ncclRemoteError),
+            (Error::Remote("x".into()), ncclRemoteError),
+        ] {
+            assert_eq!(to_nccl(&e), want, "{e:?}");
+            assert_ne!(to_nccl(&e), ncclInProgress);
+        }
+    }
 }

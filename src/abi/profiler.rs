@@ -11,20 +11,20 @@ use crate::plugin::RequestToken;
 
 /// Our event type in the high 16 bits (NCCL's own: IB 1, Socket 2), descriptor version 1 in
 /// the low 16 bits.
-pub const PLUGIN_ID: i64 = (0x45 << 16) | 1;
+pub(crate) const PLUGIN_ID: i64 = (0x45 << 16) | 1;
 
 /// What a Start event describes (`extData`).
 #[repr(C)]
 #[derive(Debug, Clone, Copy)]
-pub struct NetEvent {
+pub(crate) struct NetEvent {
     /// 0 = send, 1 = receive.
-    pub kind: u32,
+    pub(crate) kind: u32,
     /// Messages in the request (grouped receives).
-    pub n: u32,
+    pub(crate) n: u32,
     /// Bytes posted (the sum over the group).
-    pub size: u64,
+    pub(crate) size: u64,
     /// Tag of the (first) message.
-    pub tag: i32,
+    pub(crate) tag: i32,
 }
 
 type Callback = unsafe extern "C" fn(

@@ -11,11 +11,11 @@ use crate::error::{Error, Result};
 
 /// A local interface address usable for the bootstrap.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct LocalAddr {
+pub(crate) struct LocalAddr {
     /// Interface name (`eth0`).
-    pub ifname: String,
+    pub(crate) ifname: String,
     /// Its address.
-    pub ip: IpAddr,
+    pub(crate) ip: IpAddr,
 }
 
 fn usable(ip: &IpAddr, family: Option<AddrFamily>) -> bool {
@@ -29,7 +29,7 @@ fn usable(ip: &IpAddr, family: Option<AddrFamily>) -> bool {
 }
 
 /// Picks the bootstrap address from `candidates` (interface name, address) in system order.
-pub fn pick_from(
+pub(crate) fn pick_from(
     candidates: &[(String, IpAddr)],
     filter: Option<&NameFilter>,
     family: Option<AddrFamily>,
@@ -71,7 +71,7 @@ pub fn pick_from(
 }
 
 /// Picks the bootstrap address from this host's interfaces.
-pub fn pick(filter: Option<&NameFilter>, family: Option<AddrFamily>) -> Result<LocalAddr> {
+pub(crate) fn pick(filter: Option<&NameFilter>, family: Option<AddrFamily>) -> Result<LocalAddr> {
     let ifaces = if_addrs::get_if_addrs().map_err(|e| Error::io("listing interfaces", e))?;
     let candidates: Vec<(String, IpAddr)> = ifaces
         .into_iter()

@@ -15,22 +15,22 @@ use parking_lot::Mutex;
 
 /// Totals of one device over all its closed comms (and reported intervals).
 #[derive(Debug, Default)]
-pub struct DeviceTotals {
+pub(crate) struct DeviceTotals {
     /// Bytes sent.
-    pub tx_bytes: AtomicU64,
+    pub(crate) tx_bytes: AtomicU64,
     /// Messages sent.
-    pub tx_msgs: AtomicU64,
+    pub(crate) tx_msgs: AtomicU64,
     /// Bytes received.
-    pub rx_bytes: AtomicU64,
+    pub(crate) rx_bytes: AtomicU64,
     /// Messages received.
-    pub rx_msgs: AtomicU64,
+    pub(crate) rx_msgs: AtomicU64,
     /// Errors returned.
-    pub errors: AtomicU64,
+    pub(crate) errors: AtomicU64,
 }
 
 /// Direction of a comm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Direction {
+pub(crate) enum Direction {
     /// A send comm.
     Tx,
     /// A receive comm.
@@ -39,7 +39,7 @@ pub enum Direction {
 
 /// Counters of one comm.
 #[derive(Debug)]
-pub struct CommStats {
+pub(crate) struct CommStats {
     dir: Direction,
     label: String,
     interval: Option<Duration>,
@@ -55,7 +55,7 @@ pub struct CommStats {
 
 impl CommStats {
     /// Counters for a comm called `label` (device and peer).
-    pub fn new(dir: Direction, label: String, interval_s: u64) -> Self {
+    pub(crate) fn new(dir: Direction, label: String, interval_s: u64) -> Self {
         CommStats {
             dir,
             label,
@@ -72,14 +72,14 @@ impl CommStats {
 
     /// `n` messages of `bytes` in all completed.
     #[inline]
-    pub fn completed(&self, n: u64, bytes: u64) {
+    pub(crate) fn completed(&self, n: u64, bytes: u64) {
         self.msgs.fetch_add(n, Relaxed);
         self.bytes.fetch_add(bytes, Relaxed);
     }
 
     /// Counts the outcome of one `test` and logs a rate line when one is due.
     #[inline]
-    pub fn record<'d>(
+    pub(crate) fn record<'d>(
         &self,
         r: &crate::error::Result<Option<crate::transport::Completion>>,
         device: impl FnOnce() -> &'d DeviceTotals,
@@ -95,12 +95,12 @@ impl CommStats {
     }
 
     /// A send had to wait for the receiver's clear-to-send.
-    pub fn waited(&self) {
+    pub(crate) fn waited(&self) {
         self.waits.fetch_add(1, Relaxed);
     }
 
     /// A call returned an error.
-    pub fn failed(&self) {
+    pub(crate) fn failed(&self) {
         self.errors.fetch_add(1, Relaxed);
     }
 
@@ -163,7 +163,7 @@ impl CommStats {
 
     /// Logs the comm's summary (with `detail` from its transport) and credits its device;
     /// called when the comm closes.
-    pub fn close(&self, device: &DeviceTotals, detail: &str) {
+    pub(crate) fn close(&self, device: &DeviceTotals, detail: &str) {
         self.credit(device);
         let (msgs, errors) = (self.msgs.load(Relaxed), self.errors.load(Relaxed));
         if msgs == 0 && errors == 0 {

@@ -15,64 +15,64 @@ use crate::error::{Error, Result};
 use crate::sysfs::read as sysfs;
 
 /// PCI vendor id of Alibaba's eRDMA devices.
-pub const ERDMA_VENDOR_ID: u32 = 0x1ded;
+pub(crate) const ERDMA_VENDOR_ID: u32 = 0x1ded;
 /// Vendor id the kernel's Soft-RoCE driver (rxe) reports.
-pub const RXE_VENDOR_ID: u32 = 0xff_ffff;
+pub(crate) const RXE_VENDOR_ID: u32 = 0xff_ffff;
 /// Vendor id the kernel's Soft-iWARP driver (siw) reports ("bmt").
-pub const SIW_VENDOR_ID: u32 = 0x62_6d74;
+pub(crate) const SIW_VENDOR_ID: u32 = 0x62_6d74;
 
 /// `IBV_LINK_LAYER_INFINIBAND`.
-pub const LINK_LAYER_IB: u8 = 1;
+pub(crate) const LINK_LAYER_IB: u8 = 1;
 /// `IBV_LINK_LAYER_ETHERNET`.
-pub const LINK_LAYER_ETHERNET: u8 = 2;
+pub(crate) const LINK_LAYER_ETHERNET: u8 = 2;
 
 /// One (device, port), usable or not.
-pub struct VerbsDevice {
+pub(crate) struct VerbsDevice {
     /// Name, port, link layer, MTU, LID and the GID a connection uses.
-    pub local: LocalPort,
+    pub(crate) local: LocalPort,
     /// Device name in libibverbs.
-    pub ibv_name: String,
+    pub(crate) ibv_name: String,
     /// Port state (`ibv_port_state`; 4 = active).
-    pub state: u32,
+    pub(crate) state: u32,
     /// Whether `NCCL_IB_HCA` selects this port.
-    pub selected: bool,
+    pub(crate) selected: bool,
     /// Partition key index QPs use (`NCCL_IB_PKEY`).
-    pub pkey_index: u16,
+    pub(crate) pkey_index: u16,
     /// The whole GID table as the selection saw it.
-    pub gids: Vec<GidEntry>,
+    pub(crate) gids: Vec<GidEntry>,
     /// Network interface behind the chosen GID (RoCE).
-    pub netdev: Option<String>,
+    pub(crate) netdev: Option<String>,
     /// Its MTU.
-    pub netdev_mtu: Option<u32>,
+    pub(crate) netdev_mtu: Option<u32>,
     /// Realpath of the PCI device.
-    pub pci_path: Option<String>,
+    pub(crate) pci_path: Option<String>,
     /// Kernel driver.
-    pub driver: Option<String>,
+    pub(crate) driver: Option<String>,
     /// NUMA node of the PCI device.
-    pub numa_node: Option<i32>,
+    pub(crate) numa_node: Option<i32>,
     /// `sys_image_guid`.
-    pub guid: u64,
+    pub(crate) guid: u64,
     /// Speed in Mbps (port, or `NCCL_ERDMA_SPEED_MBPS`).
-    pub speed_mbps: i32,
+    pub(crate) speed_mbps: i32,
     /// Speed the port itself reports.
-    pub port_speed_mbps: i32,
+    pub(crate) port_speed_mbps: i32,
     /// `max_qp`.
-    pub max_qp: i32,
+    pub(crate) max_qp: i32,
     /// PCI vendor id.
-    pub vendor_id: u32,
+    pub(crate) vendor_id: u32,
     /// Peer memory (nvidia_peermem) present: CUDA pointers can be registered.
-    pub peermem: bool,
+    pub(crate) peermem: bool,
     /// `ibv_reg_dmabuf_mr` works.
-    pub dmabuf: bool,
+    pub(crate) dmabuf: bool,
     /// The device context.
-    pub ctx: Arc<Context>,
+    pub(crate) ctx: Arc<Context>,
     /// The one protection domain of the device.
-    pub pd: Arc<Pd>,
+    pub(crate) pd: Arc<Pd>,
 }
 
 /// What kind of device a port is, for the settings that depend on it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum DeviceClass {
+pub(crate) enum DeviceClass {
     /// Alibaba Cloud eRDMA.
     Erdma,
     /// Soft-RoCE or Soft-iWARP: each post is a system call running the packet path.
@@ -83,7 +83,7 @@ pub enum DeviceClass {
 
 impl VerbsDevice {
     /// What kind of device this is.
-    pub fn class(&self) -> DeviceClass {
+    pub(crate) fn class(&self) -> DeviceClass {
         if self.is_erdma() {
             DeviceClass::Erdma
         } else if self.is_software() {
@@ -94,43 +94,43 @@ impl VerbsDevice {
     }
 
     /// Whether this is an Alibaba eRDMA device.
-    pub fn is_erdma(&self) -> bool {
+    pub(crate) fn is_erdma(&self) -> bool {
         self.vendor_id == ERDMA_VENDOR_ID || self.driver.as_deref() == Some("erdma")
     }
 
     /// Whether this is a software RDMA device (Soft-RoCE, Soft-iWARP): each post is a
     /// system call that runs the packet path in the kernel, not a doorbell.
-    pub fn is_software(&self) -> bool {
+    pub(crate) fn is_software(&self) -> bool {
         self.vendor_id == RXE_VENDOR_ID || self.vendor_id == SIW_VENDOR_ID
     }
 
     /// The name NCCL sees.
-    pub fn name(&self) -> &str {
+    pub(crate) fn name(&self) -> &str {
         &self.local.name
     }
 
     /// Whether the port is active.
-    pub fn active(&self) -> bool {
+    pub(crate) fn active(&self) -> bool {
         self.state == ibv_port_state::IBV_PORT_ACTIVE
     }
 
     /// Whether the port runs RoCE (Ethernet link layer), as eRDMA does.
-    pub fn is_roce(&self) -> bool {
+    pub(crate) fn is_roce(&self) -> bool {
         self.local.link_layer == LINK_LAYER_ETHERNET
     }
 
     /// Whether the plugin would use this port.
-    pub fn usable(&self) -> bool {
+    pub(crate) fn usable(&self) -> bool {
         self.selected && self.active() && (self.local.link_layer == LINK_LAYER_IB || self.is_roce())
     }
 
     /// The chosen GID as an address (IPv4 for IPv4-mapped GIDs).
-    pub fn gid_ip(&self) -> IpAddr {
+    pub(crate) fn gid_ip(&self) -> IpAddr {
         gid_ip(&self.local.gid)
     }
 
     /// RoCE version of the chosen GID, when sysfs says.
-    pub fn gid_roce_version(&self) -> Option<u32> {
+    pub(crate) fn gid_roce_version(&self) -> Option<u32> {
         self.gids
             .iter()
             .find(|g| g.index == self.local.gid_index)
@@ -138,18 +138,18 @@ impl VerbsDevice {
     }
 
     /// Active MTU in bytes.
-    pub fn active_mtu_bytes(&self) -> u32 {
+    pub(crate) fn active_mtu_bytes(&self) -> u32 {
         mtu_bytes(self.local.active_mtu)
     }
 }
 
 /// An `ibv_mtu` value in bytes (1 = 256 ... 5 = 4096).
-pub fn mtu_bytes(mtu: u32) -> u32 {
+pub(crate) fn mtu_bytes(mtu: u32) -> u32 {
     128u32 << mtu.clamp(1, 5)
 }
 
 /// NCCL's `ncclIbSpeed` × `ncclIbWidth`, in Mbps.
-pub fn port_speed_mbps(active_speed: u8, active_width: u8) -> i32 {
+pub(crate) fn port_speed_mbps(active_speed: u8, active_width: u8) -> i32 {
     let speed = match active_speed {
         1 => 2500,
         2 => 5000,
@@ -172,7 +172,7 @@ pub fn port_speed_mbps(active_speed: u8, active_width: u8) -> i32 {
 }
 
 /// Whether peer memory for CUDA is available (the files NCCL checks).
-pub fn peermem_present() -> bool {
+pub(crate) fn peermem_present() -> bool {
     [
         "/sys/kernel/mm/memory_peers/nv_mem/version",
         "/sys/kernel/mm/memory_peers/nv_mem_nc/version",
@@ -184,13 +184,13 @@ pub fn peermem_present() -> bool {
 
 /// One GID table entry as seen by the selection.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct GidEntry {
+pub(crate) struct GidEntry {
     /// Index in the table.
-    pub index: u8,
+    pub(crate) index: u8,
     /// Raw GID.
-    pub gid: [u8; 16],
+    pub(crate) gid: [u8; 16],
     /// RoCE version from sysfs (1 or 2), `None` when unreadable (containers).
-    pub roce_version: Option<u32>,
+    pub(crate) roce_version: Option<u32>,
 }
 
 fn gid_family(gid: &[u8; 16]) -> AddrFamily {
@@ -240,7 +240,7 @@ fn in_range(ip: IpAddr, range: &(IpAddr, u8)) -> bool {
 /// Chooses a RoCE GID index by NCCL's rules: a valid (non-zero, not link-local) GID of the
 /// wanted family, inside the wanted range, preferring the wanted RoCE version; unreadable
 /// entries are skipped. Falls back to index 0.
-pub fn choose_gid(
+pub(crate) fn choose_gid(
     entries: &[GidEntry],
     family: AddrFamily,
     range: Option<&(IpAddr, u8)>,
@@ -280,7 +280,7 @@ fn roce_version(dev: &str, port: u8, index: usize) -> Option<u32> {
 
 /// Every port of every device libibverbs sees, usable or not, with what the plugin would
 /// make of it (for `discover` and for the diagnostics command).
-pub fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice>> {
+pub(crate) fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice>> {
     let list = lib.device_list()?;
     if list.is_empty() {
         return Err(Error::NoDevice("no RDMA devices found".into()));
@@ -400,7 +400,7 @@ pub fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice
 
 /// Finds every usable port (selected by `NCCL_IB_HCA`, active, IB or Ethernet), in the order
 /// NCCL would number them: by PCI path.
-pub fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice>> {
+pub(crate) fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice>> {
     let all = survey(lib, config)?;
     let seen: Vec<String> = all.iter().map(|d| d.name().to_string()).collect();
     let mut found: Vec<VerbsDevice> = all.into_iter().filter(VerbsDevice::usable).collect();

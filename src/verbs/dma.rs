@@ -15,14 +15,14 @@ use super::nic::Nic;
 use crate::error::{Error, Result};
 
 /// `IBV_ACCESS_LOCAL_WRITE | REMOTE_WRITE | REMOTE_READ`.
-pub const ACCESS_RDMA: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
+pub(crate) const ACCESS_RDMA: u32 = ibv_access_flags::IBV_ACCESS_LOCAL_WRITE.0
     | ibv_access_flags::IBV_ACCESS_REMOTE_WRITE.0
     | ibv_access_flags::IBV_ACCESS_REMOTE_READ.0;
 
 /// The size of a memory page (`sysconf(_SC_PAGESIZE)`), which registration pins and, where
 /// `ibv_fork_init` is active on a kernel without copy-on-fork for pinned memory, marks
 /// `MADV_DONTFORK` as a whole.
-pub fn page_size() -> usize {
+pub(crate) fn page_size() -> usize {
     // SAFETY: sysconf has no preconditions.
     let size = unsafe { libc::sysconf(libc::_SC_PAGESIZE) };
     usize::try_from(size)
@@ -35,7 +35,7 @@ pub fn page_size() -> usize {
 /// it shares no page with other heap memory. (Were it to share one, a registration under
 /// `ibv_fork_init` would mark a page DONTFORK that ordinary allocations also live in, and a
 /// forked child touching one of those would crash.)
-pub fn page_layout<T>(len: usize) -> Option<Layout> {
+pub(crate) fn page_layout<T>(len: usize) -> Option<Layout> {
     let page = page_size();
     let bytes = std::mem::size_of::<T>().checked_mul(len.max(1))?;
     Layout::from_size_align(bytes.checked_next_multiple_of(page)?, page).ok()
@@ -43,7 +43,7 @@ pub fn page_layout<T>(len: usize) -> Option<Layout> {
 
 /// A zeroed array of `T` in whole pages of its own, registered by the caller's function. The
 /// peer may write it at any time, so reads are volatile.
-pub struct DmaBuffer<T: Copy, R> {
+pub(crate) struct DmaBuffer<T: Copy, R> {
     mr: Option<R>,
     lkey: u32,
     rkey: u32,
@@ -62,7 +62,7 @@ unsafe impl<T: Copy + Send, R: Sync> Sync for DmaBuffer<T, R> {}
 impl<T: Copy, R> DmaBuffer<T, R> {
     /// Allocates `len` zeroed elements and registers them with `register(addr, bytes)`, which
     /// returns the registration and its (lkey, rkey).
-    pub fn new(
+    pub(crate) fn new(
         len: usize,
         register: impl FnOnce(usize, usize) -> Result<(R, u32, u32)>,
     ) -> Result<Self> {
@@ -101,7 +101,7 @@ impl<T: Copy, R> DmaBuffer<T, R> {
     }
 
     /// Reads element `i` as the NIC last wrote it.
-    pub fn get(&self, i: usize) -> T {
+    pub(crate) fn get(&self, i: usize) -> T {
         assert!(i < self.len);
         // SAFETY: i < len inside our allocation; volatile because the NIC writes it.
         let v = unsafe { std::ptr::read_volatile(self.ptr.add(i)) };
@@ -116,7 +116,7 @@ impl<T: Copy, R> DmaBuffer<T, R> {
     /// no set order, so it could pair a new sequence number with fields the write had not yet
     /// placed.) An aligned 8-byte word is placed by one PCIe write, never torn.
     #[inline(always)]
-    pub fn get_u64(&self, i: usize, offset: usize) -> u64 {
+    pub(crate) fn get_u64(&self, i: usize, offset: usize) -> u64 {
         assert!(i < self.len && offset + 8 <= std::mem::size_of::<T>() && offset % 8 == 0);
         assert!(std::mem::align_of::<T>() >= 8);
         // SAFETY: the u64 lies inside element i of our allocation (checked above), and is
@@ -129,24 +129,24 @@ impl<T: Copy, R> DmaBuffer<T, R> {
     }
 
     /// Writes element `i`.
-    pub fn set(&self, i: usize, v: T) {
+    pub(crate) fn set(&self, i: usize, v: T) {
         assert!(i < self.len);
         // SAFETY: i < len inside our allocation; volatile because the NIC reads it.
         unsafe { std::ptr::write_volatile(self.ptr.add(i), v) };
     }
 
     /// Address of element `i`, for work requests.
-    pub fn addr(&self, i: usize) -> u64 {
+    pub(crate) fn addr(&self, i: usize) -> u64 {
         self.ptr as u64 + (i * std::mem::size_of::<T>()) as u64
     }
 
     /// Local key.
-    pub fn lkey(&self) -> u32 {
+    pub(crate) fn lkey(&self) -> u32 {
         self.lkey
     }
 
     /// Remote key.
-    pub fn rkey(&self) -> u32 {
+    pub(crate) fn rkey(&self) -> u32 {
         self.rkey
     }
 }
@@ -161,10 +161,10 @@ impl<T: Copy, R> Drop for DmaBuffer<T, R> {
 }
 
 /// Most work requests one chain carries: 8 data writes and the completion write.
-pub const MAX_CHAIN: usize = 10;
+pub(crate) const MAX_CHAIN: usize = 10;
 
 /// A chain of send work requests built without allocation and posted on one QP.
-pub struct SendChain {
+pub(crate) struct SendChain {
     wrs: [ibv_send_wr; MAX_CHAIN],
     sges: [ibv_sge; MAX_CHAIN],
     len: usize,
@@ -182,7 +182,7 @@ impl Default for SendChain {
 
 impl SendChain {
     /// An empty chain.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         SendChain {
             // SAFETY: all-zero is a valid (empty) work request and SGE.
             wrs: unsafe { std::mem::zeroed() },
@@ -193,12 +193,12 @@ impl SendChain {
     }
 
     /// Empties the chain.
-    pub fn clear(&mut self) {
+    pub(crate) fn clear(&mut self) {
         self.len = 0;
     }
 
     /// True when empty.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len == 0
     }
 
@@ -225,7 +225,7 @@ impl SendChain {
     }
 
     /// Appends an RDMA WRITE of `len` bytes from `local` (lkey) to `remote` (rkey).
-    pub fn write(&mut self, local: u64, len: u32, lkey: u32, remote: u64, rkey: u32) {
+    pub(crate) fn write(&mut self, local: u64, len: u32, lkey: u32, remote: u64, rkey: u32) {
         self.push(
             ibv_wr_opcode::IBV_WR_RDMA_WRITE,
             (local, len, lkey),
@@ -234,7 +234,7 @@ impl SendChain {
     }
 
     /// Appends an RDMA WRITE WITH IMMEDIATE (`imm` in host order).
-    pub fn write_imm(&mut self, local: u64, len: u32, lkey: u32, remote: u64, rkey: u32, imm: u32) {
+    pub(crate) fn write_imm(&mut self, local: u64, len: u32, lkey: u32, remote: u64, rkey: u32, imm: u32) {
         self.push(
             ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
             (local, len, lkey),
@@ -246,14 +246,14 @@ impl SendChain {
     }
 
     /// Turns the last RDMA WRITE into a WRITE WITH IMMEDIATE.
-    pub fn last_with_imm(&mut self, imm: u32) {
+    pub(crate) fn last_with_imm(&mut self, imm: u32) {
         let wr = &mut self.wrs[self.len - 1];
         wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
         wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
     }
 
     /// Appends an RDMA READ of `len` bytes from `remote` into `local`.
-    pub fn read(&mut self, local: u64, len: u32, lkey: u32, remote: u64, rkey: u32) {
+    pub(crate) fn read(&mut self, local: u64, len: u32, lkey: u32, remote: u64, rkey: u32) {
         self.push(
             ibv_wr_opcode::IBV_WR_RDMA_READ,
             (local, len, lkey),
@@ -263,7 +263,7 @@ impl SendChain {
 
     /// Signals the last request with `wr_id`; marks small writes inline (`max_inline`: 0
     /// when any source is GPU memory, which the CPU cannot copy at post).
-    pub fn finish(&mut self, wr_id: u64, max_inline: u32) {
+    pub(crate) fn finish(&mut self, wr_id: u64, max_inline: u32) {
         for i in 0..self.len {
             self.wrs[i].send_flags |=
                 inline_flag(self.wrs[i].opcode, self.sges[i].length, max_inline);
@@ -280,7 +280,7 @@ impl SendChain {
     /// clear-to-send), without the chain's per-request loops. The chain then holds that
     /// one request.
     #[allow(clippy::too_many_arguments)] // one work request's fields
-    pub fn post_one<N: Nic>(
+    pub(crate) fn post_one<N: Nic>(
         &mut self,
         nic: &N,
         qp: &N::Qp,
@@ -308,7 +308,7 @@ impl SendChain {
     }
 
     /// Posts the chain on `qp` of `nic`.
-    pub fn post<N: Nic>(&mut self, nic: &N, qp: &N::Qp) -> Result<()> {
+    pub(crate) fn post<N: Nic>(&mut self, nic: &N, qp: &N::Qp) -> Result<()> {
         if self.len == 0 {
             return Ok(());
         }
@@ -340,26 +340,26 @@ fn inline_flag(opcode: ibv_wr_opcode::Type, length: u32, max_inline: u32) -> u32
 }
 
 /// Up to [`WcBatch::CAPACITY`] work completions from one poll.
-pub struct WcBatch {
+pub(crate) struct WcBatch {
     wcs: [ibv_wc; WcBatch::CAPACITY],
     n: usize,
 }
 
 /// The parts of a work completion the transports use.
 #[derive(Debug, Clone, Copy)]
-pub struct Completion {
+pub(crate) struct Completion {
     /// Work request id.
-    pub wr_id: u64,
+    pub(crate) wr_id: u64,
     /// `ibv_wc_status`.
-    pub status: u32,
+    pub(crate) status: u32,
     /// `ibv_wc_opcode`.
-    pub opcode: u32,
+    pub(crate) opcode: u32,
     /// Vendor error.
-    pub vendor_err: u32,
+    pub(crate) vendor_err: u32,
     /// Immediate data (host order), when present.
-    pub imm: u32,
+    pub(crate) imm: u32,
     /// Local QP number.
-    pub qp_num: u32,
+    pub(crate) qp_num: u32,
 }
 
 impl Default for WcBatch {
@@ -370,10 +370,10 @@ impl Default for WcBatch {
 
 impl WcBatch {
     /// Completions one poll may return.
-    pub const CAPACITY: usize = 16;
+    pub(crate) const CAPACITY: usize = 16;
 
     /// An empty batch.
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         WcBatch {
             // SAFETY: all-zero is a valid ibv_wc.
             wcs: unsafe { std::mem::zeroed() },
@@ -383,13 +383,13 @@ impl WcBatch {
 
     /// Polls `cq` of `nic` into the batch; returns how many completions arrived.
     #[inline(always)]
-    pub fn poll<N: Nic>(&mut self, nic: &N, cq: &N::Cq) -> Result<usize> {
+    pub(crate) fn poll<N: Nic>(&mut self, nic: &N, cq: &N::Cq) -> Result<usize> {
         self.n = nic.poll_cq(cq, &mut self.wcs)?;
         Ok(self.n)
     }
 
     /// Completion `i` of the last poll.
-    pub fn get(&self, i: usize) -> Completion {
+    pub(crate) fn get(&self, i: usize) -> Completion {
         let wc = &self.wcs[i.min(self.n.saturating_sub(1))];
         let with_imm = wc.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
         Completion {
@@ -410,9 +410,9 @@ impl WcBatch {
 }
 
 /// `IBV_WC_SUCCESS`.
-pub const WC_SUCCESS: u32 = ibv_wc_status::IBV_WC_SUCCESS;
+pub(crate) const WC_SUCCESS: u32 = ibv_wc_status::IBV_WC_SUCCESS;
 /// `IBV_WC_RECV_RDMA_WITH_IMM`.
-pub const WC_RECV_RDMA_WITH_IMM: u32 = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
+pub(crate) const WC_RECV_RDMA_WITH_IMM: u32 = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
 
 #[cfg(test)]
 mod tests {

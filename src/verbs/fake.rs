@@ -28,16 +28,16 @@ use super::resources::{QpPath, RemoteQp};
 use crate::error::{Error, Result};
 
 /// `IBV_WC_REM_ACCESS_ERR`.
-pub const REMOTE_ACCESS_ERROR: u32 = ibv_wc_status::IBV_WC_REM_ACCESS_ERR;
+pub(crate) const REMOTE_ACCESS_ERROR: u32 = ibv_wc_status::IBV_WC_REM_ACCESS_ERR;
 /// `IBV_WC_RETRY_EXC_ERR`.
-pub const RETRY_EXCEEDED: u32 = ibv_wc_status::IBV_WC_RETRY_EXC_ERR;
+pub(crate) const RETRY_EXCEEDED: u32 = ibv_wc_status::IBV_WC_RETRY_EXC_ERR;
 /// `IBV_WC_WR_FLUSH_ERR`.
-pub const FLUSHED: u32 = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
+pub(crate) const FLUSHED: u32 = ibv_wc_status::IBV_WC_WR_FLUSH_ERR;
 const LOCAL_PROTECTION_ERROR: u32 = ibv_wc_status::IBV_WC_LOC_PROT_ERR;
 
 /// How a cut link behaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Cut {
+pub(crate) enum Cut {
     /// Work never completes: a device that retries for ever.
     Silent,
     /// Work fails with this `ibv_wc_status` (e.g. [`RETRY_EXCEEDED`]).
@@ -280,23 +280,23 @@ fn copy_from(data: &[u8], to: usize) {
 
 /// A set of NICs that can reach each other.
 #[derive(Clone, Default)]
-pub struct Fabric {
+pub(crate) struct Fabric {
     world: Arc<Mutex<World>>,
 }
 
 impl Fabric {
     /// An empty fabric; work is carried out as it is posted (as on Soft-RoCE).
-    pub fn new() -> Self {
+    pub(crate) fn new() -> Self {
         Fabric::default()
     }
 
     /// A new RoCE NIC on the fabric, with its own GID.
-    pub fn nic(&self, name: &str) -> Arc<FakeNic> {
+    pub(crate) fn nic(&self, name: &str) -> Arc<FakeNic> {
         self.nic_with_link_layer(name, super::device::LINK_LAYER_ETHERNET)
     }
 
     /// A new NIC with link layer `link_layer` (IB or Ethernet).
-    pub fn nic_with_link_layer(&self, name: &str, link_layer: u8) -> Arc<FakeNic> {
+    pub(crate) fn nic_with_link_layer(&self, name: &str, link_layer: u8) -> Arc<FakeNic> {
         let mut w = self.world.lock();
         let index = w.nics.len();
         let mut gid = [0u8; 16];
@@ -321,7 +321,7 @@ impl Fabric {
 
     /// Holds posted work back (true), or carries it out as it is posted (false, the
     /// default; held work runs at once).
-    pub fn hold(&self, on: bool) {
+    pub(crate) fn hold(&self, on: bool) {
         let mut w = self.world.lock();
         w.hold = on;
         if !on {
@@ -331,7 +331,7 @@ impl Fabric {
 
     /// Places the first `bytes` of the oldest held write without completing it: a write
     /// whose later bytes the NIC has not placed yet.
-    pub fn place_partial(&self, bytes: usize) {
+    pub(crate) fn place_partial(&self, bytes: usize) {
         let mut w = self.world.lock();
         let Some(op) = w.queue.front_mut() else {
             return;
@@ -352,7 +352,7 @@ impl Fabric {
     }
 
     /// Cuts `nic`'s link (`Some`), or mends it (`None`, and held-back work runs).
-    pub fn cut(&self, nic: &FakeNic, how: Option<Cut>) {
+    pub(crate) fn cut(&self, nic: &FakeNic, how: Option<Cut>) {
         let mut w = self.world.lock();
         w.nics[nic.index].cut = how;
         if how.is_none() && !w.hold {
@@ -361,14 +361,14 @@ impl Fabric {
     }
 
     /// Makes the next work request on QP `qpn` fail with `status`.
-    pub fn fail_next(&self, qpn: u32, status: u32) {
+    pub(crate) fn fail_next(&self, qpn: u32, status: u32) {
         if let Some(q) = self.world.lock().qps.get_mut(&qpn) {
             q.fail_next = Some(status);
         }
     }
 
     /// Raises a fatal asynchronous event on `nic` (on QP `qpn`, or the whole device).
-    pub fn fatal_event(&self, nic: &FakeNic, qpn: Option<u32>, what: &str) {
+    pub(crate) fn fatal_event(&self, nic: &FakeNic, qpn: Option<u32>, what: &str) {
         self.world
             .lock()
             .fatal
@@ -376,33 +376,33 @@ impl Fabric {
     }
 
     /// Marks `addr..addr+len` as GPU memory: the CPU cannot read it.
-    pub fn device_memory(&self, addr: usize, len: usize) {
+    pub(crate) fn device_memory(&self, addr: usize, len: usize) {
         self.world.lock().device_memory.push((addr, len));
     }
 }
 
 /// A NIC of a [`Fabric`].
-pub struct FakeNic {
+pub(crate) struct FakeNic {
     world: Arc<Mutex<World>>,
     index: usize,
     local: LocalPort,
 }
 
 /// A QP of a [`FakeNic`]; destroyed on drop.
-pub struct FakeQp {
+pub(crate) struct FakeQp {
     world: Arc<Mutex<World>>,
     qpn: u32,
     max_inline: u32,
 }
 
 /// A CQ of a [`FakeNic`].
-pub struct FakeCq {
+pub(crate) struct FakeCq {
     world: Arc<Mutex<World>>,
     id: u32,
 }
 
 /// A registration on a [`FakeNic`]; deregistered on drop.
-pub struct FakeMr {
+pub(crate) struct FakeMr {
     world: Arc<Mutex<World>>,
     key: u32,
 }

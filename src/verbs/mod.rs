@@ -7,12 +7,12 @@
 //! table (each slot checked before the call). [`resources`] wraps contexts, PDs, CQs, QPs and
 //! MRs in RAII types, [`device`] finds and describes devices.
 
-pub mod device;
-pub mod dma;
+pub(crate) mod device;
+pub(crate) mod dma;
 #[cfg(test)]
-pub mod fake;
-pub mod nic;
-pub mod resources;
+pub(crate) mod fake;
+pub(crate) mod nic;
+pub(crate) mod resources;
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 
@@ -26,38 +26,38 @@ const DEFAULT_LIBS: [&str; 2] = ["libibverbs.so", "libibverbs.so.1"];
 
 /// The libibverbs entry points the plugin uses.
 #[allow(missing_docs)]
-pub struct VerbsLib {
+pub(crate) struct VerbsLib {
     /// The library that was opened.
-    pub name: String,
-    pub get_device_list: unsafe extern "C" fn(*mut c_int) -> *mut *mut ibv_device,
-    pub free_device_list: unsafe extern "C" fn(*mut *mut ibv_device),
-    pub get_device_name: unsafe extern "C" fn(*mut ibv_device) -> *const c_char,
-    pub open_device: unsafe extern "C" fn(*mut ibv_device) -> *mut ibv_context,
-    pub close_device: unsafe extern "C" fn(*mut ibv_context) -> c_int,
-    pub query_device: unsafe extern "C" fn(*mut ibv_context, *mut ibv_device_attr) -> c_int,
-    pub query_port: unsafe extern "C" fn(*mut ibv_context, u8, *mut ibv_port_attr) -> c_int,
-    pub query_gid: unsafe extern "C" fn(*mut ibv_context, u8, c_int, *mut ibv_gid) -> c_int,
-    pub alloc_pd: unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_pd,
-    pub dealloc_pd: unsafe extern "C" fn(*mut ibv_pd) -> c_int,
-    pub reg_mr: unsafe extern "C" fn(*mut ibv_pd, *mut c_void, usize, c_int) -> *mut ibv_mr,
-    pub dereg_mr: unsafe extern "C" fn(*mut ibv_mr) -> c_int,
-    pub create_cq: unsafe extern "C" fn(
+    pub(crate) name: String,
+    pub(crate) get_device_list: unsafe extern "C" fn(*mut c_int) -> *mut *mut ibv_device,
+    pub(crate) free_device_list: unsafe extern "C" fn(*mut *mut ibv_device),
+    pub(crate) get_device_name: unsafe extern "C" fn(*mut ibv_device) -> *const c_char,
+    pub(crate) open_device: unsafe extern "C" fn(*mut ibv_device) -> *mut ibv_context,
+    pub(crate) close_device: unsafe extern "C" fn(*mut ibv_context) -> c_int,
+    pub(crate) query_device: unsafe extern "C" fn(*mut ibv_context, *mut ibv_device_attr) -> c_int,
+    pub(crate) query_port: unsafe extern "C" fn(*mut ibv_context, u8, *mut ibv_port_attr) -> c_int,
+    pub(crate) query_gid: unsafe extern "C" fn(*mut ibv_context, u8, c_int, *mut ibv_gid) -> c_int,
+    pub(crate) alloc_pd: unsafe extern "C" fn(*mut ibv_context) -> *mut ibv_pd,
+    pub(crate) dealloc_pd: unsafe extern "C" fn(*mut ibv_pd) -> c_int,
+    pub(crate) reg_mr: unsafe extern "C" fn(*mut ibv_pd, *mut c_void, usize, c_int) -> *mut ibv_mr,
+    pub(crate) dereg_mr: unsafe extern "C" fn(*mut ibv_mr) -> c_int,
+    pub(crate) create_cq: unsafe extern "C" fn(
         *mut ibv_context,
         c_int,
         *mut c_void,
         *mut ibv_comp_channel,
         c_int,
     ) -> *mut ibv_cq,
-    pub destroy_cq: unsafe extern "C" fn(*mut ibv_cq) -> c_int,
-    pub create_qp: unsafe extern "C" fn(*mut ibv_pd, *mut ibv_qp_init_attr) -> *mut ibv_qp,
-    pub modify_qp: unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int,
-    pub destroy_qp: unsafe extern "C" fn(*mut ibv_qp) -> c_int,
-    pub fork_init: unsafe extern "C" fn() -> c_int,
-    pub get_async_event: unsafe extern "C" fn(*mut ibv_context, *mut ibv_async_event) -> c_int,
-    pub ack_async_event: unsafe extern "C" fn(*mut ibv_async_event),
-    pub wc_status_str: unsafe extern "C" fn(ibv_wc_status::Type) -> *const c_char,
+    pub(crate) destroy_cq: unsafe extern "C" fn(*mut ibv_cq) -> c_int,
+    pub(crate) create_qp: unsafe extern "C" fn(*mut ibv_pd, *mut ibv_qp_init_attr) -> *mut ibv_qp,
+    pub(crate) modify_qp: unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int,
+    pub(crate) destroy_qp: unsafe extern "C" fn(*mut ibv_qp) -> c_int,
+    pub(crate) fork_init: unsafe extern "C" fn() -> c_int,
+    pub(crate) get_async_event: unsafe extern "C" fn(*mut ibv_context, *mut ibv_async_event) -> c_int,
+    pub(crate) ack_async_event: unsafe extern "C" fn(*mut ibv_async_event),
+    pub(crate) wc_status_str: unsafe extern "C" fn(ibv_wc_status::Type) -> *const c_char,
     /// `ibv_reg_dmabuf_mr` (IBVERBS_1.12), when the library has it.
-    pub reg_dmabuf_mr:
+    pub(crate) reg_dmabuf_mr:
         Option<unsafe extern "C" fn(*mut ibv_pd, u64, usize, u64, c_int, c_int) -> *mut ibv_mr>,
 }
 
@@ -110,7 +110,7 @@ static LIB: OnceCell<VerbsLib> = OnceCell::new();
 
 impl VerbsLib {
     /// The process's libibverbs, opened on first use (`override_lib` first when given).
-    pub fn get(override_lib: Option<&str>) -> Result<&'static VerbsLib> {
+    pub(crate) fn get(override_lib: Option<&str>) -> Result<&'static VerbsLib> {
         LIB.get_or_try_init(|| Self::open(override_lib))
     }
 
@@ -170,7 +170,7 @@ impl VerbsLib {
 
     /// Names of the devices libibverbs sees, with their raw handles (valid until the list is
     /// freed by [`DeviceList`]'s drop).
-    pub fn device_list(&'static self) -> Result<DeviceList> {
+    pub(crate) fn device_list(&'static self) -> Result<DeviceList> {
         let mut n: c_int = 0;
         // SAFETY: n is a valid out-pointer; the list is freed by DeviceList's drop.
         let list = unsafe { (self.get_device_list)(&mut n) };
@@ -193,7 +193,7 @@ impl VerbsLib {
     }
 
     /// `ibv_wc_status_str`.
-    pub fn status_str(&self, status: ibv_wc_status::Type) -> String {
+    pub(crate) fn status_str(&self, status: ibv_wc_status::Type) -> String {
         // SAFETY: returns a static NUL-terminated string for any status value.
         let p = unsafe { (self.wc_status_str)(status) };
         if p.is_null() {
@@ -206,7 +206,7 @@ impl VerbsLib {
 
     /// `ibv_fork_init`, which must run before the first registration. On kernels with
     /// copy-on-fork for pinned pages rdma-core makes it a no-op.
-    pub fn fork_init(&self) -> Result<()> {
+    pub(crate) fn fork_init(&self) -> Result<()> {
         // SAFETY: no arguments; safe to call before any MR exists.
         let rc = unsafe { (self.fork_init)() };
         if rc != 0 {
@@ -220,7 +220,7 @@ impl VerbsLib {
 }
 
 /// The result of `ibv_get_device_list`, freed on drop.
-pub struct DeviceList {
+pub(crate) struct DeviceList {
     lib: &'static VerbsLib,
     list: *mut *mut ibv_device,
     len: usize,
@@ -228,17 +228,17 @@ pub struct DeviceList {
 
 impl DeviceList {
     /// Number of devices.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
     }
 
     /// True when libibverbs sees no device.
-    pub fn is_empty(&self) -> bool {
+    pub(crate) fn is_empty(&self) -> bool {
         self.len == 0
     }
 
     /// Name of device `i`.
-    pub fn name(&self, i: usize) -> String {
+    pub(crate) fn name(&self, i: usize) -> String {
         if i >= self.len {
             return String::new();
         }
@@ -254,7 +254,7 @@ impl DeviceList {
     }
 
     /// Opens device `i`.
-    pub fn open(&self, i: usize) -> Result<resources::Context> {
+    pub(crate) fn open(&self, i: usize) -> Result<resources::Context> {
         if i >= self.len {
             return Err(Error::InvalidArgument(format!("no device {i}")));
         }

@@ -16,7 +16,7 @@ use super::VerbsLib;
 use crate::error::{Error, Result};
 
 /// An open device context.
-pub struct Context {
+pub(crate) struct Context {
     lib: &'static VerbsLib,
     raw: *mut ibv_context,
     name: String,
@@ -55,12 +55,12 @@ impl Context {
     }
 
     /// The library this context came from.
-    pub fn lib(&self) -> &'static VerbsLib {
+    pub(crate) fn lib(&self) -> &'static VerbsLib {
         self.lib
     }
 
     /// `ibv_query_device`.
-    pub fn query_device(&self) -> Result<ibv_device_attr> {
+    pub(crate) fn query_device(&self) -> Result<ibv_device_attr> {
         // SAFETY: all-zero is a valid bit pattern for this plain C struct.
         let mut attr: ibv_device_attr = unsafe { std::mem::zeroed() };
         // SAFETY: raw is live; attr is writable.
@@ -70,7 +70,7 @@ impl Context {
     }
 
     /// `ibv_query_port`.
-    pub fn query_port(&self, port: u8) -> Result<ibv_port_attr> {
+    pub(crate) fn query_port(&self, port: u8) -> Result<ibv_port_attr> {
         // SAFETY: all-zero is a valid bit pattern for this plain C struct.
         let mut attr: ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: raw is live; attr is writable and at least as large as the compat struct
@@ -81,7 +81,7 @@ impl Context {
     }
 
     /// `ibv_query_gid`: the 16 raw bytes of GID `index`.
-    pub fn query_gid(&self, port: u8, index: i32) -> Result<[u8; 16]> {
+    pub(crate) fn query_gid(&self, port: u8, index: i32) -> Result<[u8; 16]> {
         // SAFETY: all-zero is a valid GID.
         let mut gid: ibv_gid = unsafe { std::mem::zeroed() };
         // SAFETY: raw is live; gid is writable.
@@ -95,7 +95,7 @@ impl Context {
 
     /// Reads every pending asynchronous event (without blocking) and records the fatal
     /// ones; returns the fatal-event epoch (how many were recorded so far).
-    pub fn drain_async_events(&self) -> u64 {
+    pub(crate) fn drain_async_events(&self) -> u64 {
         while let Some((ty, element)) = self.poll_async_event() {
             let what = async_event::name(ty);
             if async_event::is_fatal(ty) {
@@ -110,12 +110,12 @@ impl Context {
     }
 
     /// How many fatal events were recorded so far.
-    pub fn fatal_epoch(&self) -> u64 {
+    pub(crate) fn fatal_epoch(&self) -> u64 {
         self.fatal_epoch.load(Ordering::Acquire)
     }
 
     /// The fatal event that breaks a comm polling `cq` with QPs `qpns`, if any.
-    pub fn fatal_for(&self, cq: &Cq, qpns: &[u32]) -> Option<String> {
+    pub(crate) fn fatal_for(&self, cq: &Cq, qpns: &[u32]) -> Option<String> {
         let events = self.fatal.lock();
         let ev = events.find(cq.events_before, cq.raw as usize, qpns)?;
         Some(format!(
@@ -128,7 +128,7 @@ impl Context {
 
     /// Reads one pending asynchronous event without blocking; `None` when there is none.
     /// Returns the event type (`ibv_event_type` as a number) and what it names.
-    pub fn poll_async_event(&self) -> Option<(u32, EventElement)> {
+    pub(crate) fn poll_async_event(&self) -> Option<(u32, EventElement)> {
         // SAFETY: all-zero is a valid bit pattern for the event struct (event type 0).
         let mut ev: ibv_async_event = unsafe { std::mem::zeroed() };
         // SAFETY: raw is live; the fd is non-blocking, so this returns -1 when empty.
@@ -162,7 +162,7 @@ impl Context {
 
 /// What an asynchronous event names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum EventElement {
+pub(crate) enum EventElement {
     /// The device (or port) as a whole.
     Device,
     /// A QP, by number.
@@ -183,24 +183,24 @@ impl std::fmt::Display for EventElement {
 
 /// One fatal asynchronous event.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct FatalEvent {
+pub(crate) struct FatalEvent {
     /// 1 for the first event recorded on the context, then 2, ...
-    pub seq: u64,
+    pub(crate) seq: u64,
     /// `ibv_event_type` as a number.
-    pub ty: u32,
+    pub(crate) ty: u32,
     /// What it names.
-    pub element: EventElement,
+    pub(crate) element: EventElement,
 }
 
 /// The fatal asynchronous events of one context, and which comm each one breaks.
 #[derive(Debug, Default)]
-pub struct FatalEvents {
+pub(crate) struct FatalEvents {
     list: Vec<FatalEvent>,
 }
 
 impl FatalEvents {
     /// Records an event.
-    pub fn record(&mut self, ty: u32, element: EventElement) {
+    pub(crate) fn record(&mut self, ty: u32, element: EventElement) {
         let seq = self.list.len() as u64 + 1;
         self.list.push(FatalEvent { seq, ty, element });
     }
@@ -210,7 +210,7 @@ impl FatalEvents {
     /// came; one on its CQ or one of its QPs only if it came later. (An earlier one was
     /// about an object that no longer exists: a destroyed QP's number is handed out
     /// again, and a CQ's address may be.)
-    pub fn find(&self, since: u64, cq: usize, qpns: &[u32]) -> Option<&FatalEvent> {
+    pub(crate) fn find(&self, since: u64, cq: usize, qpns: &[u32]) -> Option<&FatalEvent> {
         self.list.iter().find(|ev| match ev.element {
             EventElement::Device => true,
             EventElement::Qp(q) => ev.seq > since && qpns.contains(&q),
@@ -220,25 +220,25 @@ impl FatalEvents {
 }
 
 /// Asynchronous event numbers (`enum ibv_event_type`) and their meaning for a comm.
-pub mod async_event {
+pub(crate) mod async_event {
     /// `IBV_EVENT_CQ_ERR`.
-    pub const CQ_ERR: u32 = 0;
+    pub(crate) const CQ_ERR: u32 = 0;
     /// `IBV_EVENT_QP_FATAL`.
-    pub const QP_FATAL: u32 = 1;
+    pub(crate) const QP_FATAL: u32 = 1;
     /// `IBV_EVENT_QP_REQ_ERR`.
-    pub const QP_REQ_ERR: u32 = 2;
+    pub(crate) const QP_REQ_ERR: u32 = 2;
     /// `IBV_EVENT_QP_ACCESS_ERR`.
-    pub const QP_ACCESS_ERR: u32 = 3;
+    pub(crate) const QP_ACCESS_ERR: u32 = 3;
     /// `IBV_EVENT_DEVICE_FATAL`.
-    pub const DEVICE_FATAL: u32 = 8;
+    pub(crate) const DEVICE_FATAL: u32 = 8;
 
     /// Whether the event's element is a QP.
-    pub fn is_qp_event(ty: u32) -> bool {
+    pub(crate) fn is_qp_event(ty: u32) -> bool {
         matches!(ty, 1..=7 | 16)
     }
 
     /// Whether the event breaks the QP or device it names.
-    pub fn is_fatal(ty: u32) -> bool {
+    pub(crate) fn is_fatal(ty: u32) -> bool {
         matches!(
             ty,
             CQ_ERR | QP_FATAL | QP_REQ_ERR | QP_ACCESS_ERR | DEVICE_FATAL
@@ -246,7 +246,7 @@ pub mod async_event {
     }
 
     /// A readable name.
-    pub fn name(ty: u32) -> &'static str {
+    pub(crate) fn name(ty: u32) -> &'static str {
         match ty {
             CQ_ERR => "CQ error",
             QP_FATAL => "QP fatal",
@@ -297,7 +297,7 @@ fn errno_rc(rc: i32, what: impl FnOnce() -> String) -> Result<()> {
 }
 
 /// A protection domain.
-pub struct Pd {
+pub(crate) struct Pd {
     ctx: Arc<Context>,
     raw: *mut ibv_pd,
 }
@@ -309,7 +309,7 @@ unsafe impl Sync for Pd {}
 
 impl Pd {
     /// `ibv_alloc_pd`.
-    pub fn new(ctx: &Arc<Context>) -> Result<Arc<Self>> {
+    pub(crate) fn new(ctx: &Arc<Context>) -> Result<Arc<Self>> {
         // SAFETY: ctx.raw is live.
         let raw = unsafe { (ctx.lib.alloc_pd)(ctx.raw) };
         if raw.is_null() {
@@ -322,7 +322,7 @@ impl Pd {
     }
 
     /// `ibv_reg_mr` of `addr..addr+len` (the caller keeps the memory alive while the MR is).
-    pub fn reg_mr(self: &Arc<Self>, addr: usize, len: usize, access: u32) -> Result<Mr> {
+    pub(crate) fn reg_mr(self: &Arc<Self>, addr: usize, len: usize, access: u32) -> Result<Mr> {
         // SAFETY: pd is live; the kernel pins and validates the range itself and fails
         // cleanly (EFAULT) for an unmapped one.
         let raw =
@@ -340,7 +340,7 @@ impl Pd {
     }
 
     /// `ibv_reg_dmabuf_mr`; `Unsupported`-style error when the library lacks it.
-    pub fn reg_dmabuf_mr(
+    pub(crate) fn reg_dmabuf_mr(
         self: &Arc<Self>,
         offset: u64,
         len: usize,
@@ -367,7 +367,7 @@ impl Pd {
 
     /// Whether DMA-BUF registration works on this device: NCCL's probe, an
     /// `ibv_reg_dmabuf_mr` with fd -1 that fails with EBADF rather than EOPNOTSUPP.
-    pub fn dmabuf_supported(&self) -> bool {
+    pub(crate) fn dmabuf_supported(&self) -> bool {
         let Some(f) = self.ctx.lib.reg_dmabuf_mr else {
             return false;
         };
@@ -394,7 +394,7 @@ impl Drop for Pd {
 }
 
 /// A memory region.
-pub struct Mr {
+pub(crate) struct Mr {
     pd: Arc<Pd>,
     raw: *mut ibv_mr,
 }
@@ -406,12 +406,12 @@ unsafe impl Sync for Mr {}
 
 impl Mr {
     /// Local key.
-    pub fn lkey(&self) -> u32 {
+    pub(crate) fn lkey(&self) -> u32 {
         // SAFETY: raw is live for self's lifetime.
         unsafe { (*self.raw).lkey }
     }
     /// Remote key.
-    pub fn rkey(&self) -> u32 {
+    pub(crate) fn rkey(&self) -> u32 {
         // SAFETY: raw is live for self's lifetime.
         unsafe { (*self.raw).rkey }
     }
@@ -428,7 +428,7 @@ impl Drop for Mr {
 }
 
 /// A completion queue, polled by its one owner.
-pub struct Cq {
+pub(crate) struct Cq {
     ctx: Arc<Context>,
     raw: *mut ibv_cq,
     /// Fatal events recorded on the context before this CQ existed: none of them can be
@@ -443,7 +443,7 @@ unsafe impl Sync for Cq {}
 
 impl Cq {
     /// `ibv_create_cq` with room for `entries` completions.
-    pub fn new(ctx: &Arc<Context>, entries: i32) -> Result<Arc<Self>> {
+    pub(crate) fn new(ctx: &Arc<Context>, entries: i32) -> Result<Arc<Self>> {
         let events_before = ctx.fatal_epoch();
         // SAFETY: ctx.raw is live; no channel, no context pointer.
         let raw = unsafe {
@@ -469,7 +469,7 @@ impl Cq {
     }
 
     /// Polls up to `wcs.len()` completions; returns how many were written.
-    pub fn poll(&self, wcs: &mut [ibv_wc]) -> Result<usize> {
+    pub(crate) fn poll(&self, wcs: &mut [ibv_wc]) -> Result<usize> {
         // SAFETY: raw is live; the provider's ops table belongs to its context.
         let op = unsafe { (*(*self.raw).context).ops.poll_cq };
         let poll = op.ok_or_else(|| Error::Misuse("provider has no poll_cq".into()))?;
@@ -499,47 +499,47 @@ static NEXT_PSN: AtomicU64 = AtomicU64::new(0);
 
 /// What a QP needs to know about its remote end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RemoteQp {
+pub(crate) struct RemoteQp {
     /// Remote QP number.
-    pub qpn: u32,
+    pub(crate) qpn: u32,
     /// Remote initial packet sequence number.
-    pub psn: u32,
+    pub(crate) psn: u32,
     /// Remote GID.
-    pub gid: [u8; 16],
+    pub(crate) gid: [u8; 16],
     /// Remote LID (IB).
-    pub lid: u16,
+    pub(crate) lid: u16,
 }
 
 /// Local settings for RTR/RTS.
 #[derive(Debug, Clone, Copy)]
-pub struct QpPath {
+pub(crate) struct QpPath {
     /// Port number.
-    pub port: u8,
+    pub(crate) port: u8,
     /// True for Ethernet (RoCE/eRDMA): GRH routing with GIDs.
-    pub roce: bool,
+    pub(crate) roce: bool,
     /// Local GID index.
-    pub gid_index: u8,
+    pub(crate) gid_index: u8,
     /// Path MTU (`ibv_mtu` value).
-    pub mtu: u32,
+    pub(crate) mtu: u32,
     /// Traffic class.
-    pub traffic_class: u8,
+    pub(crate) traffic_class: u8,
     /// Service level.
-    pub sl: u8,
+    pub(crate) sl: u8,
     /// Local ACK timeout exponent.
-    pub timeout: u8,
+    pub(crate) timeout: u8,
     /// Retry count.
-    pub retry_cnt: u8,
+    pub(crate) retry_cnt: u8,
 }
 
 /// An RC queue pair.
-pub struct Qp {
+pub(crate) struct Qp {
     raw: *mut ibv_qp,
     pd: Arc<Pd>,
     _cq: Arc<Cq>,
     /// Initial send PSN.
-    pub psn: u32,
+    pub(crate) psn: u32,
     /// Inline data limit actually granted.
-    pub max_inline: u32,
+    pub(crate) max_inline: u32,
 }
 
 // SAFETY: QPs are libibverbs objects; posting is done by the one thread driving the comm
@@ -551,7 +551,7 @@ unsafe impl Sync for Qp {}
 impl Qp {
     /// Creates an RC QP on `pd` using `cq` for both queues; asks for `max_inline` bytes of
     /// inline data and falls back to none when the device refuses.
-    pub fn new(
+    pub(crate) fn new(
         pd: &Arc<Pd>,
         cq: &Arc<Cq>,
         max_send_wr: u32,
@@ -594,7 +594,7 @@ impl Qp {
     }
 
     /// QP number.
-    pub fn qpn(&self) -> u32 {
+    pub(crate) fn qpn(&self) -> u32 {
         // SAFETY: raw is live.
         unsafe { (*self.raw).qp_num }
     }
@@ -613,7 +613,7 @@ impl Qp {
 
     /// RESET -> INIT on `port` with partition key index `pkey_index` and `access` for remote
     /// operations.
-    pub fn to_init(&self, port: u8, pkey_index: u16, access: u32) -> Result<()> {
+    pub(crate) fn to_init(&self, port: u8, pkey_index: u16, access: u32) -> Result<()> {
         // SAFETY: all-zero is a valid attr.
         let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ibv_qp_state::IBV_QPS_INIT;
@@ -628,7 +628,7 @@ impl Qp {
     }
 
     /// INIT -> RTR towards `remote`.
-    pub fn to_rtr(&self, path: &QpPath, remote: &RemoteQp) -> Result<()> {
+    pub(crate) fn to_rtr(&self, path: &QpPath, remote: &RemoteQp) -> Result<()> {
         // SAFETY: all-zero is a valid attr.
         let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ibv_qp_state::IBV_QPS_RTR;
@@ -669,7 +669,7 @@ impl Qp {
     }
 
     /// RTR -> RTS.
-    pub fn to_rts(&self, path: &QpPath) -> Result<()> {
+    pub(crate) fn to_rts(&self, path: &QpPath) -> Result<()> {
         // SAFETY: all-zero is a valid attr.
         let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
         a.qp_state = ibv_qp_state::IBV_QPS_RTS;
@@ -688,7 +688,7 @@ impl Qp {
     }
 
     /// Posts a chain of send work requests.
-    pub fn post_send(&self, wr: &mut ibv_send_wr) -> Result<()> {
+    pub(crate) fn post_send(&self, wr: &mut ibv_send_wr) -> Result<()> {
         // SAFETY: raw is live; the ops table belongs to its context.
         let op = unsafe { (*(*self.raw).context).ops.post_send };
         let post = op.ok_or_else(|| Error::Misuse("provider has no post_send".into()))?;
@@ -703,7 +703,7 @@ impl Qp {
     }
 
     /// Posts one zero-SGE receive (WRITE_WITH_IMM consumes one per message).
-    pub fn post_recv(&self, wr_id: u64) -> Result<()> {
+    pub(crate) fn post_recv(&self, wr_id: u64) -> Result<()> {
         // SAFETY: raw is live; the ops table belongs to its context.
         let op = unsafe { (*(*self.raw).context).ops.post_recv };
         let post = op.ok_or_else(|| Error::Misuse("provider has no post_recv".into()))?;

@@ -1,0 +1,521 @@
+//! The slots every table version shares, and the per-version argument conversions of the
+//! data path: each converts its version's C signature to one call of the version-neutral
+//! core (`plugin`). Per-version rules honoured here: v9+ `irecv` always overwrites `*request`
+//! (NCCL may pass the optional-completion hint 0x1 in it); sizes are checked before use; a
+//! NULL where NCCL never passes one is `ncclInvalidArgument`, not a crash.
+
+use std::{
+    ffi::{c_int, c_void},
+    sync::Arc,
+};
+
+use super::profiler::{self, NetEvent};
+use super::{boundary, data_comm_owner, non_null, recv_comm, send_comm};
+use crate::buffer::UserBuffer;
+use crate::error::{Error, Result};
+use crate::ffi::*;
+use crate::oob::HANDLE_SIZE;
+use crate::plugin::{self, ListenComm, Plugin, RecvComm, SendComm};
+use crate::transport::MAX_RECVS;
+
+pub(super) extern "C" fn devices(ndev: *mut c_int) -> ncclResult_t {
+    boundary("devices", || {
+        non_null(ndev, "ndev")?;
+        let n = plugin::get().map(|p| p.device_count()).unwrap_or(0);
+        // SAFETY: checked non-NULL; NCCL passes a writable int.
+        unsafe { *ndev = n as c_int };
+        Ok(())
+    })
+}
+
+pub(super) fn handle_buf<'a>(handle: *mut c_void) -> Result<&'a mut [u8; HANDLE_SIZE]> {
+    non_null(handle, "handle")?;
+    // SAFETY: NCCL's handle is an NCCL_NET_HANDLE_MAXSIZE (128) byte buffer it owns and
+    // keeps alive across the call; no other reference to it exists during the call.
+    Ok(unsafe { &mut *(handle as *mut [u8; HANDLE_SIZE]) })
+}
+
+pub(super) fn listen_with(
+    plugin: Result<Arc<Plugin>>,
+    dev: c_int,
+    handle: *mut c_void,
+    listen_comm: *mut *mut c_void,
+) -> ncclResult_t {
+    boundary("listen", || {
+        non_null(listen_comm, "listenComm")?;
+        let comm = plugin?.listen(dev, handle_buf(handle)?)?;
+        // SAFETY: checked non-NULL; NCCL passes a writable pointer slot.
+        unsafe { *listen_comm = Box::into_raw(comm) as *mut c_void };
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn listen(
+    dev: c_int,
+    handle: *mut c_void,
+    listen_comm: *mut *mut c_void,
+) -> ncclResult_t {
+    listen_with(plugin::get(), dev, handle, listen_comm)
+}
+
+pub(super) fn connect_with(
+    plugin: Result<Arc<Plugin>>,
+    dev: c_int,
+    handle: *mut c_void,
+    send_comm: *mut *mut c_void,
+    traffic_class: Option<i32>,
+) -> ncclResult_t {
+    boundary("connect", || {
+        non_null(send_comm, "sendComm")?;
+        // SAFETY: checked non-NULL; writable pointer slot. NULL means "not yet".
+        unsafe { *send_comm = std::ptr::null_mut() };
+        if let Some(comm) = plugin?.connect(dev, handle_buf(handle)?, traffic_class)? {
+            // SAFETY: as above.
+            unsafe { *send_comm = Box::into_raw(comm) as *mut c_void };
+        }
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn connect_v6(
+    dev: c_int,
+    handle: *mut c_void,
+    send_comm: *mut *mut c_void,
+) -> ncclResult_t {
+    connect_with(plugin::get(), dev, handle, send_comm, None)
+}
+
+pub(super) extern "C" fn connect_v7(
+    dev: c_int,
+    handle: *mut c_void,
+    send_comm: *mut *mut c_void,
+    _dev_comm: *mut *mut ncclNetDeviceHandle_v7_t,
+) -> ncclResult_t {
+    connect_with(plugin::get(), dev, handle, send_comm, None)
+}
+
+pub(super) extern "C" fn connect_v10(
+    dev: c_int,
+    config: *mut ncclNetCommConfig_v10_t,
+    handle: *mut c_void,
+    send_comm: *mut *mut c_void,
+    _dev_comm: *mut *mut ncclNetDeviceHandle_v10_t,
+) -> ncclResult_t {
+    // SAFETY: NCCL passes NULL or a valid config for the duration of the call.
+    let tc = (!config.is_null()).then(|| unsafe { (*config).trafficClass });
+    connect_with(plugin::get(), dev, handle, send_comm, tc)
+}
+
+pub(super) extern "C" fn accept_v6(listen_comm: *mut c_void, recv_comm: *mut *mut c_void) -> ncclResult_t {
+    boundary("accept", || {
+        non_null(listen_comm, "listenComm")?;
+        non_null(recv_comm, "recvComm")?;
+        // SAFETY: checked non-NULL; writable pointer slot. NULL means "not yet".
+        unsafe { *recv_comm = std::ptr::null_mut() };
+        // SAFETY: NCCL passes back a listen comm we returned; the magic check below rejects
+        // anything else before it is used.
+        let listen = unsafe { &mut *(listen_comm as *mut ListenComm) };
+        listen.check()?;
+        if let Some(comm) = plugin::get()?.accept(listen)? {
+            // SAFETY: as above.
+            unsafe { *recv_comm = Box::into_raw(comm) as *mut c_void };
+        }
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn accept_v7(
+    listen_comm: *mut c_void,
+    recv_comm: *mut *mut c_void,
+    _dev_comm: *mut *mut ncclNetDeviceHandle_v7_t,
+) -> ncclResult_t {
+    accept_v6(listen_comm, recv_comm)
+}
+
+pub(super) fn reg_mr(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: Result<usize>,
+    ptr_type: c_int,
+    mhandle: *mut *mut c_void,
+) -> ncclResult_t {
+    boundary("regMr", || {
+        non_null(mhandle, "mhandle")?;
+        // SAFETY: NCCL passes back a comm we returned (checked by magic).
+        let (plugin, dev) = unsafe { data_comm_owner(comm)? };
+        let h = plugin.reg_mr(dev, data as usize, size?, ptr_type)?;
+        // SAFETY: checked non-NULL; writable pointer slot.
+        unsafe { *mhandle = h as usize as *mut c_void };
+        Ok(())
+    })
+}
+
+pub(super) fn buffer_count(n: c_int, call: &str) -> Result<usize> {
+    usize::try_from(n)
+        .ok()
+        .filter(|n| (1..=MAX_RECVS).contains(n))
+        .ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "{call} of {n} buffers; 1 to {MAX_RECVS} are allowed"
+            ))
+        })
+}
+
+pub(super) fn int_size(size: c_int) -> Result<usize> {
+    usize::try_from(size).map_err(|_| Error::InvalidArgument(format!("negative size {size}")))
+}
+
+pub(super) extern "C" fn reg_mr_int(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: c_int,
+    ptr_type: c_int,
+    mhandle: *mut *mut c_void,
+) -> ncclResult_t {
+    reg_mr(comm, data, int_size(size), ptr_type, mhandle)
+}
+
+pub(super) extern "C" fn reg_mr_size_t(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    ptr_type: c_int,
+    mhandle: *mut *mut c_void,
+) -> ncclResult_t {
+    reg_mr(comm, data, Ok(size), ptr_type, mhandle)
+}
+
+pub(super) extern "C" fn reg_mr_dmabuf(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    _ptr_type: c_int,
+    offset: u64,
+    fd: c_int,
+    mhandle: *mut *mut c_void,
+) -> ncclResult_t {
+    boundary("regMrDmaBuf", || {
+        non_null(mhandle, "mhandle")?;
+        // SAFETY: NCCL passes back a comm we returned (checked by magic).
+        let (plugin, dev) = unsafe { data_comm_owner(comm)? };
+        let h = plugin.reg_mr_dmabuf(dev, data as usize, size, offset, fd)?;
+        // SAFETY: checked non-NULL; writable pointer slot.
+        unsafe { *mhandle = h as usize as *mut c_void };
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn dereg_mr(comm: *mut c_void, mhandle: *mut c_void) -> ncclResult_t {
+    boundary("deregMr", || {
+        // SAFETY: NCCL passes back a comm we returned (checked by magic).
+        let (plugin, _) = unsafe { data_comm_owner(comm)? };
+        plugin.dereg_mr(mhandle as usize as u64)
+    })
+}
+
+/// Wraps NCCL's pointer and size as a buffer.
+pub(super) fn user_buffer(data: *mut c_void, size: usize) -> Result<UserBuffer> {
+    if data.is_null() && size > 0 {
+        return Err(Error::InvalidArgument(format!(
+            "NULL data pointer for {size} bytes"
+        )));
+    }
+    // SAFETY: NCCL keeps `data` valid for `size` bytes until the request completes, and
+    // does not write a receive buffer while the receive is in flight.
+    Ok(unsafe { UserBuffer::new(data as *mut u8, size) })
+}
+
+pub(super) fn isend(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: Result<usize>,
+    tag: c_int,
+    mhandle: *mut c_void,
+    phandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    boundary("isend", || {
+        non_null(request, "request")?;
+        // SAFETY: checked non-NULL; writable pointer slot. NULL means "not now".
+        unsafe { *request = std::ptr::null_mut() };
+        // SAFETY: NCCL passes back a send comm we returned (checked by magic).
+        let comm = unsafe { send_comm(comm)? };
+        let buf = user_buffer(data, size?)?;
+        if let Some(token) = comm.isend(buf, tag, mhandle as usize as u64)? {
+            let event = NetEvent {
+                kind: 0,
+                n: 1,
+                size: buf.len() as u64,
+                tag,
+            };
+            profiler::start(token, phandle, event);
+            // SAFETY: as above.
+            unsafe { *request = token as *const _ as *mut c_void };
+        }
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn isend_int(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: c_int,
+    tag: c_int,
+    mhandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    isend(
+        comm,
+        data,
+        int_size(size),
+        tag,
+        mhandle,
+        std::ptr::null_mut(),
+        request,
+    )
+}
+
+pub(super) extern "C" fn isend_size_t(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    tag: c_int,
+    mhandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    isend(
+        comm,
+        data,
+        Ok(size),
+        tag,
+        mhandle,
+        std::ptr::null_mut(),
+        request,
+    )
+}
+
+pub(super) extern "C" fn isend_v10(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: usize,
+    tag: c_int,
+    mhandle: *mut c_void,
+    phandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    isend(comm, data, Ok(size), tag, mhandle, phandle, request)
+}
+
+/// `irecv` for any version; `size_at(i)` reads the i-th size in the version's integer type.
+#[allow(clippy::too_many_arguments)] // the C signature's arguments, plus the size reader
+pub(super) fn irecv(
+    comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    size_at: impl Fn(usize) -> Result<usize>,
+    tags: *mut c_int,
+    mhandles: *mut *mut c_void,
+    phandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    boundary("irecv", || {
+        non_null(request, "request")?;
+        // SAFETY: checked non-NULL; writable pointer slot. Always overwritten: v9+ NCCL may
+        // leave the optional-completion hint (0x1) in it.
+        unsafe { *request = std::ptr::null_mut() };
+        // SAFETY: NCCL passes back a receive comm we returned (checked by magic).
+        let comm = unsafe { recv_comm(comm)? };
+        let n = buffer_count(n, "irecv")?;
+        non_null(data, "data")?;
+        non_null(tags, "tags")?;
+        non_null(mhandles, "mhandles")?;
+        let mut bufs = [UserBuffer::EMPTY; MAX_RECVS];
+        let mut tag_v = [0i32; MAX_RECVS];
+        let mut mh_v = [0u64; MAX_RECVS];
+        for i in 0..n {
+            // SAFETY: NCCL's arrays hold n (checked 1..=8) elements each.
+            let (d, t, m) = unsafe { (*data.add(i), *tags.add(i), *mhandles.add(i)) };
+            bufs[i] = user_buffer(d, size_at(i)?)?;
+            tag_v[i] = t;
+            mh_v[i] = m as usize as u64;
+        }
+        if let Some(token) = comm.irecv(&bufs[..n], &tag_v[..n], &mh_v[..n])? {
+            if !phandles.is_null() {
+                let event = NetEvent {
+                    kind: 1,
+                    n: n as u32,
+                    size: bufs[..n].iter().map(|b| b.len() as u64).sum(),
+                    tag: tag_v[0],
+                };
+                // SAFETY: NCCL's phandles array holds n (>= 1) parent handles.
+                profiler::start(token, unsafe { *phandles }, event);
+            }
+            // SAFETY: as above.
+            unsafe { *request = token as *const _ as *mut c_void };
+        }
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn irecv_int(
+    comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut c_int,
+    tags: *mut c_int,
+    mhandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    irecv(
+        comm,
+        n,
+        data,
+        |i| {
+            non_null(sizes, "sizes")?;
+            // SAFETY: non-NULL; NCCL's sizes array holds n elements and i < n.
+            int_size(unsafe { *sizes.add(i) })
+        },
+        tags,
+        mhandles,
+        std::ptr::null_mut(),
+        request,
+    )
+}
+
+pub(super) extern "C" fn irecv_size_t(
+    comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut usize,
+    tags: *mut c_int,
+    mhandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    irecv_sizes(
+        comm,
+        n,
+        data,
+        sizes,
+        tags,
+        mhandles,
+        std::ptr::null_mut(),
+        request,
+    )
+}
+
+/// `irecv` with `size_t` sizes (v9+), under profiler parents `phandles` (v10+, may be NULL).
+#[allow(clippy::too_many_arguments)] // the C signature's arguments
+pub(super) fn irecv_sizes(
+    comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut usize,
+    tags: *mut c_int,
+    mhandles: *mut *mut c_void,
+    phandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    irecv(
+        comm,
+        n,
+        data,
+        |i| {
+            non_null(sizes, "sizes")?;
+            // SAFETY: non-NULL; NCCL's sizes array holds n elements and i < n.
+            Ok(unsafe { *sizes.add(i) })
+        },
+        tags,
+        mhandles,
+        phandles,
+        request,
+    )
+}
+
+pub(super) extern "C" fn irecv_v10(
+    comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut usize,
+    tags: *mut c_int,
+    mhandles: *mut *mut c_void,
+    phandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    irecv_sizes(comm, n, data, sizes, tags, mhandles, phandles, request)
+}
+
+pub(super) extern "C" fn iflush(
+    comm: *mut c_void,
+    n: c_int,
+    data: *mut *mut c_void,
+    sizes: *mut c_int,
+    mhandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    boundary("iflush", || {
+        non_null(request, "request")?;
+        // SAFETY: checked non-NULL; writable pointer slot. NULL = nothing to wait for.
+        unsafe { *request = std::ptr::null_mut() };
+        // SAFETY: NCCL passes back a receive comm we returned (checked by magic).
+        let comm = unsafe { recv_comm(comm)? };
+        let n = buffer_count(n, "iflush")?;
+        non_null(data, "data")?;
+        non_null(sizes, "sizes")?;
+        non_null(mhandles, "mhandles")?;
+        let mut bufs = [UserBuffer::EMPTY; MAX_RECVS];
+        let mut mh_v = [0u64; MAX_RECVS];
+        for i in 0..n {
+            // SAFETY: NCCL's arrays hold n (checked 1..=8) elements each.
+            let (d, s, m) = unsafe { (*data.add(i), *sizes.add(i), *mhandles.add(i)) };
+            bufs[i] = user_buffer(d, int_size(s)?)?;
+            mh_v[i] = m as usize as u64;
+        }
+        if let Some(token) = comm.iflush(&bufs[..n], &mh_v[..n])? {
+            // SAFETY: as above.
+            unsafe { *request = token as *const _ as *mut c_void };
+        }
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn test(request: *mut c_void, done: *mut c_int, sizes: *mut c_int) -> ncclResult_t {
+    // SAFETY: NCCL passes back a request we returned, a writable done flag and a sizes array
+    // with room for every message of the request (or NULL).
+    boundary("test", || unsafe {
+        super::test_request(request, done, sizes)
+    })
+}
+
+pub(super) extern "C" fn close_send(comm: *mut c_void) -> ncclResult_t {
+    boundary("closeSend", || {
+        // SAFETY: NCCL passes back a send comm we returned (checked by magic).
+        unsafe { send_comm(comm)? };
+        // SAFETY: it is a live SendComm that we boxed; NCCL gives up the pointer here.
+        let mut comm = unsafe { Box::from_raw(comm as *mut SendComm) };
+        comm.retire();
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn close_recv(comm: *mut c_void) -> ncclResult_t {
+    boundary("closeRecv", || {
+        // SAFETY: NCCL passes back a receive comm we returned (checked by magic).
+        unsafe { recv_comm(comm)? };
+        // SAFETY: it is a live RecvComm that we boxed; NCCL gives up the pointer here.
+        let mut comm = unsafe { Box::from_raw(comm as *mut RecvComm) };
+        comm.retire();
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn close_listen(comm: *mut c_void) -> ncclResult_t {
+    boundary("closeListen", || {
+        non_null(comm, "listenComm")?;
+        // SAFETY: NCCL passes back a listen comm we returned; checked by magic before use.
+        unsafe { &*(comm as *const ListenComm) }.check()?;
+        // SAFETY: it is a live ListenComm that we boxed; NCCL gives up the pointer here.
+        let mut comm = unsafe { Box::from_raw(comm as *mut ListenComm) };
+        comm.retire();
+        Ok(())
+    })
+}

@@ -1,0 +1,225 @@
+//! What differs between table versions: `init` (v6-v9: a logger; v10: and a profiler; v11+:
+//! a per-communicator context, with `finalize`, which accepts NULL or a never-initialised
+//! context), the contexts of v11 `listen`/`connect`, and `getProperties` (each version's
+//! struct, zero-filled with `netDeviceType` HOST and `maxP2pBytes` in (0, 1 TiB]).
+
+use std::{
+    collections::HashSet,
+    ffi::{c_char, c_int, c_void},
+    sync::Arc,
+};
+
+use parking_lot::Mutex;
+
+use super::slots::{connect_with, listen_with};
+use super::{boundary, install_logging, non_null, profiler};
+use crate::error::{Error, Result};
+use crate::ffi::*;
+use crate::plugin::{self, Plugin, MAX_COLL_BYTES};
+use crate::transport::{DeviceProps, MAX_P2P_BYTES, MAX_RECVS};
+
+pub(super) fn init_common(logger: ncclDebugLogger_t) -> Result<Arc<Plugin>> {
+    install_logging(logger);
+    plugin::init()
+}
+
+/// Fills the fields every properties version shares, on a zeroed struct.
+macro_rules! fill_common {
+    ($p:expr, $d:expr) => {{
+        let d: &DeviceProps = $d;
+        $p.name = d.name_ptr() as *mut c_char;
+        $p.pciPath = d.pci_path_ptr() as *mut c_char;
+        $p.guid = d.guid;
+        $p.ptrSupport = d.ptr_support;
+        $p.speed = d.speed_mbps;
+        $p.port = d.port;
+        $p.latency = 0.0;
+        $p.maxComms = d.max_comms;
+        $p.maxRecvs = MAX_RECVS as c_int;
+    }};
+}
+
+/// Fills the fields of v7 and later (device offload: none).
+macro_rules! fill_v7 {
+    ($p:expr, $d:expr) => {{
+        fill_common!($p, $d);
+        $p.netDeviceType = NCCL_NET_DEVICE_HOST;
+        $p.netDeviceVersion = NCCL_NET_DEVICE_INVALID_VERSION as c_int;
+    }};
+}
+
+/// Fills the fields of v9 and later.
+macro_rules! fill_v9 {
+    ($p:expr, $d:expr, $dev:expr) => {{
+        fill_v7!($p, $d);
+        $p.regIsGlobal = 1;
+        $p.forceFlush = c_int::from($d.force_flush);
+        $p.vProps.ndevs = 1;
+        $p.vProps.devs[0] = $dev;
+        $p.maxP2pBytes = MAX_P2P_BYTES;
+        $p.maxCollBytes = MAX_COLL_BYTES;
+    }};
+}
+
+/// Runs `getProperties` for any version: zero-fill, then `fill`.
+fn properties<P: Default>(
+    dev: c_int,
+    props: *mut P,
+    fill: impl FnOnce(&mut P, &DeviceProps),
+) -> ncclResult_t {
+    boundary("getProperties", || {
+        non_null(props, "props")?;
+        let plugin = plugin::get()?;
+        let device = plugin.device(dev)?;
+        let mut p = P::default();
+        fill(&mut p, device);
+        // SAFETY: checked non-NULL; NCCL passes a writable struct of this version's layout.
+        unsafe { props.write(p) };
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn init_v6(logger: ncclDebugLogger_t) -> ncclResult_t {
+    boundary("init", || init_common(logger).map(|_| ()))
+}
+
+pub(super) extern "C" fn init_v10(
+    logger: ncclDebugLogger_t,
+    profiler_fn: ncclProfilerCallback_t,
+) -> ncclResult_t {
+    profiler::set(profiler_fn);
+    boundary("init", || init_common(logger).map(|_| ()))
+}
+
+pub(super) extern "C" fn get_properties_v6(dev: c_int, props: *mut ncclNetProperties_v6_t) -> ncclResult_t {
+    properties(dev, props, |p, d| fill_common!(p, d))
+}
+
+pub(super) extern "C" fn get_properties_v7(dev: c_int, props: *mut ncclNetProperties_v7_t) -> ncclResult_t {
+    properties(dev, props, |p, d| fill_v7!(p, d))
+}
+
+pub(super) extern "C" fn get_properties_v8(dev: c_int, props: *mut ncclNetProperties_v8_t) -> ncclResult_t {
+    properties(dev, props, |p, d| {
+        fill_v7!(p, d);
+        p.regIsGlobal = 1;
+    })
+}
+
+pub(super) extern "C" fn get_properties_v9(dev: c_int, props: *mut ncclNetProperties_v9_t) -> ncclResult_t {
+    properties(dev, props, |p, d| fill_v9!(p, d, dev))
+}
+
+pub(super) extern "C" fn get_properties_v11(dev: c_int, props: *mut ncclNetProperties_v11_t) -> ncclResult_t {
+    properties(dev, props, |p, d| {
+        fill_v9!(p, d, dev);
+        p.maxMultiRequestSize = 1;
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// v11: per-communicator contexts
+
+/// What `init` hands NCCL as `ctx` in v11.
+struct NetContext {
+    plugin: Arc<Plugin>,
+    traffic_class: i32,
+}
+
+/// Live contexts, so `finalize`/`listen`/`connect` can refuse a pointer that is not one.
+static CONTEXTS: Mutex<Option<HashSet<usize>>> = Mutex::new(None);
+
+pub(super) fn context(ctx: *mut c_void) -> Result<Arc<Plugin>> {
+    if ctx.is_null() {
+        return plugin::get();
+    }
+    let live = CONTEXTS
+        .lock()
+        .as_ref()
+        .is_some_and(|set| set.contains(&(ctx as usize)));
+    if !live {
+        return Err(Error::Misuse("unknown net context".into()));
+    }
+    // SAFETY: registered contexts are live boxed NetContexts (removed before being freed).
+    Ok(Arc::clone(&unsafe { &*(ctx as *const NetContext) }.plugin))
+}
+
+pub(super) fn context_traffic_class(ctx: *mut c_void) -> Option<i32> {
+    if ctx.is_null() {
+        return None;
+    }
+    // SAFETY: only called after `context` accepted ctx as a live registered NetContext.
+    let tc = unsafe { (*(ctx as *const NetContext)).traffic_class };
+    (tc >= 0).then_some(tc)
+}
+
+pub(super) extern "C" fn init_v11(
+    ctx: *mut *mut c_void,
+    _comm_id: u64,
+    config: *mut ncclNetCommConfig_v11_t,
+    logger: ncclDebugLogger_t,
+    profiler_fn: ncclProfilerCallback_t,
+) -> ncclResult_t {
+    profiler::set(profiler_fn);
+    boundary("init", || {
+        non_null(ctx, "ctx")?;
+        let plugin = init_common(logger)?;
+        let traffic_class = if config.is_null() {
+            -1
+        } else {
+            // SAFETY: NCCL passes NULL or a valid config for the duration of the call.
+            unsafe { (*config).trafficClass }
+        };
+        let raw = Box::into_raw(Box::new(NetContext {
+            plugin,
+            traffic_class,
+        })) as *mut c_void;
+        CONTEXTS
+            .lock()
+            .get_or_insert_with(HashSet::new)
+            .insert(raw as usize);
+        // SAFETY: checked non-NULL; NCCL passes a writable pointer slot.
+        unsafe { *ctx = raw };
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn finalize_v11(ctx: *mut c_void) -> ncclResult_t {
+    boundary("finalize", || {
+        // NCCL 2.28 calls finalize even after a failed init, with its ctx still NULL.
+        if ctx.is_null() {
+            return Ok(());
+        }
+        let removed = CONTEXTS
+            .lock()
+            .as_mut()
+            .is_some_and(|set| set.remove(&(ctx as usize)));
+        if !removed {
+            return Err(Error::Misuse("finalize of an unknown net context".into()));
+        }
+        // SAFETY: it was registered, so it is a NetContext we boxed in init; it is now
+        // unregistered, so nothing else can reach it.
+        drop(unsafe { Box::from_raw(ctx as *mut NetContext) });
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn listen_v11(
+    ctx: *mut c_void,
+    dev: c_int,
+    handle: *mut c_void,
+    listen_comm: *mut *mut c_void,
+) -> ncclResult_t {
+    listen_with(context(ctx), dev, handle, listen_comm)
+}
+
+pub(super) extern "C" fn connect_v11(
+    ctx: *mut c_void,
+    dev: c_int,
+    handle: *mut c_void,
+    send_comm: *mut *mut c_void,
+    _dev_comm: *mut *mut ncclNetDeviceHandle_v11_t,
+) -> ncclResult_t {
+    let traffic_class = context(ctx).ok().and_then(|_| context_traffic_class(ctx));
+    connect_with(context(ctx), dev, handle, send_comm, traffic_class)
+}
