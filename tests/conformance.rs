@@ -496,7 +496,7 @@ fn bad_settings_fail_init_with_a_warn_naming_them() {
         ("NCCL_ERDMA_CTS_BATCH", "0"),
     ] {
         run_child(
-            "child_init_fails_invalid_usage",
+            test_name!(child_init_fails_invalid_usage),
             &[("CHILD_VAR", var), ("CHILD_VALUE", value), (var, value)],
             &[],
             false,
@@ -536,13 +536,13 @@ fn default_verbs_fails_init_cleanly_without_rdma_and_auto_falls_back_to_tcp() {
         return;
     }
     run_child(
-        "child_default_transport_fails",
+        test_name!(child_default_transport_fails),
         &[],
         &["NCCL_ERDMA_TRANSPORT"],
         false,
     );
     run_child(
-        "child_auto_transport_uses_tcp",
+        test_name!(child_auto_transport_uses_tcp),
         &[("NCCL_ERDMA_TRANSPORT", "auto")],
         &[],
         false,
@@ -591,7 +591,7 @@ fn child_auto_transport_uses_tcp() {
 
 #[test]
 fn garbage_handles_are_rejected_without_connecting() {
-    run_child("child_garbage_handles", &[], &[], true);
+    run_child(test_name!(child_garbage_handles), &[], &[], true);
 }
 
 #[test]
@@ -634,19 +634,9 @@ fn two_processes_every_version() {
         let mut net = open(v);
         let mut handle = [0u8; 128];
         let listen = net.listen(0, &mut handle).unwrap();
-        let exe = std::env::current_exe().unwrap();
-        let mut child = Command::new(exe)
-            .args([
-                "child_sender",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("CONFORMANCE_CHILD", "1")
+        let mut child = child_command(test_name!(child_sender))
             .env("CHILD_VERSION", v.to_string())
-            .env("CHILD_HANDLE", hex(&handle))
-            .env("NCCL_ERDMA_PLUGIN_LIB", lib())
+            .env("CHILD_HANDLE", client::handle_to_hex(&handle))
             .stdout(Stdio::piped())
             .spawn()
             .unwrap();
@@ -673,7 +663,8 @@ fn child_sender() {
         return;
     }
     let v: u32 = std::env::var("CHILD_VERSION").unwrap().parse().unwrap();
-    let mut handle = unhex(&std::env::var("CHILD_HANDLE").unwrap());
+    let mut handle =
+        client::handle_from_hex(&std::env::var("CHILD_HANDLE").unwrap()).expect("a hex handle");
     let mut net = open(v);
     let s = poll_until("connect", || net.connect(0, &mut handle).unwrap());
     let sizes = [0usize, 1, 4099, 1 << 20, (4 << 20) + 1];
@@ -681,18 +672,6 @@ fn child_sender() {
     net.close_send(s).unwrap();
     net.finalize().unwrap();
     std::io::stdout().flush().unwrap();
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn unhex(s: &str) -> [u8; 128] {
-    let mut out = [0u8; 128];
-    for (i, o) in out.iter_mut().enumerate() {
-        *o = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).unwrap();
-    }
-    out
 }
 
 // ---------------------------------------------------------------------------------------
@@ -716,7 +695,7 @@ fn verbs_qps_per_connection_1_2_8_and_split() {
             ("NCCL_IB_SPLIT_DATA_ON_QPS", split),
         ];
         env.extend(batch.map(|b| ("NCCL_ERDMA_CTS_BATCH", b)));
-        run_child("child_verbs_traffic", &env, &[], false);
+        run_child(test_name!(child_verbs_traffic), &env, &[], false);
     }
 }
 
@@ -804,7 +783,7 @@ fn verbs_batched_clear_to_send_under_a_proxy_loop() {
     require_verbs();
     for (batch, group) in [("8", "1"), ("16", "1"), ("4", "3"), ("1", "1")] {
         run_child(
-            "child_verbs_cts_batch",
+            test_name!(child_verbs_cts_batch),
             &[("NCCL_ERDMA_CTS_BATCH", batch), ("CHILD_GROUP", group)],
             &[],
             false,
@@ -930,7 +909,7 @@ fn child_verbs_cts_batch() {
 fn verbs_flush_path_on_host_memory() {
     require_verbs();
     run_child(
-        "child_verbs_flush",
+        test_name!(child_verbs_flush),
         &[("NCCL_ERDMA_FORCE_FLUSH", "1")],
         &[],
         false,
@@ -1017,7 +996,7 @@ fn verbs_small_sends_from_gpu_memory_are_never_inlined() {
     require_verbs();
     run_child_in(
         Sandbox::PeerMemory,
-        "child_verbs_gpu_memory_not_inlined",
+        test_name!(child_verbs_gpu_memory_not_inlined),
         &[],
         &[],
     );
@@ -1107,7 +1086,7 @@ fn child_verbs_gpu_memory_not_inlined() {
 #[ignore = "needs an RDMA device: NCCL_ERDMA_TEST_DEVICE (run by the Soft-RoCE tier)"]
 fn verbs_registration_cache_hits_and_misses() {
     require_verbs();
-    run_child("child_verbs_mr_cache", &[], &[], false);
+    run_child(test_name!(child_verbs_mr_cache), &[], &[], false);
 }
 
 #[test]
@@ -1161,7 +1140,7 @@ fn child_verbs_mr_cache() {
 fn verbs_default_transport_uses_the_device() {
     let dev = require_verbs();
     run_child(
-        "child_default_transport_verbs",
+        test_name!(child_default_transport_verbs),
         &[("CHILD_DEVICE", dev.as_str())],
         &["NCCL_ERDMA_TRANSPORT"],
         false,
@@ -1188,7 +1167,7 @@ fn child_default_transport_verbs() {
 #[test]
 fn stats_lines_count_every_byte() {
     run_child(
-        "child_stats_lines",
+        test_name!(child_stats_lines),
         &[("NCCL_ERDMA_STATS_INTERVAL", "1")],
         &[],
         false,
@@ -1247,7 +1226,7 @@ fn child_stats_lines() {
 
 #[test]
 fn profiler_gets_a_start_and_a_stop_per_request() {
-    run_child("child_profiler_events", &[], &[], false);
+    run_child(test_name!(child_profiler_events), &[], &[], false);
 }
 
 #[test]

@@ -246,13 +246,55 @@ pub fn recv_patterns(net: &Net, r: Opaque, sizes: &[usize], slack: usize) {
     }
 }
 
-/// True in a child started by [`run_child`].
+/// True in a child started by [`run_child`] or [`child_command`].
 pub fn is_child() -> bool {
     std::env::var_os("CONFORMANCE_CHILD").is_some()
 }
 
-/// Runs test `name` of this binary in a fresh process with `env` (and `unset` removed);
-/// `netns`: in a private network namespace.
+/// The libtest name of test function `$f`, which must be defined in the calling module: the
+/// module path below the crate root, then the name (`peers::child_victim_sends` in a module
+/// `peers`, plain `child_sender` at the root). Names a child test for [`run_child`] and
+/// [`child_command`], which match it exactly; it does not compile unless `$f` is a function
+/// in scope.
+macro_rules! test_name {
+    ($f:ident) => {{
+        let _: fn() = $f;
+        let path: &'static str = concat!(module_path!(), "::", stringify!($f));
+        // module_path!() starts with the test target's crate name, which libtest leaves out.
+        path.split_once("::").map_or(path, |(_, name)| name)
+    }};
+}
+pub(crate) use test_name;
+
+/// Arguments that make this test binary run test `name` (its full name, see [`test_name!`])
+/// and nothing else, though it is `#[ignore]`d, with its output shown.
+fn child_args(name: &str) -> [&str; 5] {
+    [
+        name,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]
+}
+
+/// Marks a child of this test binary as one ([`is_child`]) and points it at the same plugin.
+fn child_env(cmd: &mut Command) -> &mut Command {
+    cmd.env("CONFORMANCE_CHILD", "1")
+        .env("NCCL_ERDMA_PLUGIN_LIB", lib())
+}
+
+/// This test binary, set up to run test `name` (its full name, see [`test_name!`]) alone as
+/// a child; the caller adds its own environment, pipes, and waits for it.
+pub fn child_command(name: &str) -> Command {
+    let mut cmd = Command::new(std::env::current_exe().expect("current_exe"));
+    cmd.args(child_args(name));
+    child_env(&mut cmd);
+    cmd
+}
+
+/// Runs test `name` of this binary (its full name, see [`test_name!`]) in a fresh process
+/// with `env` (and `unset` removed); `netns`: in a private network namespace.
 pub fn run_child(name: &str, env: &[(&str, &str)], unset: &[&str], netns: bool) -> Output {
     let sandbox = if netns { Sandbox::NetNs } else { Sandbox::None };
     run_child_in(sandbox, name, env, unset)
@@ -276,22 +318,17 @@ pub enum Sandbox {
 pub fn run_child_in(sandbox: Sandbox, name: &str, env: &[(&str, &str)], unset: &[&str]) -> Output {
     setup();
     let exe = std::env::current_exe().expect("current_exe");
-    let args = [
-        name,
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ];
     let wrap = |unshare: &str, script: &str| {
         let mut c = Command::new("unshare");
-        c.args([unshare, "sh", "-c", script]).arg(&exe).args(args);
+        c.args([unshare, "sh", "-c", script])
+            .arg(&exe)
+            .args(child_args(name));
         c
     };
     let mut cmd = match sandbox {
         Sandbox::None => {
             let mut c = Command::new(&exe);
-            c.args(args);
+            c.args(child_args(name));
             c
         }
         Sandbox::NetNs => wrap("-n", "ip link set lo up && exec \"$0\" \"$@\""),
@@ -302,9 +339,7 @@ pub fn run_child_in(sandbox: Sandbox, name: &str, env: &[(&str, &str)], unset: &
              echo 1.0 > /sys/kernel/mm/memory_peers/nv_mem/version && exec \"$0\" \"$@\"",
         ),
     };
-    cmd.env("CONFORMANCE_CHILD", "1")
-        .env("NCCL_ERDMA_PLUGIN_LIB", lib())
-        .env("NCCL_SOCKET_IFNAME", "lo");
+    child_env(&mut cmd).env("NCCL_SOCKET_IFNAME", "lo");
     for k in unset {
         cmd.env_remove(k);
     }
