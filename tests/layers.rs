@@ -78,7 +78,9 @@ fn crate_paths(text: &str) -> Vec<(usize, String, Option<String>)> {
             for item in group[..end].split(',') {
                 let mut segs = item.trim().split("::");
                 let first = segs.next().unwrap_or("").trim().to_string();
-                let second = segs.next().map(|s| s.trim().trim_start_matches('{').to_string());
+                let second = segs
+                    .next()
+                    .map(|s| s.trim().trim_start_matches('{').to_string());
                 if !first.is_empty() {
                     out.push((line_at(at), first, second));
                 }
@@ -91,7 +93,11 @@ fn crate_paths(text: &str) -> Vec<(usize, String, Option<String>)> {
             .collect();
         let mut segs = path.split("::").filter(|s| !s.is_empty());
         if let Some(first) = segs.next() {
-            out.push((line_at(at), first.to_string(), segs.next().map(str::to_string)));
+            out.push((
+                line_at(at),
+                first.to_string(),
+                segs.next().map(str::to_string),
+            ));
         }
     }
     out
@@ -104,7 +110,9 @@ fn import_violations(rel: &str, text: &str) -> Vec<String> {
         return Vec::new(); // lib.rs: the crate root declares every module
     };
     let Some(own) = layer(top) else {
-        return vec![format!("{rel}: module `{top}` has no layer in tests/layers.rs")];
+        return vec![format!(
+            "{rel}: module `{top}` has no layer in tests/layers.rs"
+        )];
     };
     let mut bad = Vec::new();
     for (line, first, second) in crate_paths(text) {
@@ -113,7 +121,9 @@ fn import_violations(rel: &str, text: &str) -> Vec<String> {
             continue;
         };
         if theirs > own {
-            bad.push(format!("{rel}:{line}: `{top}` imports `crate::{first}`, a higher layer"));
+            bad.push(format!(
+                "{rel}:{line}: `{top}` imports `crate::{first}`, a higher layer"
+            ));
         }
         // The transports are siblings behind one contract: neither names the other.
         if top == "transport" && first == "transport" {
@@ -153,7 +163,11 @@ fn sources() -> Vec<(String, String)> {
             if path.is_dir() {
                 walk(&path, root, out);
             } else if path.extension().is_some_and(|e| e == "rs") {
-                let rel = path.strip_prefix(root).unwrap().to_string_lossy().into_owned();
+                let rel = path
+                    .strip_prefix(root)
+                    .unwrap()
+                    .to_string_lossy()
+                    .into_owned();
                 out.push((rel, std::fs::read_to_string(&path).unwrap()));
             }
         }
@@ -185,7 +199,11 @@ fn imports_only_point_down_and_unsafe_stays_in_its_places() {
             bad.push(format!("{rel}: {lines} lines (at most {MAX_LINES})"));
         }
     }
-    assert!(bad.is_empty(), "structure rules broken:\n{}", bad.join("\n"));
+    assert!(
+        bad.is_empty(),
+        "structure rules broken:\n{}",
+        bad.join("\n")
+    );
 }
 
 #[test]
@@ -222,7 +240,10 @@ fn the_checker_catches_planted_violations() {
         "a module with no layer"
     );
     // unsafe outside its places, and not in comments.
-    assert_eq!(unsafe_violations("plugin/mod.rs", "let x = unsafe { f() };\n").len(), 1);
+    assert_eq!(
+        unsafe_violations("plugin/mod.rs", "let x = unsafe { f() };\n").len(),
+        1
+    );
     assert!(unsafe_violations("plugin/mod.rs", "// no unsafe { here }\n").is_empty());
     assert!(unsafe_violations("verbs/dma.rs", "let x = unsafe { f() };\n").is_empty());
 }
