@@ -1,0 +1,693 @@
+//! The two-host cluster tier: NCCL-style traffic between two Soft-RoCE VMs joined by real
+//! (virtual) links, two rails each, and faults injected on the RDMA path while the bootstrap
+//! link (`mgmt`) stays up. scripts/cluster-tier.sh boots the pair (scripts/cluster-vm.sh) and
+//! runs every case on both hosts at once, one process per case and host; the hosts keep in
+//! step over a control connection (`peer`). Outside that tier every case is ignored.
+//!
+//! Host 2 injects the faults on itself (`tc qdisc ... netem` on its rail, `ip link set ...
+//! down`, powering off) and restores them at the end of the case. Each case prints one
+//! `cluster: RESULT` line per host: what the plugin did, the time to completion or to error,
+//! and the bytes verified.
+
+mod peer;
+mod traffic;
+
+use std::time::{Duration, Instant};
+
+use peer::{sh, sh_quiet, Host, Link, Peer};
+use traffic::{close, connect, open, recv, send, warnings, Comms, Stream};
+
+/// Sizes every connection carries, each verified: 0 to 4 MiB.
+const SIZES: [usize; 9] = [0, 1, 8, 1000, 4096, 65_536, 1 << 20, 3 << 20, 4 << 20];
+
+fn set(vars: &[(&str, &str)]) {
+    for (k, v) in vars {
+        std::env::set_var(k, v);
+    }
+}
+
+fn result(case: &str, host: Host, what: &str) {
+    let n = if host == Host::One { 1 } else { 2 };
+    println!("cluster: RESULT case={case} host={n} {what}");
+}
+
+/// Which host sends: host 2 (the one that injects faults) sends to host 1 unless `reverse`.
+fn sender(p: &Peer, reverse: bool) -> bool {
+    (p.host == Host::Two) != reverse
+}
+
+/// Both hosts run `s` one way: host 2 sends, host 1 receives and verifies (or the reverse).
+fn one_way(
+    net: &nccl_net_erdma_tools::client::Net,
+    c: &Comms,
+    p: &Peer,
+    s: &Stream,
+    reverse: bool,
+) -> traffic::Done {
+    let r = if sender(p, reverse) {
+        send(net, c.send, s)
+    } else {
+        recv(net, c.recv, s)
+    };
+    r.unwrap_or_else(|f| panic!("{} failed: {:?}; WARN: {:?}", f.call, f.code, warnings()))
+}
+
+/// Every size both ways over one rail, with the GID of each rail in that rail's subnet.
+fn every_size_both_ways(case: &str, hca: &str, qps: &str) {
+    set(&[("NCCL_IB_HCA", hca), ("NCCL_IB_QPS_PER_CONNECTION", qps)]);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = open();
+    let props = net.properties(0).expect("getProperties");
+    assert_eq!(
+        props.name,
+        hca.trim_start_matches('='),
+        "the device NCCL_IB_HCA names"
+    );
+    let c = connect(&net, &mut p);
+    let s = Stream {
+        sizes: &SIZES,
+        count: SIZES.len() * 2,
+        seed: 1,
+        window: 4,
+        limit: Duration::from_secs(120),
+    };
+    let there = one_way(&net, &c, &p, &s, false);
+    p.step("reverse");
+    let back = one_way(&net, &c, &p, &Stream { seed: 1000, ..s }, true);
+    close(&net, c);
+    p.step("closed");
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=completed bytes_verified={} secs={:.1} device={}",
+            there.bytes + back.bytes,
+            (there.elapsed + back.elapsed).as_secs_f64(),
+            props.name
+        ),
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn rail_a_every_size_both_ways_one_qp() {
+    every_size_both_ways("rail_a_every_size_both_ways_one_qp", "=rxe0", "1");
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn rail_b_every_size_both_ways_eight_qps() {
+    every_size_both_ways("rail_b_every_size_both_ways_eight_qps", "=rxe1", "8");
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn each_rail_uses_a_gid_in_its_own_subnet() {
+    let case = "each_rail_uses_a_gid_in_its_own_subnet";
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let bin = std::env::var("NCCL_ERDMA_INFO_BIN").expect("NCCL_ERDMA_INFO_BIN (staged)");
+    let out = std::process::Command::new(bin)
+        .arg("--json")
+        .output()
+        .expect("nccl-net-erdma-info");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let n = if p.host == Host::One { 1 } else { 2 };
+    for (dev, net) in [("rxe0", 1), ("rxe1", 2)] {
+        let d = v["devices"]
+            .as_array()
+            .and_then(|a| a.iter().find(|d| d["name"] == dev))
+            .unwrap_or_else(|| panic!("{dev} in {v:#}"));
+        assert_eq!(d["gid"], format!("198.18.{net}.{n}"), "{dev}'s GID: {d:#}");
+        assert_eq!(d["used"], true);
+    }
+    p.step("checked");
+    result(case, p.host, "outcome=rxe0 198.18.1.x, rxe1 198.18.2.x");
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn grouped_receives_split_over_eight_qps() {
+    let case = "grouped_receives_split_over_eight_qps";
+    set(&[
+        ("NCCL_IB_HCA", "=rxe0"),
+        ("NCCL_IB_QPS_PER_CONNECTION", "8"),
+        ("NCCL_IB_SPLIT_DATA_ON_QPS", "1"),
+    ]);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = open();
+    let c = connect(&net, &mut p);
+    let mut bytes = 0u64;
+    let t0 = Instant::now();
+    for (round, n) in (1..=8).enumerate() {
+        let sizes: Vec<usize> = (0..n).map(|i| 1000 * (i + 1) + 129 * round).collect();
+        // Distinct tags: the sends go last first and must each find their own entry.
+        let tags: Vec<i32> = (0..n).map(|i| i as i32 + 10).collect();
+        bytes += grouped(&net, &c, &p, &sizes, &tags, round as u64 * 100);
+    }
+    close(&net, c);
+    p.step("closed");
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=completed bytes_verified={bytes} secs={:.1}",
+            t0.elapsed().as_secs_f64()
+        ),
+    );
+}
+
+/// One grouped receive of `sizes` with `tags` on host 1, its sends (last first) on host 2.
+fn grouped(
+    net: &nccl_net_erdma_tools::client::Net,
+    c: &Comms,
+    p: &Peer,
+    sizes: &[usize],
+    tags: &[i32],
+    seed: u64,
+) -> u64 {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut bufs: Vec<Vec<u8>> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &s)| {
+            if p.host == Host::Two {
+                traffic::pattern(seed + i as u64, s)
+            } else {
+                vec![0u8; s + 64]
+            }
+        })
+        .collect();
+    let comm = if p.host == Host::Two { c.send } else { c.recv };
+    let mhs: Vec<_> = bufs
+        .iter_mut()
+        .map(|b| {
+            net.reg_mr(comm, b.as_mut_ptr(), b.len().max(1), 1)
+                .expect("regMr")
+        })
+        .collect();
+    let mut reqs = Vec::new();
+    if p.host == Host::One {
+        let list: Vec<(*mut u8, usize)> =
+            bufs.iter_mut().map(|b| (b.as_mut_ptr(), b.len())).collect();
+        let req = loop {
+            let r = net.irecv(comm, &list, tags, &mhs, false).expect("irecv");
+            if !r.is_null() {
+                break r;
+            }
+            assert!(Instant::now() < deadline);
+        };
+        reqs.push(req);
+    } else {
+        for i in (0..sizes.len()).rev() {
+            let req = loop {
+                let r = net
+                    .isend(comm, bufs[i].as_mut_ptr(), sizes[i], tags[i], mhs[i])
+                    .expect("isend");
+                if !r.is_null() {
+                    break r;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "no clear-to-send for a grouped receive"
+                );
+            };
+            reqs.push(req);
+        }
+    }
+    let mut got = [0i32; 8];
+    for req in reqs {
+        while !net.test(req, Some(&mut got)).expect("test") {
+            assert!(Instant::now() < deadline, "a grouped transfer hung");
+        }
+    }
+    let mut bytes = 0;
+    if p.host == Host::One {
+        for (i, &s) in sizes.iter().enumerate() {
+            assert_eq!(got[i] as usize, s, "size of entry {i}");
+            assert!(
+                bufs[i][..s] == traffic::pattern(seed + i as u64, s)[..],
+                "entry {i}"
+            );
+            bytes += s as u64;
+        }
+    }
+    for mh in mhs {
+        net.dereg_mr(comm, mh).expect("deregMr");
+    }
+    bytes
+}
+
+/// Open file descriptors and threads of this process.
+fn resources() -> (usize, usize) {
+    let count = |d: &str| std::fs::read_dir(d).map_or(0, |r| r.count());
+    (count("/proc/self/fd"), count("/proc/self/task"))
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn registration_cache_hits_and_close_leaves_nothing() {
+    let case = "registration_cache_hits_and_close_leaves_nothing";
+    set(&[("NCCL_IB_HCA", "=rxe0")]);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let before = resources();
+    let mut net = open();
+    let c = connect(&net, &mut p);
+    let hits = || {
+        nccl_net_erdma_tools::client::logged_lines()
+            .iter()
+            .filter(|l| l.text.contains("regMr") && l.text.contains("cache hit"))
+            .count()
+    };
+    let comm = if p.host == Host::Two { c.send } else { c.recv };
+    let mut big = vec![0u8; 1 << 20];
+    let a = net.reg_mr(comm, big.as_mut_ptr(), big.len(), 1).unwrap();
+    let h0 = hits();
+    let b = net.reg_mr(comm, big[8192..].as_mut_ptr(), 4096, 1).unwrap();
+    assert_eq!(
+        hits() - h0,
+        1,
+        "a sub-range reuses the covering registration"
+    );
+    net.dereg_mr(comm, b).unwrap();
+    net.dereg_mr(comm, a).unwrap();
+    let s = Stream {
+        sizes: &[65_536],
+        count: 64,
+        seed: 7,
+        window: 8,
+        limit: Duration::from_secs(60),
+    };
+    let done = one_way(&net, &c, &p, &s, false);
+    close(&net, c);
+    net.finalize().expect("finalize");
+    net.close();
+    p.step("closed");
+    // What the plugin opened (sockets, QPs' fds, CQs) is gone; it starts no thread.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while resources() != before && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        resources(),
+        before,
+        "(fds, threads) before the plugin and after its close"
+    );
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=completed bytes_verified={} fds_and_threads_back={before:?}",
+            done.bytes
+        ),
+    );
+}
+
+/// Streams 64 KiB messages host 2 -> host 1 through `fault` (applied on host 2's rail A):
+/// every byte must arrive; prints the throughput.
+fn through_netem(case: &str, fault: &str) {
+    // Short retransmission timers: each lost tail waits one out (4.096 us * 2^14 = 67 ms).
+    set(&[("NCCL_IB_HCA", "=rxe0"), ("NCCL_IB_TIMEOUT", "14")]);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = open();
+    let c = connect(&net, &mut p);
+    if p.host == Host::Two && !fault.is_empty() {
+        sh(&format!("tc qdisc add dev raila root netem {fault}"));
+    }
+    p.step("fault on");
+    let s = Stream {
+        sizes: &[65_536],
+        count: 48,
+        seed: 11,
+        window: 8,
+        limit: Duration::from_secs(240),
+    };
+    let done = one_way(&net, &c, &p, &s, false);
+    p.step("streamed");
+    if p.host == Host::Two {
+        sh_quiet("tc qdisc del dev raila root");
+    }
+    close(&net, c);
+    result(
+        case,
+        p.host,
+        &format!(
+            "fault={fault:?} outcome=completed messages={} bytes_verified={} secs={:.1} MBps={:.3}",
+            done.messages,
+            done.bytes,
+            done.elapsed.as_secs_f64(),
+            done.mbps()
+        ),
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn netem_clean_baseline() {
+    through_netem("netem_clean_baseline", "");
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn netem_loss_1pct() {
+    through_netem("netem_loss_1pct", "loss 1%");
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn netem_loss_10pct() {
+    through_netem("netem_loss_10pct", "loss 10%");
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn netem_delay_with_jitter() {
+    through_netem("netem_delay_with_jitter", "delay 5ms 3ms");
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn netem_reordering() {
+    through_netem("netem_reordering", "delay 2ms reorder 25% 50%");
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn netem_duplication() {
+    through_netem("netem_duplication", "duplicate 5%");
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn netem_bit_corruption() {
+    through_netem("netem_bit_corruption", "corrupt 1%");
+}
+
+/// Cuts host 2's rail A for good (`cut`, restored with `restore`) mid-stream with `vars`:
+/// pending and new requests must fail on both hosts within `bound` of the cut, with a WARN
+/// naming the peer, the device and the cause; closing the comms then succeeds.
+fn rail_cut(case: &str, vars: &[(&str, &str)], cut: &str, restore: &str, bound: Duration) {
+    set(&[("NCCL_IB_HCA", "=rxe0"), ("NCCL_IB_TIMEOUT", "14")]);
+    set(vars);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = open();
+    let c = connect(&net, &mut p);
+    let warm = Stream {
+        sizes: &[4096],
+        count: 16,
+        seed: 3,
+        window: 4,
+        limit: Duration::from_secs(60),
+    };
+    let before = one_way(&net, &c, &p, &warm, false);
+    if p.host == Host::Two {
+        sh(cut);
+    }
+    p.step("cut");
+    let cut_at = Instant::now();
+    let s = Stream {
+        sizes: &[65_536],
+        count: 1_000_000,
+        seed: 5,
+        window: 8,
+        limit: bound + Duration::from_secs(30),
+    };
+    let r = if sender(&p, false) {
+        send(&net, c.send, &s)
+    } else {
+        recv(&net, c.recv, &s)
+    };
+    let failed = match r {
+        Ok(d) => panic!("the stream over a cut rail completed: {d:?}"),
+        Err(f) => f,
+    };
+    let took = failed.at - cut_at;
+    let warn = warnings().join(" | ");
+    assert!(
+        took < bound,
+        "the error took {took:?} (bound {bound:?}); WARN: {warn}"
+    );
+    let peer_ip = if p.host == Host::One {
+        "198.18.0.2"
+    } else {
+        "198.18.0.1"
+    };
+    assert!(
+        warn.contains(peer_ip),
+        "the WARN names the peer {peer_ip}: {warn}"
+    );
+    assert!(warn.contains("rxe0"), "the WARN names the device: {warn}");
+    close(&net, c);
+    p.step("closed");
+    if p.host == Host::Two {
+        sh(restore);
+        sh("for i in $(seq 100); do grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state && exit 0; sleep 0.1; done; exit 1");
+    }
+    p.step("restored");
+    let cause = warnings()
+        .into_iter()
+        .find(|w| w.contains(peer_ip))
+        .unwrap_or_default();
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=error code={:?} in={} after_cut_secs={:.1} bytes_verified={} warn={cause:?}",
+            failed.code,
+            failed.call,
+            took.as_secs_f64(),
+            before.bytes + failed.done.bytes
+        ),
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn rail_down_for_good_retry_7_fails_through_the_watchdog() {
+    rail_cut(
+        "rail_down_for_good_retry_7_fails_through_the_watchdog",
+        &[
+            ("NCCL_IB_RETRY_CNT", "7"),
+            ("NCCL_ERDMA_WORK_TIMEOUT_S", "8"),
+        ],
+        "ip link set raila down",
+        "ip link set raila up",
+        Duration::from_secs(25),
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn rail_lossy_100pct_retry_7_fails_through_the_watchdog() {
+    rail_cut(
+        "rail_lossy_100pct_retry_7_fails_through_the_watchdog",
+        &[
+            ("NCCL_IB_RETRY_CNT", "7"),
+            ("NCCL_ERDMA_WORK_TIMEOUT_S", "8"),
+        ],
+        "tc qdisc add dev raila root netem loss 100%",
+        "tc qdisc del dev raila root",
+        Duration::from_secs(25),
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn rail_lossy_100pct_retry_2_fails_through_the_device() {
+    rail_cut(
+        "rail_lossy_100pct_retry_2_fails_through_the_device",
+        &[("NCCL_IB_RETRY_CNT", "2")],
+        "tc qdisc add dev raila root netem loss 100%",
+        "tc qdisc del dev raila root",
+        Duration::from_secs(25),
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn rail_flapping_inside_the_retry_window_loses_nothing() {
+    let case = "rail_flapping_inside_the_retry_window_loses_nothing";
+    set(&[("NCCL_IB_HCA", "=rxe0"), ("NCCL_IB_TIMEOUT", "14")]);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = open();
+    let c = connect(&net, &mut p);
+    p.step("go");
+    if p.host == Host::Two {
+        // Down for 1.5 s while the stream runs, then up.
+        std::thread::spawn(|| {
+            std::thread::sleep(Duration::from_millis(300));
+            sh("ip link set raila down");
+            std::thread::sleep(Duration::from_millis(1500));
+            sh("ip link set raila up");
+        });
+    }
+    let s = Stream {
+        sizes: &[65_536],
+        count: 200,
+        seed: 9,
+        window: 8,
+        limit: Duration::from_secs(180),
+    };
+    let done = one_way(&net, &c, &p, &s, false);
+    p.step("streamed");
+    close(&net, c);
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=completed bytes_verified={} secs={:.1}",
+            done.bytes,
+            done.elapsed.as_secs_f64()
+        ),
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn mtus_that_differ_use_the_smaller() {
+    let case = "mtus_that_differ_use_the_smaller";
+    let mut p = Peer::meet(case, Link::Mgmt);
+    if p.host == Host::One {
+        // rxe's MTU follows its netdev: 4096 here, 1024 on host 2 (netdev MTU 1500).
+        sh("ip link set raila mtu 4200");
+        sh("for i in $(seq 50); do ibv_devinfo -d rxe0 | grep -q 'active_mtu:.*4096' && exit 0; sleep 0.1; done; exit 1");
+    }
+    p.step("mtu set");
+    set(&[("NCCL_IB_HCA", "=rxe0")]);
+    let net = open();
+    let c = connect(&net, &mut p);
+    let s = Stream {
+        sizes: &[100, 4096, 1 << 20],
+        count: 12,
+        seed: 21,
+        window: 4,
+        limit: Duration::from_secs(120),
+    };
+    let there = one_way(&net, &c, &p, &s, false);
+    p.step("reverse");
+    let back = one_way(&net, &c, &p, &Stream { seed: 99, ..s }, true);
+    close(&net, c);
+    let said = nccl_net_erdma_tools::client::logged_lines()
+        .into_iter()
+        .any(|l| l.text.contains("the connection uses 1024 bytes"));
+    assert!(said, "the INFO line naming both MTUs and the one used");
+    p.step("closed");
+    if p.host == Host::One {
+        sh("ip link set raila mtu 1500");
+    }
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=completed at MTU 1024 bytes_verified={}",
+            there.bytes + back.bytes
+        ),
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn mgmt_cut_with_rails_up_keeps_data_flowing_then_fails_within_the_peer_timeout() {
+    let case = "mgmt_cut_with_rails_up_keeps_data_flowing_then_fails_within_the_peer_timeout";
+    set(&[("NCCL_IB_HCA", "=rxe0"), ("NCCL_ERDMA_PEER_TIMEOUT_S", "6")]);
+    // The control connection runs over rail B: mgmt is about to go.
+    let mut p = Peer::meet(case, Link::RailB);
+    let net = open();
+    let c = connect(&net, &mut p);
+    if p.host == Host::Two {
+        sh("ip link set mgmt down");
+    }
+    p.step("mgmt down");
+    let cut_at = Instant::now();
+    // The rails still carry data.
+    let s = Stream {
+        sizes: &[65_536],
+        count: 16,
+        seed: 31,
+        window: 4,
+        limit: Duration::from_secs(60),
+    };
+    let after = one_way(&net, &c, &p, &s, false);
+    // Then the plugin learns its peer's bootstrap connection is silent (keepalive), and a
+    // request that waits for the peer fails.
+    let long = Stream {
+        count: 1_000_000,
+        seed: 41,
+        limit: Duration::from_secs(60),
+        ..s
+    };
+    let r = if sender(&p, false) {
+        send(&net, c.send, &long)
+    } else {
+        recv(&net, c.recv, &long)
+    };
+    let failed = r.expect_err("comms over a silent bootstrap connection fail");
+    let took = failed.at - cut_at;
+    let warn = warnings().join(" | ");
+    assert!(took < Duration::from_secs(30), "{took:?}: {warn}");
+    assert!(warn.contains("NCCL_ERDMA_PEER_TIMEOUT_S"), "{warn}");
+    close(&net, c);
+    p.step("closed");
+    if p.host == Host::Two {
+        sh("ip link set mgmt up");
+    }
+    p.step("restored");
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=data flowed ({} bytes verified after the cut), then error {:?} after_cut_secs={:.1}",
+            after.bytes + failed.done.bytes,
+            failed.code,
+            took.as_secs_f64()
+        ),
+    );
+}
+
+/// Last: host 2 goes away for good.
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn zz_peer_host_vanishing_fails_the_waiting_side_within_the_peer_timeout() {
+    let case = "zz_peer_host_vanishing_fails_the_waiting_side_within_the_peer_timeout";
+    set(&[("NCCL_IB_HCA", "=rxe0"), ("NCCL_ERDMA_PEER_TIMEOUT_S", "6")]);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = open();
+    let c = connect(&net, &mut p);
+    let s = Stream {
+        sizes: &[4096],
+        count: 8,
+        seed: 51,
+        window: 4,
+        limit: Duration::from_secs(60),
+    };
+    let done = one_way(&net, &c, &p, &s, false);
+    p.step("vanishing");
+    if p.host == Host::Two {
+        result(case, p.host, "outcome=powered off mid-connection");
+        sh("cluster-vanish");
+        std::thread::sleep(Duration::from_secs(60));
+        unreachable!("the host should be gone");
+    }
+    let gone_at = Instant::now();
+    let wait = Stream {
+        count: 1,
+        seed: 61,
+        limit: Duration::from_secs(60),
+        ..s
+    };
+    let failed = recv(&net, c.recv, &wait).expect_err("a receive from a vanished host fails");
+    let took = failed.at - gone_at;
+    let warn = warnings().join(" | ");
+    assert!(took < Duration::from_secs(30), "{took:?}: {warn}");
+    assert!(warn.contains("198.18.0.2"), "{warn}");
+    close(&net, c);
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=error {:?} after_vanish_secs={:.1} bytes_verified={}",
+            failed.code,
+            took.as_secs_f64(),
+            done.bytes
+        ),
+    );
+}
