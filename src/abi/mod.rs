@@ -238,7 +238,10 @@ mod tests {
         use ncclResult_t::*;
         let os = |k| Error::io("x", io::Error::from(k));
         for (e, want) in [
-            (Error::config("NCCL_IB_TIMEOUT", "99", "1 to 31"), ncclInvalidUsage),
+            (
+                Error::config("NCCL_IB_TIMEOUT", "99", "1 to 31"),
+                ncclInvalidUsage,
+            ),
             (Error::Usage("x".into()), ncclInvalidUsage),
             (Error::Truncated("x".into()), ncclInvalidUsage),
             (Error::InvalidArgument("x".into()), ncclInvalidArgument),

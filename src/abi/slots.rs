@@ -106,7 +106,10 @@ pub(super) extern "C" fn connect_v10(
     connect_with(plugin::get(), dev, handle, send_comm, tc)
 }
 
-pub(super) extern "C" fn accept_v6(listen_comm: *mut c_void, recv_comm: *mut *mut c_void) -> ncclResult_t {
+pub(super) extern "C" fn accept_v6(
+    listen_comm: *mut c_void,
+    recv_comm: *mut *mut c_void,
+) -> ncclResult_t {
     boundary("accept", || {
         non_null(listen_comm, "listenComm")?;
         non_null(recv_comm, "recvComm")?;
@@ -478,7 +481,11 @@ pub(super) extern "C" fn iflush(
     })
 }
 
-pub(super) extern "C" fn test(request: *mut c_void, done: *mut c_int, sizes: *mut c_int) -> ncclResult_t {
+pub(super) extern "C" fn test(
+    request: *mut c_void,
+    done: *mut c_int,
+    sizes: *mut c_int,
+) -> ncclResult_t {
     // SAFETY: NCCL passes back a request we returned, a writable done flag and a sizes array
     // with room for every message of the request (or NULL).
     boundary("test", || unsafe {

@@ -167,4 +167,3 @@ pub static ncclNetPlugin_v11: Table<ncclNet_v11_t> = Table(ncclNet_v11_t {
     finalize: Some(finalize_v11),
     setNetAttr: None,
 });
-

@@ -91,26 +91,41 @@ pub(super) extern "C" fn init_v10(
     boundary("init", || init_common(logger).map(|_| ()))
 }
 
-pub(super) extern "C" fn get_properties_v6(dev: c_int, props: *mut ncclNetProperties_v6_t) -> ncclResult_t {
+pub(super) extern "C" fn get_properties_v6(
+    dev: c_int,
+    props: *mut ncclNetProperties_v6_t,
+) -> ncclResult_t {
     properties(dev, props, |p, d| fill_common!(p, d))
 }
 
-pub(super) extern "C" fn get_properties_v7(dev: c_int, props: *mut ncclNetProperties_v7_t) -> ncclResult_t {
+pub(super) extern "C" fn get_properties_v7(
+    dev: c_int,
+    props: *mut ncclNetProperties_v7_t,
+) -> ncclResult_t {
     properties(dev, props, |p, d| fill_v7!(p, d))
 }
 
-pub(super) extern "C" fn get_properties_v8(dev: c_int, props: *mut ncclNetProperties_v8_t) -> ncclResult_t {
+pub(super) extern "C" fn get_properties_v8(
+    dev: c_int,
+    props: *mut ncclNetProperties_v8_t,
+) -> ncclResult_t {
     properties(dev, props, |p, d| {
         fill_v7!(p, d);
         p.regIsGlobal = 1;
     })
 }
 
-pub(super) extern "C" fn get_properties_v9(dev: c_int, props: *mut ncclNetProperties_v9_t) -> ncclResult_t {
+pub(super) extern "C" fn get_properties_v9(
+    dev: c_int,
+    props: *mut ncclNetProperties_v9_t,
+) -> ncclResult_t {
     properties(dev, props, |p, d| fill_v9!(p, d, dev))
 }
 
-pub(super) extern "C" fn get_properties_v11(dev: c_int, props: *mut ncclNetProperties_v11_t) -> ncclResult_t {
+pub(super) extern "C" fn get_properties_v11(
+    dev: c_int,
+    props: *mut ncclNetProperties_v11_t,
+) -> ncclResult_t {
     properties(dev, props, |p, d| {
         fill_v9!(p, d, dev);
         p.maxMultiRequestSize = 1;

@@ -234,7 +234,15 @@ impl SendChain {
     }
 
     /// Appends an RDMA WRITE WITH IMMEDIATE (`imm` in host order).
-    pub(crate) fn write_imm(&mut self, local: u64, len: u32, lkey: u32, remote: u64, rkey: u32, imm: u32) {
+    pub(crate) fn write_imm(
+        &mut self,
+        local: u64,
+        len: u32,
+        lkey: u32,
+        remote: u64,
+        rkey: u32,
+        imm: u32,
+    ) {
         self.push(
             ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
             (local, len, lkey),

@@ -53,7 +53,8 @@ pub(crate) struct VerbsLib {
     pub(crate) modify_qp: unsafe extern "C" fn(*mut ibv_qp, *mut ibv_qp_attr, c_int) -> c_int,
     pub(crate) destroy_qp: unsafe extern "C" fn(*mut ibv_qp) -> c_int,
     pub(crate) fork_init: unsafe extern "C" fn() -> c_int,
-    pub(crate) get_async_event: unsafe extern "C" fn(*mut ibv_context, *mut ibv_async_event) -> c_int,
+    pub(crate) get_async_event:
+        unsafe extern "C" fn(*mut ibv_context, *mut ibv_async_event) -> c_int,
     pub(crate) ack_async_event: unsafe extern "C" fn(*mut ibv_async_event),
     pub(crate) wc_status_str: unsafe extern "C" fn(ibv_wc_status::Type) -> *const c_char,
     /// `ibv_reg_dmabuf_mr` (IBVERBS_1.12), when the library has it.
