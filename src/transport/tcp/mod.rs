@@ -1,0 +1,272 @@
+//! TCP transport: NCCL's p2p contract over one socket per connection, without RDMA.
+//!
+//! Receiver-driven like the verbs data path: `irecv` sends the sender a clear-to-send (CTS)
+//! frame naming the sizes and tags of its `n` buffers; `isend` returns a NULL request until a
+//! CTS entry with its tag has arrived, then streams a data frame (16-byte header + payload,
+//! written straight from the user's buffer). So a send larger than its receive is caught by
+//! the sender, which fails and tells the receiver (a TRUNC frame), and neither side ever
+//! buffers unexpected data. Everything is non-blocking, preallocated at connection time and
+//! progressed by whichever of `isend`/`irecv`/`test` runs next; nothing waits for the peer,
+//! and `close` just closes the socket.
+
+mod recv;
+mod send;
+
+use std::{
+    ffi::CString,
+    io::{self, IoSlice},
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
+
+use socket2::Socket;
+
+use crate::config::Config;
+use crate::error::{Error, Result};
+use crate::oob::{
+    self, iface::LocalAddr, Channel, Handle, Hello, Listener, MsgKind, Timeouts, TransportKind,
+};
+use crate::sysfs;
+use crate::transport::{
+    device, Connecting, DeviceProps, Failure, Hold, Listening, MemKeys, RecvEndpoint, SendEndpoint,
+    Transport, MAX_RECVS, PTR_HOST,
+};
+use recv::TcpRecvComm;
+use send::TcpSendComm;
+
+pub(super) const FRAME_CTS: u8 = 1;
+pub(super) const FRAME_DATA: u8 = 2;
+pub(super) const FLAG_TRUNC: u8 = 1;
+pub(super) const CTS_HEADER: usize = 8;
+pub(super) const CTS_ENTRY: usize = 16;
+pub(super) const CTS_MAX: usize = CTS_HEADER + MAX_RECVS * CTS_ENTRY;
+pub(super) const DATA_HEADER: usize = 16;
+
+pub(super) fn send_nosignal(sock: &Socket, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+    // MSG_NOSIGNAL: a peer that closed must be an error code, not a SIGPIPE that kills the
+    // training process.
+    sock.send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
+}
+
+fn into_data_socket(stream: std::net::TcpStream) -> Result<Socket> {
+    let sock = Socket::from(stream);
+    sock.set_nonblocking(true)
+        .map_err(|e| Error::io("making the data socket non-blocking", e))?;
+    Ok(sock)
+}
+
+// ---------------------------------------------------------------------------------------
+// The backend
+
+/// The tcp backend: one device, the bootstrap interface.
+pub(crate) struct TcpTransport {
+    props: [DeviceProps; 1],
+    timeouts: Timeouts,
+}
+
+impl TcpTransport {
+    /// The transport over `bootstrap`'s interface.
+    pub(crate) fn new(config: &Config, bootstrap: &LocalAddr) -> Self {
+        let ifname = &bootstrap.ifname;
+        let sys = format!("/sys/class/net/{ifname}");
+        let speed = config
+            .speed_mbps
+            .value
+            .map(|s| s as i32)
+            .or_else(|| {
+                sysfs::read(&format!("{sys}/speed"))
+                    .and_then(|s| s.parse::<i32>().ok())
+                    .filter(|s| *s > 0)
+            })
+            .unwrap_or(10_000);
+        let pci_path = std::fs::canonicalize(format!("{sys}/device"))
+            .ok()
+            .and_then(|p| CString::new(p.to_string_lossy().into_owned()).ok());
+        let peer = config.peer_timeout_s.value;
+        TcpTransport {
+            props: [DeviceProps {
+                name: CString::new(format!("erdma-tcp-{ifname}")).unwrap_or_default(),
+                pci_path,
+                guid: 0,
+                ptr_support: PTR_HOST,
+                speed_mbps: speed,
+                port: 1,
+                max_comms: 65536,
+                force_flush: false,
+            }],
+            timeouts: Timeouts {
+                connect: Duration::from_millis(config.connect_timeout_ms.value),
+                peer: (peer > 0).then(|| Duration::from_secs(peer)),
+            },
+        }
+    }
+}
+
+impl Transport for TcpTransport {
+    fn kind(&self) -> TransportKind {
+        TransportKind::Tcp
+    }
+
+    fn devices(&self) -> &[DeviceProps] {
+        &self.props
+    }
+
+    fn listen(&self, dev: usize, ip: IpAddr) -> Result<Box<dyn Listening>> {
+        device(&self.props, dev)?;
+        Ok(Box::new(TcpListen::bind(ip, self.timeouts)?))
+    }
+
+    fn connect(
+        &self,
+        dev: usize,
+        handle: &Handle,
+        _traffic_class: Option<i32>,
+    ) -> Result<Box<dyn Connecting>> {
+        device(&self.props, dev)?;
+        Ok(Box::new(TcpConnecting::start(handle, self.timeouts)?))
+    }
+
+    fn register(
+        &self,
+        dev: usize,
+        _addr: usize,
+        _len: usize,
+        host: bool,
+    ) -> Result<(MemKeys, Option<Hold>)> {
+        device(&self.props, dev)?;
+        let keys = MemKeys {
+            host,
+            ..MemKeys::default()
+        };
+        Ok((keys, None))
+    }
+
+    fn register_dmabuf(
+        &self,
+        _dev: usize,
+        _addr: usize,
+        _len: usize,
+        _offset: u64,
+        _fd: i32,
+    ) -> Result<(MemKeys, Hold)> {
+        Err(Error::Usage(
+            "DMA-BUF registration is not supported here (transport tcp); NCCL should not have \
+             asked"
+                .into(),
+        ))
+    }
+}
+
+/// Records a failed step of a comm's progress as its failure, naming the peer (and the
+/// keepalive timeout when that was the cause); `dir` is "to" or "from".
+pub(super) fn note_broken(failure: &mut Failure, r: Result<()>, dir: &str, peer: SocketAddr) {
+    if let Err(e) = r {
+        let hint = oob::peer_timeout_hint(&e);
+        failure.set(format!("connection {dir} {peer} failed: {e}{hint}"));
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Connection setup
+
+/// The listening side of one connection.
+pub(crate) struct TcpListen {
+    listener: Listener,
+    accepted: Option<Channel>,
+}
+
+impl TcpListen {
+    /// Binds the bootstrap listener; its handle goes to the peer.
+    fn bind(ip: std::net::IpAddr, timeouts: Timeouts) -> Result<Self> {
+        Ok(TcpListen {
+            listener: Listener::bind(ip, TransportKind::Tcp, timeouts)?,
+            accepted: None,
+        })
+    }
+
+    /// One non-blocking step of `accept`.
+    fn step(&mut self) -> Result<Option<TcpRecvComm>> {
+        if self.accepted.is_none() {
+            match self.listener.poll_hello()? {
+                Some((mut chan, _hello)) => {
+                    chan.queue(MsgKind::Accept, &[]);
+                    self.accepted = Some(chan);
+                }
+                None => return Ok(None),
+            }
+        }
+        let chan = self.accepted.as_mut().expect("set above");
+        if !chan.flush()? {
+            return Ok(None);
+        }
+        let chan = self.accepted.take().expect("set above");
+        let peer = chan.peer();
+        Ok(Some(TcpRecvComm::new(
+            into_data_socket(chan.into_stream())?,
+            peer,
+        )))
+    }
+}
+
+impl Listening for TcpListen {
+    fn handle(&self) -> &Handle {
+        self.listener.handle()
+    }
+
+    fn poll_accept(&mut self) -> Result<Option<Box<dyn RecvEndpoint>>> {
+        Ok(self.step()?.map(|c| Box::new(c) as Box<dyn RecvEndpoint>))
+    }
+}
+
+/// The connecting side, between NCCL's repeated `connect` calls.
+pub(crate) struct TcpConnecting {
+    /// Until the listener accepted; then the data socket.
+    chan: Option<Channel>,
+}
+
+impl TcpConnecting {
+    /// Starts connecting to the listener described by `handle`.
+    fn start(handle: &Handle, timeouts: Timeouts) -> Result<Self> {
+        let mut chan = Channel::connect(handle.addr, timeouts)?;
+        let hello = Hello {
+            nonce: handle.nonce,
+            transport: TransportKind::Tcp,
+            payload: Vec::new(),
+        };
+        chan.queue(MsgKind::Hello, &hello.encode());
+        Ok(TcpConnecting { chan: Some(chan) })
+    }
+}
+
+impl Connecting for TcpConnecting {
+    fn poll(&mut self) -> Result<Option<Box<dyn SendEndpoint>>> {
+        let chan = self
+            .chan
+            .as_mut()
+            .ok_or_else(|| Error::Misuse("connect polled again after it finished".into()))?;
+        if !chan.flush()? {
+            return Ok(None);
+        }
+        match chan.poll_recv()? {
+            None => Ok(None),
+            Some(m) if m.kind == MsgKind::Accept => {
+                let peer = chan.peer();
+                let Some(chan) = self.chan.take() else {
+                    return Ok(None);
+                };
+                let sock = into_data_socket(chan.into_stream())?;
+                Ok(Some(Box::new(TcpSendComm::new(sock, peer))))
+            }
+            Some(m) if m.kind == MsgKind::Reject => Err(Error::Remote(format!(
+                "{} refused the connection: {}",
+                chan.peer(),
+                String::from_utf8_lossy(&m.payload)
+            ))),
+            Some(m) => Err(Error::Remote(format!(
+                "{} answered the hello with message type {:?}",
+                chan.peer(),
+                m.kind
+            ))),
+        }
+    }
+}

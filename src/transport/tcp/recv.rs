@@ -1,0 +1,330 @@
+//! The receiving side of a tcp connection: clear-to-send frames out, data frames in, read
+//! straight into the posted buffers.
+
+use std::{
+    collections::VecDeque,
+    io::{IoSlice, Read},
+    net::SocketAddr,
+};
+
+use parking_lot::Mutex;
+use socket2::Socket;
+
+use super::{
+    note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER, FLAG_TRUNC, FRAME_CTS,
+    FRAME_DATA,
+};
+use crate::buffer::UserBuffer;
+use crate::error::{Error, Result};
+use crate::oob::would_block;
+use crate::transport::{
+    not_in_flight, Completion, Failure, MemKeys, RecvEndpoint, MAX_RECVS, MAX_REQUESTS,
+};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum RecvState {
+    Free,
+    Active,
+    Done,
+}
+
+#[derive(Debug)]
+struct RecvRequest {
+    state: RecvState,
+    seq: u32,
+    n: usize,
+    bufs: [UserBuffer; MAX_RECVS],
+    sizes: [usize; MAX_RECVS],
+    arrived: u8,
+    truncated: Option<(usize, usize)>,
+}
+
+impl RecvRequest {
+    const FREE: RecvRequest = RecvRequest {
+        state: RecvState::Free,
+        seq: 0,
+        n: 0,
+        bufs: [UserBuffer::EMPTY; MAX_RECVS],
+        sizes: [0; MAX_RECVS],
+        arrived: 0,
+        truncated: None,
+    };
+}
+
+enum RecvRx {
+    Header {
+        buf: [u8; DATA_HEADER],
+        have: usize,
+    },
+    Payload {
+        slot: usize,
+        entry: usize,
+        have: usize,
+        size: usize,
+    },
+}
+
+struct RecvInner {
+    sock: Socket,
+    peer: SocketAddr,
+    reqs: [RecvRequest; MAX_REQUESTS],
+    /// Sequence number of the next `irecv`.
+    next_seq: u32,
+    /// Sequence number of the receive whose data arrives now.
+    fill_seq: u32,
+    cts_out: VecDeque<u8>,
+    rx: RecvRx,
+    failure: Failure,
+}
+
+/// A receive comm over TCP.
+pub(crate) struct TcpRecvComm {
+    inner: Mutex<RecvInner>,
+}
+
+impl TcpRecvComm {
+    pub(super) fn new(sock: Socket, peer: SocketAddr) -> Self {
+        TcpRecvComm {
+            inner: Mutex::new(RecvInner {
+                sock,
+                peer,
+                reqs: [RecvRequest::FREE; MAX_REQUESTS],
+                next_seq: 0,
+                fill_seq: 0,
+                cts_out: VecDeque::with_capacity(MAX_REQUESTS * CTS_MAX),
+                rx: RecvRx::Header {
+                    buf: [0; DATA_HEADER],
+                    have: 0,
+                },
+                failure: Failure::default(),
+            }),
+        }
+    }
+}
+
+impl RecvEndpoint for TcpRecvComm {
+    fn peer(&self) -> String {
+        self.inner.lock().peer.to_string()
+    }
+
+    fn iflush(&self, _bufs: &[UserBuffer], _mem: &[MemKeys]) -> Result<Option<usize>> {
+        // Data is copied by the CPU: nothing to flush.
+        Ok(None)
+    }
+
+    /// Posts a grouped receive; `Ok(None)` when 32 are already in flight.
+    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], _mem: &[MemKeys]) -> Result<Option<usize>> {
+        let mut s = self.inner.lock();
+        s.failure.check()?;
+        let slot = s.next_seq as usize % MAX_REQUESTS;
+        if s.reqs[slot].state != RecvState::Free {
+            return Ok(None);
+        }
+        let seq = s.next_seq;
+        let n = bufs.len();
+        let req = &mut s.reqs[slot];
+        req.state = RecvState::Active;
+        req.seq = seq;
+        req.n = n;
+        req.bufs[..n].copy_from_slice(bufs);
+        req.sizes = [0; MAX_RECVS];
+        req.arrived = 0;
+        req.truncated = None;
+        let mut frame = [0u8; CTS_MAX];
+        frame[0] = FRAME_CTS;
+        frame[1] = n as u8;
+        frame[4..8].copy_from_slice(&seq.to_le_bytes());
+        for (i, (b, tag)) in bufs.iter().zip(tags).enumerate() {
+            let e = &mut frame[CTS_HEADER + i * CTS_ENTRY..CTS_HEADER + (i + 1) * CTS_ENTRY];
+            e[0..8].copy_from_slice(&(b.len() as u64).to_le_bytes());
+            e[8..12].copy_from_slice(&tag.to_le_bytes());
+        }
+        let len = CTS_HEADER + n * CTS_ENTRY;
+        s.cts_out.extend(&frame[..len]);
+        s.next_seq = seq.wrapping_add(1);
+        s.progress();
+        Ok(Some(slot))
+    }
+
+    /// Tests a receive; `Ok(Some)` once every message of the group has arrived.
+    fn test(&self, slot: usize) -> Result<Option<Completion>> {
+        let mut s = self.inner.lock();
+        s.progress();
+        let req = s
+            .reqs
+            .get_mut(slot)
+            .ok_or_else(|| Error::Misuse(format!("unknown receive request {slot}")))?;
+        match req.state {
+            RecvState::Done => {
+                req.state = RecvState::Free;
+                if let Some((sent, posted)) = req.truncated {
+                    return Err(Error::Truncated(format!(
+                        "the peer sent {sent} bytes to a receive of {posted} bytes"
+                    )));
+                }
+                let mut c = Completion {
+                    n: req.n,
+                    ..Completion::EMPTY
+                };
+                for (out, size) in c.sizes.iter_mut().zip(&req.sizes[..req.n]) {
+                    *out = *size as u32;
+                }
+                Ok(Some(c))
+            }
+            RecvState::Active => {
+                s.failure.check()?;
+                Ok(None)
+            }
+            RecvState::Free => Err(not_in_flight("receive", slot)),
+        }
+    }
+}
+
+impl RecvInner {
+    /// Sends pending CTS frames and reads whatever data has arrived. Failures are recorded,
+    /// not returned, so requests that already completed can still be collected.
+    fn progress(&mut self) {
+        if self.failure.0.is_none() {
+            let r = self.flush_cts().and_then(|()| self.read_data());
+            note_broken(&mut self.failure, r, "from", self.peer);
+        }
+    }
+
+    fn flush_cts(&mut self) -> Result<()> {
+        while !self.cts_out.is_empty() {
+            let (a, b) = self.cts_out.as_slices();
+            match send_nosignal(&self.sock, &[IoSlice::new(a), IoSlice::new(b)]) {
+                Ok(n) => {
+                    self.cts_out.drain(..n);
+                }
+                Err(e) if would_block(&e) => return Ok(()),
+                Err(e) => return Err(Error::io("sending clear-to-send", e)),
+            }
+        }
+        Ok(())
+    }
+
+    fn read_data(&mut self) -> Result<()> {
+        loop {
+            let (n, asked) = match &mut self.rx {
+                RecvRx::Header { buf, have } => {
+                    let dst = &mut buf[*have..];
+                    let asked = dst.len();
+                    ((&self.sock).read(dst), asked)
+                }
+                RecvRx::Payload {
+                    slot,
+                    entry,
+                    have,
+                    size,
+                } => {
+                    let dst = self.reqs[*slot].bufs[*entry].bytes_mut(*have, *size);
+                    let asked = dst.len();
+                    ((&self.sock).read(dst), asked)
+                }
+            };
+            let n = match n {
+                Ok(0) => {
+                    let busy = self.reqs.iter().any(|r| r.state == RecvState::Active);
+                    return if busy {
+                        Err(Error::Remote("the peer closed the connection".into()))
+                    } else {
+                        // A peer that finished and closed is not an error until we need it.
+                        self.failure
+                            .0
+                            .get_or_insert_with(|| "the peer closed the connection".into());
+                        Ok(())
+                    };
+                }
+                Ok(n) => n,
+                Err(e) if would_block(&e) => return Ok(()),
+                Err(e) => return Err(Error::io("receiving data", e)),
+            };
+            match &mut self.rx {
+                RecvRx::Header { buf, have } => {
+                    *have += n;
+                    if *have == DATA_HEADER {
+                        let hdr = *buf;
+                        self.start_message(&hdr)?;
+                    }
+                }
+                RecvRx::Payload {
+                    slot,
+                    entry,
+                    have,
+                    size,
+                } => {
+                    *have += n;
+                    if *have == *size {
+                        let (slot, entry, size) = (*slot, *entry, *size);
+                        self.finish_message(slot, entry, size);
+                    }
+                }
+            }
+            if n < asked {
+                // The socket is drained: another read would only return EAGAIN.
+                return Ok(());
+            }
+        }
+    }
+
+    fn start_message(&mut self, h: &[u8; DATA_HEADER]) -> Result<()> {
+        let entry = h[1] as usize;
+        let flags = h[2];
+        let seq = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+        let mut size_b = [0u8; 8];
+        size_b.copy_from_slice(&h[8..16]);
+        let size = u64::from_le_bytes(size_b) as usize;
+        let slot = seq as usize % MAX_REQUESTS;
+        let req = &mut self.reqs[slot];
+        let valid = h[0] == FRAME_DATA
+            && seq == self.fill_seq
+            && req.state == RecvState::Active
+            && req.seq == seq
+            && entry < req.n
+            && req.arrived & (1 << entry) == 0;
+        if !valid {
+            return Err(Error::Remote(format!(
+                "protocol error: unexpected data frame (type {}, receive {seq}, entry {entry}; \
+                 expected receive {})",
+                h[0], self.fill_seq
+            )));
+        }
+        let capacity = req.bufs[entry].len();
+        if flags & FLAG_TRUNC != 0 {
+            req.truncated = Some((size, capacity));
+            self.finish_message(slot, entry, 0);
+            return Ok(());
+        }
+        if size > capacity {
+            return Err(Error::Remote(format!(
+                "protocol error: {size} bytes sent to a {capacity}-byte receive"
+            )));
+        }
+        if size == 0 {
+            self.finish_message(slot, entry, 0);
+        } else {
+            self.rx = RecvRx::Payload {
+                slot,
+                entry,
+                have: 0,
+                size,
+            };
+        }
+        Ok(())
+    }
+
+    fn finish_message(&mut self, slot: usize, entry: usize, size: usize) {
+        let req = &mut self.reqs[slot];
+        req.sizes[entry] = size;
+        req.arrived |= 1 << entry;
+        if req.arrived.count_ones() as usize == req.n {
+            req.state = RecvState::Done;
+            self.fill_seq = self.fill_seq.wrapping_add(1);
+        }
+        self.rx = RecvRx::Header {
+            buf: [0; DATA_HEADER],
+            have: 0,
+        };
+    }
+}

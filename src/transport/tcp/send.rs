@@ -1,0 +1,287 @@
+//! The sending side of a tcp connection: clear-to-send frames in, data frames out, written
+//! straight from the caller's buffers.
+
+use std::{
+    io::{IoSlice, Read},
+    net::SocketAddr,
+};
+
+use parking_lot::Mutex;
+use socket2::Socket;
+
+use super::{
+    note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER, FLAG_TRUNC, FRAME_CTS,
+    FRAME_DATA,
+};
+use crate::buffer::UserBuffer;
+use crate::error::{Error, Result};
+use crate::oob::would_block;
+use crate::transport::{
+    not_in_flight, Completion, Failure, MemKeys, SendEndpoint, MAX_RECVS, MAX_REQUESTS,
+    MAX_SEND_REQUESTS,
+};
+
+#[derive(Debug, Clone, Copy)]
+struct CtsGroup {
+    n: usize,
+    seq: u32,
+    sizes: [usize; MAX_RECVS],
+    tags: [i32; MAX_RECVS],
+    matched: u8,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SendState {
+    Free,
+    Queued,
+    Written,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SendRequest {
+    state: SendState,
+    header: [u8; DATA_HEADER],
+    buf: UserBuffer,
+    size: usize,
+    written: usize,
+    /// A TRUNC notice nobody will test: freed as soon as it is written.
+    orphan: bool,
+}
+
+impl SendRequest {
+    const FREE: SendRequest = SendRequest {
+        state: SendState::Free,
+        header: [0; DATA_HEADER],
+        buf: UserBuffer::EMPTY,
+        size: 0,
+        written: 0,
+        orphan: false,
+    };
+}
+
+struct SendInner {
+    sock: Socket,
+    peer: SocketAddr,
+    cts: [CtsGroup; MAX_REQUESTS],
+    /// CTS groups received so far / fully matched so far.
+    cts_received: u32,
+    cts_matched: u32,
+    rx: [u8; MAX_REQUESTS * CTS_MAX],
+    rx_len: usize,
+    reqs: Box<[SendRequest; MAX_SEND_REQUESTS]>,
+    /// Sequence numbers of the next `isend` and of the send being written.
+    next_seq: u32,
+    tx_seq: u32,
+    failure: Failure,
+}
+
+/// A send comm over TCP.
+pub(crate) struct TcpSendComm {
+    inner: Mutex<SendInner>,
+}
+
+impl TcpSendComm {
+    pub(super) fn new(sock: Socket, peer: SocketAddr) -> Self {
+        TcpSendComm {
+            inner: Mutex::new(SendInner {
+                sock,
+                peer,
+                cts: [CtsGroup {
+                    n: 0,
+                    seq: 0,
+                    sizes: [0; MAX_RECVS],
+                    tags: [0; MAX_RECVS],
+                    matched: 0,
+                }; MAX_REQUESTS],
+                cts_received: 0,
+                cts_matched: 0,
+                rx: [0; MAX_REQUESTS * CTS_MAX],
+                rx_len: 0,
+                reqs: Box::new([SendRequest::FREE; MAX_SEND_REQUESTS]),
+                next_seq: 0,
+                tx_seq: 0,
+                failure: Failure::default(),
+            }),
+        }
+    }
+}
+
+impl SendEndpoint for TcpSendComm {
+    fn peer(&self) -> String {
+        self.inner.lock().peer.to_string()
+    }
+
+    /// Posts a send; `Ok(None)` until the receiver has posted a matching receive.
+    fn isend(&self, buf: UserBuffer, tag: i32, _mem: MemKeys) -> Result<Option<usize>> {
+        let mut s = self.inner.lock();
+        s.progress();
+        s.failure.check()?;
+        let slot = s.next_seq as usize % MAX_SEND_REQUESTS;
+        if s.reqs[slot].state != SendState::Free || s.cts_matched == s.cts_received {
+            return Ok(None);
+        }
+        let g = s.cts_matched as usize % MAX_REQUESTS;
+        let group = &mut s.cts[g];
+        let Some(entry) =
+            (0..group.n).find(|&e| group.matched & (1 << e) == 0 && group.tags[e] == tag)
+        else {
+            return Ok(None);
+        };
+        group.matched |= 1 << entry;
+        let (group_seq, posted) = (group.seq, group.sizes[entry]);
+        if group.matched.count_ones() as usize == group.n {
+            s.cts_matched = s.cts_matched.wrapping_add(1);
+        }
+        let truncated = buf.len() > posted;
+        let mut header = [0u8; DATA_HEADER];
+        header[0] = FRAME_DATA;
+        header[1] = entry as u8;
+        header[2] = if truncated { FLAG_TRUNC } else { 0 };
+        header[4..8].copy_from_slice(&group_seq.to_le_bytes());
+        header[8..16].copy_from_slice(&(buf.len() as u64).to_le_bytes());
+        s.reqs[slot] = SendRequest {
+            state: SendState::Queued,
+            header,
+            buf: if truncated { UserBuffer::EMPTY } else { buf },
+            size: buf.len(),
+            written: 0,
+            orphan: truncated,
+        };
+        s.next_seq = s.next_seq.wrapping_add(1);
+        s.progress();
+        if truncated {
+            return Err(Error::Truncated(format!(
+                "send of {} bytes (tag {tag}) to {} is larger than the {posted}-byte receive \
+                 posted for it",
+                buf.len(),
+                s.peer
+            )));
+        }
+        Ok(Some(slot))
+    }
+
+    /// Tests a send; done once all of its bytes are in the socket.
+    fn test(&self, slot: usize) -> Result<Option<Completion>> {
+        let mut s = self.inner.lock();
+        s.progress();
+        let req = s
+            .reqs
+            .get_mut(slot)
+            .ok_or_else(|| Error::Misuse(format!("unknown send request {slot}")))?;
+        match req.state {
+            SendState::Written => {
+                req.state = SendState::Free;
+                Ok(Some(Completion::single(req.size)))
+            }
+            SendState::Queued => {
+                s.failure.check()?;
+                Ok(None)
+            }
+            SendState::Free => Err(not_in_flight("send", slot)),
+        }
+    }
+}
+
+impl SendInner {
+    fn progress(&mut self) {
+        if self.failure.0.is_none() {
+            let r = self.read_cts().and_then(|()| self.write_data());
+            note_broken(&mut self.failure, r, "to", self.peer);
+        }
+    }
+
+    fn read_cts(&mut self) -> Result<()> {
+        loop {
+            let asked = self.rx.len() - self.rx_len;
+            let n = match (&self.sock).read(&mut self.rx[self.rx_len..]) {
+                Ok(0) => {
+                    let busy = self.tx_seq != self.next_seq
+                        || self.reqs.iter().any(|r| r.state == SendState::Queued);
+                    if busy {
+                        return Err(Error::Remote("the peer closed the connection".into()));
+                    }
+                    self.failure
+                        .0
+                        .get_or_insert_with(|| "the peer closed the connection".into());
+                    return Ok(());
+                }
+                Ok(n) => n,
+                Err(e) if would_block(&e) => return Ok(()),
+                Err(e) => return Err(Error::io("receiving clear-to-send", e)),
+            };
+            self.rx_len += n;
+            let mut at = 0;
+            while self.rx_len - at >= CTS_HEADER {
+                let f = &self.rx[at..self.rx_len];
+                let count = f[1] as usize;
+                let seq = u32::from_le_bytes([f[4], f[5], f[6], f[7]]);
+                if f[0] != FRAME_CTS
+                    || count == 0
+                    || count > MAX_RECVS
+                    || seq != self.cts_received
+                    || self.cts_received.wrapping_sub(self.cts_matched) as usize >= MAX_REQUESTS
+                {
+                    return Err(Error::Remote(format!(
+                        "protocol error: bad clear-to-send frame (type {}, n {count}, \
+                         receive {seq}, expected {})",
+                        f[0], self.cts_received
+                    )));
+                }
+                let len = CTS_HEADER + count * CTS_ENTRY;
+                if f.len() < len {
+                    break;
+                }
+                let mut group = CtsGroup {
+                    n: count,
+                    seq,
+                    sizes: [0; MAX_RECVS],
+                    tags: [0; MAX_RECVS],
+                    matched: 0,
+                };
+                for i in 0..count {
+                    let e = &f[CTS_HEADER + i * CTS_ENTRY..];
+                    let mut size = [0u8; 8];
+                    size.copy_from_slice(&e[0..8]);
+                    group.sizes[i] = u64::from_le_bytes(size) as usize;
+                    group.tags[i] = i32::from_le_bytes([e[8], e[9], e[10], e[11]]);
+                }
+                self.cts[seq as usize % MAX_REQUESTS] = group;
+                self.cts_received = self.cts_received.wrapping_add(1);
+                at += len;
+            }
+            self.rx.copy_within(at..self.rx_len, 0);
+            self.rx_len -= at;
+            if n < asked {
+                // The socket is drained: another read would only return EAGAIN.
+                return Ok(());
+            }
+        }
+    }
+
+    fn write_data(&mut self) -> Result<()> {
+        while self.tx_seq != self.next_seq {
+            let slot = self.tx_seq as usize % MAX_SEND_REQUESTS;
+            let req = &mut self.reqs[slot];
+            let total = DATA_HEADER + req.buf.len();
+            while req.written < total {
+                let (h, p) = if req.written < DATA_HEADER {
+                    (&req.header[req.written..], req.buf.bytes_from(0))
+                } else {
+                    (&[][..], req.buf.bytes_from(req.written - DATA_HEADER))
+                };
+                match send_nosignal(&self.sock, &[IoSlice::new(h), IoSlice::new(p)]) {
+                    Ok(n) => req.written += n,
+                    Err(e) if would_block(&e) => return Ok(()),
+                    Err(e) => return Err(Error::io("sending data", e)),
+                }
+            }
+            req.state = if req.orphan {
+                SendState::Free
+            } else {
+                SendState::Written
+            };
+            self.tx_seq = self.tx_seq.wrapping_add(1);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,231 @@
+//! Faults on the fake fabric: sends larger than their receive, failed work requests, peers
+//! that close, links that never answer (the work watchdog and its probes), links that flap,
+//! fatal events, devices of another link layer.
+
+use super::*;
+
+#[test]
+fn a_send_larger_than_its_receive_fails_on_both_sides() {
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 65, 1);
+    let r = c.irecv(&mut [&mut dst], &[3]);
+    let e = c.isend(src.whole(), src.keys(), 3).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidUsage);
+    assert!(e.to_string().contains("65 bytes"), "{e}");
+    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+    // The comm stays failed: a later send is an error, not a wait.
+    assert!(c.send.isend(src.whole(), 3, src.keys()).is_err());
+}
+
+#[test]
+fn a_truncated_first_send_of_a_group_fails_the_receive_while_the_sender_lives() {
+    let c = connect(params());
+    let mut a = c.buf(false, 64, 0);
+    let mut b = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut a, &mut b], &[1, 2]);
+    let mut big = c.buf(true, 128, 1);
+    let e = c.isend(big.whole(), big.keys(), 1).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidUsage);
+    // The second send never comes (the comm failed); the receive must fail, not wait.
+    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    assert!(e.to_string().contains("more bytes than the receive"), "{e}");
+}
+
+#[test]
+fn a_truncated_last_send_of_a_group_fails_the_receive_and_the_first_completes() {
+    let c = connect(params());
+    let mut a = c.buf(false, 64, 0);
+    let mut b = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut a, &mut b], &[1, 2]);
+    let mut ok = c.buf(true, 64, 1);
+    let mut big = c.buf(true, 65, 2);
+    let first = c.send_buf(&mut ok, 2);
+    assert!(c.isend(big.whole(), big.keys(), 1).is_err());
+    assert_eq!(wait(|| c.send.test(first)).unwrap(), Completion::single(64));
+    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+}
+
+#[test]
+fn a_failed_write_is_an_error_naming_peer_operation_and_status() {
+    let c = connect(params());
+    let qpn = c.send.qpns()[0];
+    c.fabric.fail_next(qpn, REMOTE_ACCESS_ERROR);
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 1);
+    c.irecv(&mut [&mut dst], &[0]);
+    let s = c.send_buf(&mut src, 0);
+    let e = wait_error(Duration::from_secs(5), || c.send.test(s));
+    assert_eq!(e.kind(), ErrorKind::Remote);
+    let msg = e.to_string();
+    for part in [
+        "data RDMA write",
+        "127.0.0.1",
+        "fake1",
+        "fake0",
+        "remote access error",
+    ] {
+        assert!(msg.contains(part), "{part:?} missing in: {msg}");
+    }
+    // The comm stays failed.
+    assert!(c.send.isend(src.whole(), 0, src.keys()).is_err());
+}
+
+#[test]
+fn a_receiver_whose_clear_to_send_fails_gets_an_error() {
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    // The receiver's QP towards the sender: its clear-to-send writes fail.
+    c.fabric.cut(&c.rx_nic, Some(Cut::Fail(RETRY_EXCEEDED)));
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    assert!(e.to_string().contains("clear-to-send RDMA write"), "{e}");
+    assert!(e.to_string().contains("retry exceeded"), "{e}");
+}
+
+#[test]
+fn a_peer_that_closes_fails_the_waiting_side() {
+    // Receiver waits, sender closes.
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    drop(c.send);
+    let e = wait_error(Duration::from_secs(10), || c.recv.test(r));
+    assert_eq!(e.kind(), ErrorKind::Remote);
+    assert!(e.to_string().contains("closed its connection"), "{e}");
+    // Sender waits for a clear-to-send, receiver closes.
+    let c = connect(params());
+    let mut src = c.buf(true, 64, 0);
+    drop(c.recv);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let e = loop {
+        match c.send.isend(src.whole(), 0, src.keys()) {
+            Err(e) => break e,
+            Ok(None) => assert!(Instant::now() < deadline, "no error"),
+            Ok(Some(_)) => panic!("posted to a closed peer"),
+        }
+    };
+    assert!(e.to_string().contains("closed its connection"), "{e}");
+}
+
+fn watchdog_params() -> ConnParams {
+    ConnParams {
+        work_timeout: Some(Duration::from_millis(300)),
+        ..params()
+    }
+}
+
+#[test]
+fn a_cut_link_that_never_answers_fails_a_posted_send_within_the_work_timeout() {
+    let c = connect(watchdog_params());
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 1);
+    c.irecv(&mut [&mut dst], &[0]);
+    c.fabric.cut(&c.tx_nic, Some(Cut::Silent));
+    let t0 = Instant::now();
+    let s = c.send_buf(&mut src, 0);
+    let e = wait_error(Duration::from_secs(10), || c.send.test(s));
+    let took = t0.elapsed();
+    assert!(took >= Duration::from_millis(300), "{took:?}");
+    let msg = e.to_string();
+    assert!(
+        msg.contains("NCCL_ERDMA_WORK_TIMEOUT_S") && msg.contains("fake0"),
+        "{msg}"
+    );
+    assert!(msg.contains("127.0.0.1"), "names the peer: {msg}");
+}
+
+#[test]
+fn a_receiver_waiting_on_a_dead_link_probes_and_fails() {
+    let c = connect(watchdog_params());
+    let mut dst = c.buf(false, 64, 0);
+    c.fabric.cut(&c.rx_nic, Some(Cut::Silent));
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    let t0 = Instant::now();
+    let e = wait_error(Duration::from_secs(10), || c.recv.test(r));
+    assert!(t0.elapsed() >= Duration::from_millis(300));
+    assert!(e.to_string().contains("has not completed"), "{e}");
+}
+
+#[test]
+fn a_sender_waiting_for_a_clear_to_send_on_a_dead_link_probes_and_fails() {
+    let c = connect(watchdog_params());
+    c.fabric.cut(&c.tx_nic, Some(Cut::Silent));
+    let mut src = c.buf(true, 64, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let e = loop {
+        match c.send.isend(src.whole(), 0, src.keys()) {
+            Err(e) => break e,
+            Ok(None) => assert!(Instant::now() < deadline, "no error"),
+            Ok(Some(_)) => panic!("nothing was announced"),
+        }
+    };
+    assert!(e.to_string().contains("has not completed"), "{e}");
+}
+
+#[test]
+fn a_waiting_comm_on_a_live_link_never_trips_the_watchdog() {
+    let c = connect(watchdog_params());
+    let mut dst = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    // The peer sends nothing for 4 work timeouts: probes complete, no error.
+    let until = Instant::now() + Duration::from_millis(1200);
+    while Instant::now() < until {
+        assert_eq!(c.recv.test(r).unwrap(), None);
+    }
+    let mut src = c.buf(true, 64, 6);
+    let s = c.send_buf(&mut src, 0);
+    wait(|| c.send.test(s)).unwrap();
+    wait(|| c.recv.test(r)).unwrap();
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 6));
+}
+
+#[test]
+fn a_link_that_flaps_inside_the_work_timeout_loses_nothing() {
+    let c = connect(ConnParams {
+        work_timeout: Some(Duration::from_secs(5)),
+        ..params()
+    });
+    let mut dst = c.buf(false, 4096, 0);
+    let mut src = c.buf(true, 4096, 12);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    c.fabric.cut(&c.tx_nic, Some(Cut::Silent));
+    let s = c.send_buf(&mut src, 0);
+    for _ in 0..5000 {
+        assert_eq!(c.send.test(s).unwrap(), None);
+    }
+    c.fabric.cut(&c.tx_nic, None);
+    wait(|| c.send.test(s)).unwrap();
+    wait(|| c.recv.test(r)).unwrap();
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(4096, 12));
+}
+
+#[test]
+fn a_fatal_asynchronous_event_fails_the_comm() {
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    c.fabric.fatal_event(&c.rx_nic, None, "device fatal");
+    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    assert!(
+        e.to_string()
+            .contains("fatal asynchronous event: fake1: device fatal"),
+        "{e}"
+    );
+}
+
+#[test]
+fn a_connect_to_a_device_of_another_link_layer_is_refused_with_both_names() {
+    let fabric = Fabric::new();
+    let tx = fabric.nic("fake0");
+    let rx = fabric.nic_with_link_layer("ib0", crate::verbs::device::LINK_LAYER_IB);
+    let e = match try_connect(&tx, &rx, params(), params()) {
+        Err(e) => e,
+        Ok(_) => panic!("connected across link layers"),
+    };
+    let msg = e.to_string();
+    assert!(msg.contains("link layer mismatch"), "{msg}");
+    assert!(msg.contains("NCCL_IB_HCA"), "{msg}");
+}

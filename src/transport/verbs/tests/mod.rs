@@ -1,0 +1,181 @@
+//! The verbs transport's state machines on the in-memory fabric (`verbs::fake`): connections
+//! set up over loopback `oob` between two fake NICs, then NCCL-style traffic with every byte
+//! and size checked, and the faults the VM tiers cannot stage exactly (a write half placed, a
+//! sequence number crossing 2^32, a link that never answers, a failed work request).
+
+mod faults;
+mod traffic;
+
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use super::recv::{VerbsRecvComm, FLUSH_ID_BASE};
+use super::send::VerbsSendComm;
+use super::setup::{ConnParams, VerbsConnecting, VerbsListen};
+use super::wire::{SLOTS, SPLIT_ALIGN};
+use crate::buffer::{TestMem, UserBuffer};
+use crate::error::{Error, ErrorKind, Result};
+use crate::oob::Timeouts;
+use crate::transport::{Completion, Listening, MemKeys, RecvEndpoint, SendEndpoint, MAX_RECVS};
+use crate::verbs::fake::{Cut, Fabric, FakeMr, FakeNic, REMOTE_ACCESS_ERROR, RETRY_EXCEEDED};
+use crate::verbs::nic::{MemoryRegion, Nic};
+
+/// How many polls a request that should complete at once may take (the fake carries work
+/// out as it is posted; the peer and watchdog checks run every 256 polls).
+const POLLS: usize = 100_000;
+
+fn params() -> ConnParams {
+    ConnParams {
+        qps_per_connection: 1,
+        split_data: false,
+        timeout: 14,
+        retry_cnt: 7,
+        traffic_class: 0,
+        sl: 0,
+        flush: false,
+        timeouts: Timeouts {
+            connect: Duration::from_secs(10),
+            peer: None,
+        },
+        cts_batch: 1,
+        work_timeout: None,
+    }
+}
+
+/// A connection between two fake NICs.
+struct Conn {
+    fabric: Fabric,
+    tx_nic: Arc<FakeNic>,
+    rx_nic: Arc<FakeNic>,
+    send: VerbsSendComm<FakeNic>,
+    recv: VerbsRecvComm<FakeNic>,
+}
+
+/// Connects `tx` (sender, with `tx_params`) to `rx` (receiver) over loopback `oob`.
+fn try_connect(
+    tx: &Arc<FakeNic>,
+    rx: &Arc<FakeNic>,
+    tx_params: ConnParams,
+    rx_params: ConnParams,
+) -> Result<(VerbsSendComm<FakeNic>, VerbsRecvComm<FakeNic>)> {
+    let mut listen = VerbsListen::bind("127.0.0.1".parse().unwrap(), rx, rx_params)?;
+    let handle = *Listening::handle(&listen);
+    let mut connecting = VerbsConnecting::start(tx, &handle, tx_params)?;
+    let (mut send, mut recv) = (None, None);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while send.is_none() || recv.is_none() {
+        if send.is_none() {
+            send = connecting.step()?;
+        }
+        if recv.is_none() {
+            recv = listen.step()?;
+        }
+        assert!(Instant::now() < deadline, "connect/accept did not complete");
+    }
+    Ok((send.unwrap(), recv.unwrap()))
+}
+
+fn connect_with(tx_params: ConnParams, rx_params: ConnParams) -> Conn {
+    let fabric = Fabric::new();
+    let (tx_nic, rx_nic) = (fabric.nic("fake0"), fabric.nic("fake1"));
+    let (send, recv) = try_connect(&tx_nic, &rx_nic, tx_params, rx_params).unwrap();
+    Conn {
+        fabric,
+        tx_nic,
+        rx_nic,
+        send,
+        recv,
+    }
+}
+
+fn connect(p: ConnParams) -> Conn {
+    connect_with(p, p)
+}
+
+/// Test memory registered on a fake NIC.
+struct Buf {
+    mem: TestMem,
+    mr: FakeMr,
+}
+
+impl Buf {
+    fn new(nic: &FakeNic, len: usize, seed: u64) -> Self {
+        let mem = TestMem::new(len, seed);
+        let mr = nic.register(mem.addr(), len.max(1)).unwrap();
+        Buf { mem, mr }
+    }
+    fn keys(&self) -> MemKeys {
+        MemKeys {
+            lkey: self.mr.lkey(),
+            rkey: self.mr.rkey(),
+            host: true,
+        }
+    }
+    fn whole(&mut self) -> UserBuffer {
+        self.mem.buffer()
+    }
+}
+
+impl Conn {
+    fn buf(&self, sender: bool, len: usize, seed: u64) -> Buf {
+        Buf::new(if sender { &self.tx_nic } else { &self.rx_nic }, len, seed)
+    }
+
+    /// Posts a receive of `bufs` with `tags`, which must be accepted at once.
+    fn irecv(&self, bufs: &mut [&mut Buf], tags: &[i32]) -> usize {
+        let keys: Vec<MemKeys> = bufs.iter().map(|b| b.keys()).collect();
+        let ubufs: Vec<UserBuffer> = bufs.iter_mut().map(|b| b.whole()).collect();
+        self.recv
+            .irecv(&ubufs, tags, &keys)
+            .expect("irecv")
+            .expect("a free receive slot")
+    }
+
+    /// Polls `isend` until it posts (the clear-to-send must arrive within `POLLS`).
+    fn isend(&self, buf: UserBuffer, keys: MemKeys, tag: i32) -> Result<usize> {
+        for _ in 0..POLLS {
+            if let Some(id) = self.send.isend(buf, tag, keys)? {
+                return Ok(id);
+            }
+        }
+        panic!("isend of tag {tag} never found its clear-to-send");
+    }
+
+    fn send_buf(&self, b: &mut Buf, tag: i32) -> usize {
+        self.isend(b.whole(), b.keys(), tag).expect("isend")
+    }
+}
+
+/// Polls `test` until done or an error, within `POLLS`.
+fn wait(test: impl Fn() -> Result<Option<Completion>>) -> Result<Completion> {
+    for _ in 0..POLLS {
+        if let Some(c) = test()? {
+            return Ok(c);
+        }
+    }
+    panic!("request not done after {POLLS} polls");
+}
+
+/// Polls `test` until it fails, for at most `within`.
+fn wait_error(within: Duration, test: impl Fn() -> Result<Option<Completion>>) -> Error {
+    let deadline = Instant::now() + within;
+    loop {
+        match test() {
+            Err(e) => return e,
+            Ok(Some(c)) => panic!("completed ({c:?}) where an error was expected"),
+            Ok(None) => assert!(Instant::now() < deadline, "no error within {within:?}"),
+        }
+    }
+}
+
+fn one_message(c: &Conn, len: usize, seed: u64) {
+    let mut dst = c.buf(false, len, 0);
+    let mut src = c.buf(true, len, seed);
+    let r = c.irecv(&mut [&mut dst], &[7]);
+    let s = c.send_buf(&mut src, 7);
+    assert_eq!(wait(|| c.send.test(s)).unwrap(), Completion::single(len));
+    assert_eq!(wait(|| c.recv.test(r)).unwrap(), Completion::single(len));
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(len, seed), "{len} bytes");
+}
