@@ -1,0 +1,123 @@
+//! `nccl-net-bench` end to end, as the scripts run it: its command line, a local run over
+//! the tcp transport on loopback (side A here, side B its child, talking over the control
+//! channel), the table, CSV and SVG it writes, and `--plot` of that CSV against itself.
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+/// Runs the bench with `args`; returns (exit code, stdout, stderr).
+fn bench(args: &[&str]) -> (i32, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_nccl-net-bench"))
+        .args(args)
+        .env("NCCL_ERDMA_TRANSPORT", "tcp")
+        .env("NCCL_SOCKET_IFNAME", "lo")
+        .output()
+        .expect("running nccl-net-bench");
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    eprintln!("{stdout}{stderr}");
+    (out.status.code().unwrap_or(-1), stdout, stderr)
+}
+
+fn temp(name: &str) -> PathBuf {
+    std::env::temp_dir().join(format!("nccl-net-bench-{}-{name}", std::process::id()))
+}
+
+fn path(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[test]
+fn help_and_usage_errors() {
+    // vm-tier.sh decides whether to run the bench, and with --csv, from --help.
+    let (code, help, _) = bench(&["--help"]);
+    assert_eq!(code, 0);
+    assert!(help.contains("Usage: nccl-net-bench [options]"), "{help}");
+    assert!(
+        help.contains("--sizes <LIST>") && help.contains("--csv <FILE>"),
+        "{help}"
+    );
+    // ... and tells an unknown flag by this message.
+    let (code, _, err) = bench(&["--bogus"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("unexpected argument '--bogus'"), "{err}");
+    let (code, _, err) = bench(&["--window", "33"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("must be in 1..=32, got 33"), "{err}");
+}
+
+#[test]
+fn local_run_over_tcp_writes_table_csv_and_svg() {
+    // The library the plugin's build put next to this test.
+    let lib = nccl_net_erdma_tools::client::default_library();
+    assert!(lib.exists(), "no plugin library at {}", lib.display());
+    let (csv, svg, plot) = (temp("run.csv"), temp("run.svg"), temp("plot.svg"));
+    let (code, out, _) = bench(&[
+        "--lib",
+        path(&lib),
+        "--sizes",
+        "8,4K",
+        "--iters",
+        "5",
+        "--stats",
+        "--csv",
+        path(&csv),
+        "--svg",
+        path(&svg),
+    ]);
+    assert_eq!(code, 0);
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines.contains(&"transport: tcp"), "{out}");
+    assert!(lines.contains(&"window 8, group 1, conns 1, iterations 5 per size"));
+    let head = lines
+        .iter()
+        .position(|l| *l == "      size        GB/s      lat us");
+    let rows = &lines[head.expect("the table's head") + 1..][..2];
+    assert!(rows[0].starts_with("       8 B ") && rows[1].starts_with("     4 KiB "));
+    assert_eq!(
+        lines
+            .iter()
+            .filter(|l| l.starts_with("stats size="))
+            .count(),
+        4
+    );
+    assert!(lines.contains(&format!("csv: {}", csv.display()).as_str()));
+    let text = std::fs::read_to_string(&csv).unwrap();
+    assert_eq!(text.lines().count(), 3, "{text}");
+    let mut csv_lines = text.lines();
+    assert_eq!(
+        csv_lines.next(),
+        Some("size_bytes,bandwidth_gbps,latency_us")
+    );
+    for (line, size) in csv_lines.zip(["8", "4096"]) {
+        let f: Vec<&str> = line.split(',').collect();
+        assert_eq!(f[0], size, "{text}");
+        // 8 bytes in a slow run may print as 0.000000 GB/s; a latency never rounds to 0.
+        let value = |i: usize| f[i].parse::<f64>().unwrap();
+        assert!(value(1) >= 0.0 && value(2) > 0.0, "{text}");
+    }
+    let drawn = std::fs::read_to_string(&svg).unwrap();
+    assert!(drawn.starts_with("<svg ") && drawn.contains(">\nerdma plugin (tcp)\n</text>"));
+    // The scripts' --plot: this run against itself.
+    let again = format!("{}=again", csv.display());
+    let args = [
+        "--plot",
+        path(&csv),
+        "--compare",
+        &again,
+        "--svg",
+        path(&plot),
+    ];
+    let (code, out, _) = bench(&args);
+    assert_eq!(
+        (code, out.trim()),
+        (0, format!("svg: {}", plot.display()).as_str())
+    );
+    let drawn = std::fs::read_to_string(&plot).unwrap();
+    assert!(drawn.contains(">\nagain\n</text>") && drawn.trim_end().ends_with("</svg>"));
+    for f in [csv, svg, plot] {
+        let _ = std::fs::remove_file(f);
+    }
+}
