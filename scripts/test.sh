@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Runs every test: lint, the host tier (unit tests and the conformance suite over tcp) and
-# the Soft-RoCE VM tier (real verbs on an rxe device in a qemu VM). Installs the Debian
-# packages it needs. NCCL_ERDMA_SKIP_VM=1 skips the VM tier and NCCL_ERDMA_SKIP_RELIABILITY=1
-# the fuzzing and valgrind runs, for quick local loops; CI never sets them.
+# Runs every test: lint, the host tier (unit tests and the conformance suite over tcp), the
+# Soft-RoCE VM tier (real verbs on an rxe device in a qemu VM) and the two-host cluster tier
+# (two VMs, two rails each, faults on the RDMA path). Installs the Debian packages it needs.
+# NCCL_ERDMA_SKIP_VM=1 skips the VM tier, NCCL_ERDMA_SKIP_CLUSTER=1 the cluster tier and
+# NCCL_ERDMA_SKIP_RELIABILITY=1 the fuzzing and valgrind runs, for quick local loops; CI never
+# sets them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/common.sh
@@ -37,5 +39,11 @@ if [[ "${NCCL_ERDMA_SKIP_VM:-0}" == 1 ]]; then
 else
   echo "== Soft-RoCE VM tier"
   bash scripts/vm-tier.sh
+fi
+if [[ "${NCCL_ERDMA_SKIP_CLUSTER:-0}" == 1 ]]; then
+  echo "== cluster tier: SKIPPED (NCCL_ERDMA_SKIP_CLUSTER=1)"
+else
+  echo "== cluster tier (two hosts)"
+  bash scripts/cluster-tier.sh
 fi
 echo "test.sh: all tiers passed in $(( $(date +%s) - start )) s"
