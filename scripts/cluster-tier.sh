@@ -81,7 +81,18 @@ export NCCL_ERDMA_PLUGIN_LIB=/opt/work/libnccl-net-erdma.so
 export NCCL_ERDMA_INFO_BIN=/opt/work/nccl-net-erdma-info
 export NCCL_ERDMA_TRANSPORT=verbs RUST_BACKTRACE=1
 failed=0
+# Every case starts from a clean host: links up at MTU 1500, no qdisc, rxe ports ACTIVE (a
+# failed case may have left a fault behind).
+reset() {
+  for n in mgmt raila railb; do ip link set "\$n" mtu 1500 up; tc qdisc del dev "\$n" root 2>/dev/null; done
+  for i in \$(seq 100); do
+    grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state && grep -q ACTIVE /sys/class/infiniband/rxe1/ports/1/state && return 0
+    sleep 0.1
+  done
+  echo "cluster-tier: rxe ports not ACTIVE after the reset"
+}
 for c in ${cases[*]}; do
+  reset
   t0=\$(date +%s.%N)
   if timeout -k 5 $case_timeout ./$exe_name --exact "\$c" --ignored --nocapture --test-threads=1 \
       >"/tmp/\$c.log" 2>&1; then

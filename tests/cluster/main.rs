@@ -14,7 +14,7 @@ mod traffic;
 
 use std::time::{Duration, Instant};
 
-use peer::{sh, sh_quiet, Host, Link, Peer};
+use peer::{sh, Fault, Host, Link, Peer};
 use traffic::{close, connect, open, recv, send, warnings, Comms, Stream};
 
 /// Sizes every connection carries, each verified: 0 to 4 MiB.
@@ -317,9 +317,12 @@ fn through_netem(case: &str, fault: &str) {
     let mut p = Peer::meet(case, Link::Mgmt);
     let net = open();
     let c = connect(&net, &mut p);
-    if p.host == Host::Two && !fault.is_empty() {
-        sh(&format!("tc qdisc add dev raila root netem {fault}"));
-    }
+    let injected = (p.host == Host::Two && !fault.is_empty()).then(|| {
+        Fault::inject(
+            &format!("tc qdisc add dev raila root netem {fault}"),
+            "tc qdisc del dev raila root",
+        )
+    });
     p.step("fault on");
     let s = Stream {
         sizes: &[65_536],
@@ -330,9 +333,7 @@ fn through_netem(case: &str, fault: &str) {
     };
     let done = one_way(&net, &c, &mut p, &s, false);
     p.step("streamed");
-    if p.host == Host::Two {
-        sh_quiet("tc qdisc del dev raila root");
-    }
+    drop(injected);
     close(&net, c);
     result(
         case,
@@ -392,7 +393,7 @@ fn netem_bit_corruption() {
 /// Cuts host 2's rail A for good (`cut`, restored with `restore`) mid-stream with `vars`:
 /// pending and new requests must fail on both hosts within `bound` of the cut, with a WARN
 /// naming the peer, the device and the cause; closing the comms then succeeds.
-fn rail_cut(case: &str, vars: &[(&str, &str)], cut: &str, restore: &str, bound: Duration) {
+fn rail_cut(case: &str, vars: &[(&str, &str)], cut: &str, restore: &'static str, bound: Duration) {
     set(&[("NCCL_IB_HCA", "=rxe0"), ("NCCL_IB_TIMEOUT", "14")]);
     set(vars);
     let mut p = Peer::meet(case, Link::Mgmt);
@@ -406,9 +407,7 @@ fn rail_cut(case: &str, vars: &[(&str, &str)], cut: &str, restore: &str, bound: 
         limit: Duration::from_secs(60),
     };
     let before = one_way(&net, &c, &mut p, &warm, false);
-    if p.host == Host::Two {
-        sh(cut);
-    }
+    let injected = (p.host == Host::Two).then(|| Fault::inject(cut, restore));
     p.step("cut");
     let cut_at = Instant::now();
     let s = Stream {
@@ -443,10 +442,12 @@ fn rail_cut(case: &str, vars: &[(&str, &str)], cut: &str, restore: &str, bound: 
         "the WARN names the peer {peer_ip}: {warn}"
     );
     assert!(warn.contains("rxe0"), "the WARN names the device: {warn}");
+    // Each host finds the cut by itself before either closes (a close would tell the other).
+    p.step("failed");
     close(&net, c);
     p.step("closed");
-    if p.host == Host::Two {
-        sh(restore);
+    if let Some(fault) = injected {
+        drop(fault);
         sh("for i in $(seq 100); do grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state && exit 0; sleep 0.1; done; exit 1");
     }
     p.step("restored");
@@ -553,11 +554,12 @@ fn rail_flapping_inside_the_retry_window_loses_nothing() {
 fn mtus_that_differ_use_the_smaller() {
     let case = "mtus_that_differ_use_the_smaller";
     let mut p = Peer::meet(case, Link::Mgmt);
-    if p.host == Host::One {
-        // rxe's MTU follows its netdev: 4096 here, 1024 on host 2 (netdev MTU 1500).
-        sh("ip link set raila mtu 4200");
+    // rxe's MTU follows its netdev: 4096 on host 1, 1024 on host 2 (netdev MTU 1500).
+    let injected = (p.host == Host::One).then(|| {
+        let f = Fault::inject("ip link set raila mtu 4200", "ip link set raila mtu 1500");
         sh("for i in $(seq 50); do ibv_devinfo -d rxe0 | grep -q 'active_mtu:.*4096' && exit 0; sleep 0.1; done; exit 1");
-    }
+        f
+    });
     p.step("mtu set");
     set(&[("NCCL_IB_HCA", "=rxe0")]);
     let net = open();
@@ -578,9 +580,7 @@ fn mtus_that_differ_use_the_smaller() {
         .any(|l| l.text.contains("the connection uses 1024 bytes"));
     assert!(said, "the INFO line naming both MTUs and the one used");
     p.step("closed");
-    if p.host == Host::One {
-        sh("ip link set raila mtu 1500");
-    }
+    drop(injected);
     result(
         case,
         p.host,
@@ -600,9 +600,8 @@ fn mgmt_cut_with_rails_up_keeps_data_flowing_then_fails_within_the_peer_timeout(
     let mut p = Peer::meet(case, Link::RailB);
     let net = open();
     let c = connect(&net, &mut p);
-    if p.host == Host::Two {
-        sh("ip link set mgmt down");
-    }
+    let injected = (p.host == Host::Two)
+        .then(|| Fault::inject("ip link set mgmt down", "ip link set mgmt up"));
     p.step("mgmt down");
     let cut_at = Instant::now();
     // The rails still carry data.
@@ -635,9 +634,7 @@ fn mgmt_cut_with_rails_up_keeps_data_flowing_then_fails_within_the_peer_timeout(
     p.step("failed");
     close(&net, c);
     p.step("closed");
-    if p.host == Host::Two {
-        sh("ip link set mgmt up");
-    }
+    drop(injected);
     p.step("restored");
     result(
         case,

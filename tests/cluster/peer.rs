@@ -63,6 +63,23 @@ pub fn sh_quiet(cmd: &str) {
     let _ = Command::new("sh").args(["-c", cmd]).output();
 }
 
+/// A fault injected on this host: `inject` runs now, `restore` when the value goes, also
+/// when the case fails (unwinding), so a failed case never leaves a link down for the next.
+pub struct Fault(&'static str);
+
+impl Fault {
+    pub fn inject(inject: &str, restore: &'static str) -> Fault {
+        sh(inject);
+        Fault(restore)
+    }
+}
+
+impl Drop for Fault {
+    fn drop(&mut self) {
+        sh_quiet(self.0);
+    }
+}
+
 impl Peer {
     /// Meets the other host for `case` over `link` (within 60 s).
     pub fn meet(case: &str, link: Link) -> Peer {

@@ -213,12 +213,35 @@ pub fn send(net: &Net, comm: Opaque, s: &Stream) -> Result<Done, Failed> {
             }
         }
     };
-    release(net, comm, slots);
-    r.map(|()| Done {
-        messages: completed,
-        bytes,
-        elapsed: t0.elapsed(),
-    })
+    finish(net, comm, slots, r, completed, bytes, t0)
+}
+
+/// Ends a stream: a stream that completed releases its buffers; one that failed keeps them
+/// registered (and allocated): the peer may still be writing into them until it finds the
+/// fault itself, and a deregistered buffer would turn that into an error of its own.
+fn finish(
+    net: &Net,
+    comm: Opaque,
+    slots: Vec<Slot>,
+    r: Result<(), Failed>,
+    completed: usize,
+    bytes: u64,
+    t0: Instant,
+) -> Result<Done, Failed> {
+    match r {
+        Ok(()) => {
+            release(net, comm, slots);
+            Ok(Done {
+                messages: completed,
+                bytes,
+                elapsed: t0.elapsed(),
+            })
+        }
+        Err(f) => {
+            std::mem::forget(slots);
+            Err(f)
+        }
+    }
 }
 
 /// Receives `s` on `comm` into buffers `slack` bytes larger than each message, checking
@@ -284,12 +307,7 @@ pub fn recv(net: &Net, comm: Opaque, s: &Stream) -> Result<Done, Failed> {
             }
         }
     };
-    release(net, comm, slots);
-    r.map(|()| Done {
-        messages: completed,
-        bytes,
-        elapsed: t0.elapsed(),
-    })
+    finish(net, comm, slots, r, completed, bytes, t0)
 }
 
 /// The WARN lines the plugin logged so far.
