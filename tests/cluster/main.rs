@@ -309,9 +309,9 @@ fn registration_cache_hits_and_close_leaves_nothing() {
     );
 }
 
-/// Streams 64 KiB messages host 2 -> host 1 through `fault` (applied on host 2's rail A):
-/// every byte must arrive; prints the throughput.
-fn through_netem(case: &str, fault: &str) {
+/// Streams `count` 64 KiB messages host 2 -> host 1 through `fault` (applied on host 2's rail
+/// A): every byte must arrive; prints the throughput.
+fn through_netem(case: &str, fault: &str, count: usize) {
     // Short retransmission timers: each lost tail waits one out (4.096 us * 2^14 = 67 ms).
     set(&[("NCCL_IB_HCA", "=rxe0"), ("NCCL_IB_TIMEOUT", "14")]);
     let mut p = Peer::meet(case, Link::Mgmt);
@@ -326,7 +326,7 @@ fn through_netem(case: &str, fault: &str) {
     p.step("fault on");
     let s = Stream {
         sizes: &[65_536],
-        count: 48,
+        count,
         seed: 11,
         window: 8,
         limit: Duration::from_secs(240),
@@ -351,43 +351,43 @@ fn through_netem(case: &str, fault: &str) {
 #[test]
 #[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
 fn netem_clean_baseline() {
-    through_netem("netem_clean_baseline", "");
+    through_netem("netem_clean_baseline", "", 48);
 }
 
 #[test]
 #[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
 fn netem_loss_1pct() {
-    through_netem("netem_loss_1pct", "loss 1%");
+    through_netem("netem_loss_1pct", "loss 1%", 48);
 }
 
 #[test]
 #[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
 fn netem_loss_10pct() {
-    through_netem("netem_loss_10pct", "loss 10%");
+    through_netem("netem_loss_10pct", "loss 10%", 48);
 }
 
 #[test]
 #[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
 fn netem_delay_with_jitter() {
-    through_netem("netem_delay_with_jitter", "delay 5ms 1ms");
+    through_netem("netem_delay_with_jitter", "delay 5ms 1ms", 8);
 }
 
 #[test]
 #[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
 fn netem_reordering() {
-    through_netem("netem_reordering", "delay 2ms reorder 25% 50%");
+    through_netem("netem_reordering", "delay 2ms reorder 25% 50%", 8);
 }
 
 #[test]
 #[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
 fn netem_duplication() {
-    through_netem("netem_duplication", "duplicate 5%");
+    through_netem("netem_duplication", "duplicate 5%", 48);
 }
 
 #[test]
 #[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
 fn netem_bit_corruption() {
-    through_netem("netem_bit_corruption", "corrupt 1%");
+    through_netem("netem_bit_corruption", "corrupt 1%", 48);
 }
 
 /// Cuts host 2's rail A for good (`cut`, restored with `restore`) mid-stream with `vars`:
@@ -514,7 +514,9 @@ fn rail_lossy_100pct_retry_2_fails_through_the_device() {
 #[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
 fn rail_flapping_inside_the_retry_window_loses_nothing() {
     let case = "rail_flapping_inside_the_retry_window_loses_nothing";
-    set(&[("NCCL_IB_HCA", "=rxe0"), ("NCCL_IB_TIMEOUT", "14")]);
+    // The default retransmission timer (4.096 us * 2^20 = 4.3 s): the flap fits inside
+    // one retry interval, as a short flap does on a real network.
+    set(&[("NCCL_IB_HCA", "=rxe0"), ("NCCL_IB_TIMEOUT", "20")]);
     let mut p = Peer::meet(case, Link::Mgmt);
     let net = open();
     let c = connect(&net, &mut p);
