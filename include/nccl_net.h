@@ -81,6 +81,8 @@ typedef ncclResult_t (*ncclProfilerCallback_t)(void** eHandle, int type, void* p
 #define NCCL_PTR_DMABUF 0x4
 #define NCCL_NET_MAX_REQUESTS 32
 #define NCCL_NET_MAX_DEVS_PER_NIC_V9 4
+#define NCCL_NET_MAX_DEVS_PER_NIC_V12 8
+#define NCCL_NET_ID_UNDEF (-1) /* v12 railId/planeId: unknown */
 #define NCCL_NET_TRAFFIC_CLASS_UNDEF (-1)
 #define NCCL_NET_ATTR_UNDEF (-1)
 #define NCCL_NET_DEVICE_INVALID_VERSION 0x0
@@ -105,6 +107,7 @@ typedef ncclNetDeviceHandle_v7_t ncclNetDeviceHandle_v8_t;
 typedef ncclNetDeviceHandle_v7_t ncclNetDeviceHandle_v9_t;
 typedef ncclNetDeviceHandle_v7_t ncclNetDeviceHandle_v10_t;
 typedef ncclNetDeviceHandle_v7_t ncclNetDeviceHandle_v11_t;
+typedef ncclNetDeviceHandle_v7_t ncclNetDeviceHandle_v12_t;
 
 /* ---- Properties ------------------------------------------------------------------------- */
 typedef struct {
@@ -195,11 +198,39 @@ typedef struct {
   int maxMultiRequestSize;
 } ncclNetProperties_v11_t; /* 112 bytes */
 
+typedef struct {
+  int ndevs;
+  int devs[NCCL_NET_MAX_DEVS_PER_NIC_V12];
+} ncclNetVDeviceProps_v12_t; /* 36 bytes */
+
+typedef struct {
+  char* name;
+  char* pciPath;
+  uint64_t guid;
+  int ptrSupport;
+  int regIsGlobal;
+  int forceFlush;
+  int speed;
+  int port;
+  float latency;
+  int maxComms;
+  int maxRecvs;
+  ncclNetDeviceType netDeviceType;
+  int netDeviceVersion;
+  ncclNetVDeviceProps_v12_t vProps;
+  size_t maxP2pBytes;
+  size_t maxCollBytes;
+  int maxMultiRequestSize;
+  int16_t railId;  /* NCCL_NET_ID_UNDEF when unknown */
+  int16_t planeId; /* NCCL_NET_ID_UNDEF when unknown */
+} ncclNetProperties_v12_t; /* 128 bytes */
+
 /* ---- Per-communicator configuration and attributes (v10+, v11+) ------------------------- */
 typedef struct {
   int trafficClass; /* NCCL_NET_TRAFFIC_CLASS_UNDEF when unset */
 } ncclNetCommConfig_v10_t;
 typedef ncclNetCommConfig_v10_t ncclNetCommConfig_v11_t;
+typedef ncclNetCommConfig_v10_t ncclNetCommConfig_v12_t;
 
 typedef struct {
   int32_t maxConcurrentPeers;
@@ -215,6 +246,7 @@ typedef struct {
   uint32_t algo;
   uint32_t proto;
 } ncclNetAttr_v11_t; /* 44 bytes */
+typedef ncclNetAttr_v11_t ncclNetAttr_v12_t;
 
 /* ---- Function tables -------------------------------------------------------------------- */
 typedef struct {
@@ -386,5 +418,38 @@ typedef struct {
   ncclResult_t (*finalize)(void* ctx);
   ncclResult_t (*setNetAttr)(void* ctx, ncclNetAttr_v11_t* netAttr);
 } ncclNet_v11_t; /* 176 bytes */
+
+/* ---- v12 (NCCL 2.30): v11's slots; properties add railId/planeId, vNICs up to 8 devices --- */
+typedef struct {
+  const char* name;
+  ncclResult_t (*init)(void** ctx, uint64_t commId, ncclNetCommConfig_v12_t* config,
+                       ncclDebugLogger_t logFunction, ncclProfilerCallback_t profFunction);
+  ncclResult_t (*devices)(int* ndev);
+  ncclResult_t (*getProperties)(int dev, ncclNetProperties_v12_t* props);
+  ncclResult_t (*listen)(void* ctx, int dev, void* handle, void** listenComm);
+  ncclResult_t (*connect)(void* ctx, int dev, void* handle, void** sendComm,
+                          ncclNetDeviceHandle_v12_t** sendDevComm);
+  ncclResult_t (*accept)(void* listenComm, void** recvComm,
+                         ncclNetDeviceHandle_v12_t** recvDevComm);
+  ncclResult_t (*regMr)(void* comm, void* data, size_t size, int type, void** mhandle);
+  ncclResult_t (*regMrDmaBuf)(void* comm, void* data, size_t size, int type, uint64_t offset,
+                              int fd, void** mhandle);
+  ncclResult_t (*deregMr)(void* comm, void* mhandle);
+  ncclResult_t (*isend)(void* sendComm, void* data, size_t size, int tag, void* mhandle,
+                        void* phandle, void** request);
+  ncclResult_t (*irecv)(void* recvComm, int n, void** data, size_t* sizes, int* tags,
+                        void** mhandles, void** phandles, void** request);
+  ncclResult_t (*iflush)(void* recvComm, int n, void** data, int* sizes, void** mhandles,
+                         void** request);
+  ncclResult_t (*test)(void* request, int* done, int* sizes);
+  ncclResult_t (*closeSend)(void* sendComm);
+  ncclResult_t (*closeRecv)(void* recvComm);
+  ncclResult_t (*closeListen)(void* listenComm);
+  ncclResult_t (*getDeviceMr)(void* comm, void* mhandle, void** dptr_mhandle);
+  ncclResult_t (*irecvConsumed)(void* recvComm, int n, void* request);
+  ncclResult_t (*makeVDevice)(int* d, ncclNetVDeviceProps_v12_t* props);
+  ncclResult_t (*finalize)(void* ctx);
+  ncclResult_t (*setNetAttr)(void* ctx, ncclNetAttr_v12_t* netAttr);
+} ncclNet_v12_t; /* 176 bytes: v11's slots, v12 types */
 
 #endif /* NCCL_NET_ERDMA_NCCL_NET_H */

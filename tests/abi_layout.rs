@@ -13,6 +13,9 @@ fn function_tables_have_nccl_sizes() {
     assert_eq!(size_of::<ncclNet_v9_t>(), 160);
     assert_eq!(size_of::<ncclNet_v10_t>(), 160);
     assert_eq!(size_of::<ncclNet_v11_t>(), 176);
+    assert_eq!(size_of::<ncclNet_v12_t>(), 176);
+    assert_eq!(offset_of!(ncclNet_v12_t, makeVDevice), 152);
+    assert_eq!(offset_of!(ncclNet_v12_t, finalize), 160);
 }
 
 #[test]
@@ -44,6 +47,18 @@ fn property_structs_have_nccl_sizes_and_offsets() {
         offset_of!(ncclNetProperties_v11_t, maxMultiRequestSize),
         104
     );
+    // v12 (NCCL 2.30): vNICs of up to 8 devices, railId/planeId.
+    assert_eq!(size_of::<ncclNetProperties_v12_t>(), 128);
+    assert_eq!(size_of::<ncclNetVDeviceProps_v12_t>(), 36);
+    assert_eq!(offset_of!(ncclNetProperties_v12_t, vProps), 64);
+    assert_eq!(offset_of!(ncclNetProperties_v12_t, maxP2pBytes), 104);
+    assert_eq!(offset_of!(ncclNetProperties_v12_t, maxCollBytes), 112);
+    assert_eq!(
+        offset_of!(ncclNetProperties_v12_t, maxMultiRequestSize),
+        120
+    );
+    assert_eq!(offset_of!(ncclNetProperties_v12_t, railId), 124);
+    assert_eq!(offset_of!(ncclNetProperties_v12_t, planeId), 126);
 }
 
 #[test]
@@ -61,4 +76,7 @@ fn constants_match_nccl() {
     assert_eq!(NCCL_NET, 16);
     assert_eq!(ncclResult_t::ncclRemoteError as u32, 6);
     assert_eq!(NCCL_NET_DEVICE_HOST, 0);
+    assert_eq!(NCCL_NET_MAX_DEVS_PER_NIC_V9, 4);
+    assert_eq!(NCCL_NET_MAX_DEVS_PER_NIC_V12, 8);
+    assert_eq!(NCCL_NET_ID_UNDEF, -1);
 }
