@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Runs every test: lint, the host tier (unit tests and the conformance suite over tcp), the
+# packaging tests (scripts/package-test.sh: the wheel and .deb built and installed), the
 # Soft-RoCE VM tier (real verbs on an rxe device in a qemu VM) and the two-host cluster tier
 # (two VMs, two rails each, faults on the RDMA path). Installs the Debian packages it needs.
 # NCCL_ERDMA_SKIP_VM=1 skips the VM tier, NCCL_ERDMA_SKIP_CLUSTER=1 the cluster tier and
@@ -25,6 +26,12 @@ build_release
 
 echo "== host tier"
 cargo test --release --workspace
+
+# The wheel and the .deb (scripts/package.sh into target/dist/), installed as a user would: the
+# wheel into a fresh venv, then its commands, its Python API and the benchmark through it. The
+# .deb is installed in the Soft-RoCE VM tier.
+echo "== packaging"
+bash scripts/package-test.sh
 
 # Fuzzing of the handle and handshake decoders, and the host suite under valgrind memcheck.
 if [[ "${NCCL_ERDMA_SKIP_RELIABILITY:-0}" == 1 ]]; then

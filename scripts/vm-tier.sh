@@ -13,7 +13,13 @@
 #      --include-ignored (the verbs-only tests are #[ignore]d on hosts without a device);
 #   c. perftest's ib_write_bw and ib_write_lat on rxe0 (server and client in the VM);
 #   d. nccl-net-bench --sizes 8,4K,64K,1M --iters 50 over each of $VM_TIER_BENCH_TRANSPORTS
-#      (default "verbs tcp"), next to c's numbers.
+#      (default "verbs tcp"), next to c's numbers;
+#   e. the Debian package (target/dist/, built by scripts/package.sh --deb-only unless one newer
+#      than the build is there): dpkg -i, then nccl-net-erdma-info from /usr/bin must say the
+#      plugin can run on rxe0, then over verbs on rxe0 `nccl-net-bench --lib libnccl-net-erdma.so
+#      --sizes 8,64K,1M --iters 20` (a bare name: dlopen finds the installed library in the
+#      default path, as NCCL_NET_PLUGIN=erdma does; LD_DEBUG shows which file it loaded),
+#      then dpkg -r.
 # Each step ends with a line `vm-tier: PASS|FAIL|SKIP <step> (<seconds> s)`, the tier with
 # `vm-tier: N passed, M failed, K skipped in T s`; the exit code is non-zero if any step failed.
 #
@@ -90,6 +96,24 @@ done < <(json_executables "$build_json" bin)
 for x in "${tests[@]}"; do
   cp "$x" "$stage/deps/"
 done
+
+# The Debian package for step e: the one in target/dist/ when it is newer than this build (as
+# scripts/test.sh's packaging step leaves it), else built now.
+echo "== vm-tier: Debian package (scripts/package.sh --deb-only)"
+t=$(now)
+version=$(cargo pkgid --quiet -p nccl-net-erdma)
+version=${version##*[#@]}
+deb=$root/target/dist/nccl-net-erdma_${version}_amd64.deb
+if [[ -f $deb && $deb -nt $so && $deb -nt $rel/nccl-net-erdma-info ]]; then
+  cp "$deb" "$stage/"
+  result PASS "deb-build" "$t" "${deb#"$root"/} is newer than the build: staged as is"
+elif bash scripts/package.sh --deb-only >"$work/package.log" 2>&1 && [[ -f $deb ]]; then
+  cp "$deb" "$stage/"
+  result PASS "deb-build" "$t" "built and staged ${deb#"$root"/}"
+else
+  tail -n 20 "$work/package.log"
+  result FAIL "deb-build" "$t" "scripts/package.sh --deb-only failed (see above)"
+fi
 
 # The inner script. Runs in the VM from /opt/work with bash; its settings come as arguments.
 cat >"$stage/vm-inner.sh" <<'INNER'
@@ -229,6 +253,58 @@ for bt in $bench_transports; do
     result FAIL "nccl-net-bench:$bt" "$t" "exit code $rc"
   fi
 done
+# The Debian package as a user installs it; the library is then found by name (no path, no
+# LD_LIBRARY_PATH): dlopen searches the loader cache and the default directories, never the
+# working directory, so the staged copy here cannot stand in for it.
+deb_install() { # sets `why` when it fails
+  local debfile=$1 rc lib=/usr/lib/x86_64-linux-gnu/libnccl-net-erdma.so
+  why=
+  echo "\$ dpkg -i $debfile"
+  dpkg -i "$debfile" || { why="dpkg -i failed"; return 1; }
+  ldconfig -p | grep -F libnccl-net-erdma.so || { why="$lib is not in the loader cache (ldconfig -p)"; return 1; }
+  echo "\$ NCCL_IB_HCA==rxe0 nccl-net-erdma-info   # $(command -v nccl-net-erdma-info)"
+  [[ $(command -v nccl-net-erdma-info) == /usr/bin/nccl-net-erdma-info ]] || { why="nccl-net-erdma-info is not /usr/bin's"; return 1; }
+  (cd / && NCCL_IB_HCA="=rxe0" nccl-net-erdma-info) >deb-info.txt 2>&1
+  rc=$?
+  grep -E '^== |rxe0|WARNING' deb-info.txt
+  if [[ $rc -ne 0 ]] || ! grep -q '^== result: the plugin can run here' deb-info.txt; then
+    why="the installed nccl-net-erdma-info says the plugin cannot run on rxe0 (exit $rc)"
+    return 1
+  fi
+  echo "\$ NCCL_IB_HCA==rxe0 ./nccl-net-bench --lib libnccl-net-erdma.so --sizes 8,64K,1M --iters 20"
+  rm -f ld-debug.*
+  env -u LD_LIBRARY_PATH -u NCCL_ERDMA_PLUGIN_LIB NCCL_IB_HCA="=rxe0" NCCL_ERDMA_TRANSPORT=verbs \
+    LD_DEBUG=libs LD_DEBUG_OUTPUT="$PWD/ld-debug" timeout -k 5 180 \
+    ./nccl-net-bench --lib libnccl-net-erdma.so --sizes 8,64K,1M --iters 20 >deb-bench.txt 2>&1
+  rc=$?
+  cat deb-bench.txt
+  [[ $rc -eq 0 ]] || { why="nccl-net-bench --lib libnccl-net-erdma.so: exit $rc"; return 1; }
+  grep -qE '^transport: +verbs' deb-bench.txt || { why="the benchmark did not run over verbs"; return 1; }
+  # Both processes (side A and its child, side B) must have loaded the installed file (with a
+  # merged /usr the loader cache names it /lib/x86_64-linux-gnu/...).
+  loaded=$(grep -oh "calling init: .*libnccl-net-erdma.so\$" ld-debug.* | sed 's/^calling init: //' |
+    xargs -r readlink -f | sort | uniq -c)
+  echo "loaded (LD_DEBUG=libs): $loaded"
+  if ! [[ $loaded =~ ^\ *2\ $lib$ ]]; then
+    why="the benchmark's two processes did not both load $lib (LD_DEBUG=libs: $loaded)"
+    return 1
+  fi
+  echo "\$ dpkg -r nccl-net-erdma"
+  if ! dpkg -r nccl-net-erdma || [[ -e $lib || -e /usr/bin/nccl-net-erdma-info ]]; then
+    why="dpkg -r failed or left files"
+    return 1
+  fi
+}
+echo "== vm: the Debian package: dpkg -i, nccl-net-erdma-info, nccl-net-bench --lib libnccl-net-erdma.so on rxe0"
+t=$(now)
+debs=(nccl-net-erdma_*.deb)
+if [[ ${#debs[@]} -eq 0 ]]; then
+  result SKIP "deb" "$t" "no .deb staged"
+elif deb_install "${debs[0]}"; then
+  result PASS "deb" "$t" "installed ${debs[0]}; info: can run on rxe0; 8 B, 64 KiB, 1 MiB over verbs through /usr/lib/x86_64-linux-gnu/libnccl-net-erdma.so found by name"
+else
+  result FAIL "deb" "$t" "$why"
+fi
 echo "vm-inner: $passed passed, $failed failed, $skipped skipped"
 [[ $failed -eq 0 ]]
 INNER

@@ -1,0 +1,52 @@
+"""Hatchling build hook: put the cargo-built plugin and info command into the wheel.
+
+The files come from the release directory (``$NCCL_ERDMA_RELEASE_DIR``, else
+``<repo>/target/release``); build them first (``scripts/package.sh`` does). The wheel is tagged
+``py3-none-manylinux_2_NN_x86_64``, NN the newest glibc symbol version the two files require
+(read from their version references with ``objdump -p``): the oldest glibc they run on.
+"""
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+from hatchling.builders.hooks.plugin.interface import BuildHookInterface
+
+# (file in the release directory, where it goes in the wheel)
+ARTIFACTS = [
+    ("libnccl_net_erdma.so", "nccl_net_erdma/lib/libnccl-net-erdma.so"),
+    ("nccl-net-erdma-info", "nccl_net_erdma/bin/nccl-net-erdma-info"),
+]
+
+
+def glibc_floor(paths):
+    """Return the newest GLIBC_2.N version the ELF files reference, as (2, N)."""
+    found = set()
+    for path in paths:
+        out = subprocess.run(
+            ["objdump", "-p", str(path)], check=True, capture_output=True, text=True
+        ).stdout
+        found.update(int(n) for n in re.findall(r"\bGLIBC_2\.(\d+)\b", out))
+    if not found:
+        raise RuntimeError(f"no GLIBC_2.N version references in {paths}: not glibc ELF files?")
+    return (2, max(found))
+
+
+class CustomBuildHook(BuildHookInterface):
+    def initialize(self, version, build_data):
+        release = os.environ.get("NCCL_ERDMA_RELEASE_DIR") or Path(self.root, "../../target/release")
+        release = Path(release).resolve()
+        sources = [release / name for name, _ in ARTIFACTS]
+        missing = [str(p) for p in sources if not p.is_file()]
+        if missing:
+            raise FileNotFoundError(
+                f"not built: {', '.join(missing)} (run `cargo build --release --workspace` "
+                "or scripts/package.sh first, or set NCCL_ERDMA_RELEASE_DIR)"
+            )
+        major, minor = glibc_floor(sources)
+        build_data["pure_python"] = False
+        build_data["tag"] = f"py3-none-manylinux_{major}_{minor}_x86_64"
+        for src, (_, dest) in zip(sources, ARTIFACTS):
+            build_data["force_include"][str(src)] = dest
+        self.app.display_info(f"wheel tag {build_data['tag']} (from the glibc versions of {release})")
