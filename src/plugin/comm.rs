@@ -175,7 +175,7 @@ impl SendComm {
         let reg = self
             .plugin
             .registration(mhandle, self.dev, buf.addr(), buf.len())?;
-        let id = self.inner.isend(buf, tag, reg.keys);
+        let id = self.inner.isend(buf, tag, &reg.keys);
         match id {
             Ok(None) => self.stats.waited(),
             Err(_) => self.stats.failed(),

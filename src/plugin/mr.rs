@@ -20,7 +20,7 @@ use std::{
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::transport::{Hold, MemKeys};
+use crate::transport::{Hold, MemKeys, MAX_RAILS};
 
 /// What was registered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,10 +64,10 @@ struct Slot {
     state: AtomicU64,
     addr: AtomicU64,
     len: AtomicU64,
-    /// Host memory (low bit) and device (high 32 bits).
+    /// Host memory (bit 0), rails (bits 8..16) and device (high 32 bits).
     kind: AtomicU64,
-    /// `lkey` (low 32 bits) and `rkey` (high 32 bits).
-    keys: AtomicU64,
+    /// `lkey` (low 32 bits) and `rkey` (high 32 bits) on each rail.
+    keys: [AtomicU64; MAX_RAILS],
 }
 
 #[derive(Default)]
@@ -139,14 +139,14 @@ impl MrTable {
         fence(Ordering::Release);
         slot.addr.store(reg.addr as u64, Ordering::Relaxed);
         slot.len.store(reg.len as u64, Ordering::Relaxed);
+        let k = &reg.keys;
         slot.kind.store(
-            u64::from(reg.keys.host) | (reg.dev as u64) << 32,
+            u64::from(k.host) | u64::from(k.rails) << 8 | (reg.dev as u64) << 32,
             Ordering::Relaxed,
         );
-        slot.keys.store(
-            u64::from(reg.keys.lkey) | u64::from(reg.keys.rkey) << 32,
-            Ordering::Relaxed,
-        );
+        for (to, (lkey, rkey)) in slot.keys.iter().zip(&k.keys[..usize::from(k.rails)]) {
+            to.store(u64::from(*lkey) | u64::from(*rkey) << 32, Ordering::Relaxed);
+        }
         slot.state.store(generation << 2 | LIVE, Ordering::Release);
         w.holds.insert(index, hold);
         Ok(generation << 32 | (index as u64 + 1))
@@ -161,19 +161,22 @@ impl MrTable {
         if before != (generation << 2 | LIVE) {
             return Err(unknown(handle));
         }
-        let (kind, keys) = (
-            slot.kind.load(Ordering::Relaxed),
-            slot.keys.load(Ordering::Relaxed),
-        );
+        let kind = slot.kind.load(Ordering::Relaxed);
+        let rails = ((kind >> 8) as u8).min(MAX_RAILS as u8);
+        let mut keys = MemKeys {
+            rails,
+            host: kind & 1 != 0,
+            ..MemKeys::default()
+        };
+        for (to, from) in keys.keys.iter_mut().zip(&slot.keys[..usize::from(rails)]) {
+            let k = from.load(Ordering::Relaxed);
+            *to = (k as u32, (k >> 32) as u32);
+        }
         let reg = Registration {
             addr: slot.addr.load(Ordering::Relaxed) as usize,
             len: slot.len.load(Ordering::Relaxed) as usize,
             dev: (kind >> 32) as usize,
-            keys: MemKeys {
-                lkey: keys as u32,
-                rkey: (keys >> 32) as u32,
-                host: kind & 1 != 0,
-            },
+            keys,
         };
         fence(Ordering::Acquire);
         if slot.state.load(Ordering::Relaxed) != before {
@@ -211,13 +214,18 @@ mod tests {
     use super::*;
     use std::sync::Arc;
 
-    fn reg(addr: usize) -> Registration {
-        let keys = MemKeys {
-            lkey: 7,
-            rkey: 9,
+    fn keys(pairs: &[(u32, u32)]) -> MemKeys {
+        let mut k = MemKeys {
+            rails: pairs.len() as u8,
             host: true,
+            ..MemKeys::default()
         };
-        Registration::new(addr, 100, 3, keys)
+        k.keys[..pairs.len()].copy_from_slice(pairs);
+        k
+    }
+
+    fn reg(addr: usize) -> Registration {
+        Registration::new(addr, 100, 3, keys(&[(7, 9), (17, 19)]))
     }
 
     #[test]
@@ -266,7 +274,7 @@ mod tests {
                                 if let Ok(r) = t.get(generation << 32 | h) {
                                     // Fields written together are read together.
                                     assert_eq!(r.len, r.addr * 2);
-                                    assert_eq!(r.keys.lkey as usize, r.addr);
+                                    assert_eq!(r.keys.lkey(0) as usize, r.addr);
                                     seen += 1;
                                 }
                             }
@@ -279,19 +287,7 @@ mod tests {
         for round in 1..2000usize {
             let a = round % 1000 + 1;
             let h = t
-                .insert(
-                    Registration::new(
-                        a,
-                        a * 2,
-                        0,
-                        MemKeys {
-                            lkey: a as u32,
-                            rkey: 0,
-                            host: true,
-                        },
-                    ),
-                    None,
-                )
+                .insert(Registration::new(a, a * 2, 0, keys(&[(a as u32, 0)])), None)
                 .unwrap();
             t.remove(h).unwrap();
         }

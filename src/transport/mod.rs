@@ -60,15 +60,33 @@ impl DeviceProps {
     }
 }
 
+/// Most NICs (rails) one device of the plugin spans: a virtual device of NCCL's v12 ABI.
+pub(crate) const MAX_RAILS: usize = 8;
+
 /// A registration as the data path uses it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct MemKeys {
-    /// Local key (verbs).
-    pub(crate) lkey: u32,
-    /// Remote key (verbs).
-    pub(crate) rkey: u32,
+    /// (lkey, rkey) on each rail (NIC) of the device it was registered on (verbs; none for
+    /// tcp).
+    pub(crate) keys: [(u32, u32); MAX_RAILS],
+    /// Rails with keys.
+    pub(crate) rails: u8,
     /// Host memory (the CPU may read it), as opposed to GPU memory.
     pub(crate) host: bool,
+}
+
+impl MemKeys {
+    /// Local key on rail `r`.
+    #[inline(always)]
+    pub(crate) fn lkey(&self, r: usize) -> u32 {
+        self.keys[r].0
+    }
+
+    /// Remote key on rail `r`.
+    #[inline(always)]
+    pub(crate) fn rkey(&self, r: usize) -> u32 {
+        self.keys[r].1
+    }
 }
 
 /// What keeps a registration alive; dropped at deregistration.
@@ -161,7 +179,7 @@ pub(crate) trait SendEndpoint: Send + Sync {
     fn peer(&self) -> String;
     /// Posts a send of `buf` (registered as `mem`); `Ok(None)` until the receiver has posted a
     /// matching receive. Returns a request id below `MAX_SEND_REQUESTS`.
-    fn isend(&self, buf: UserBuffer, tag: i32, mem: MemKeys) -> Result<Option<usize>>;
+    fn isend(&self, buf: UserBuffer, tag: i32, mem: &MemKeys) -> Result<Option<usize>>;
     /// Tests send request `id`.
     fn test(&self, id: usize) -> Result<Option<Completion>>;
     /// What the comm's close summary adds (e.g. per-rail counters).

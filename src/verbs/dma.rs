@@ -41,12 +41,16 @@ pub(crate) fn page_layout<T>(len: usize) -> Option<Layout> {
     Layout::from_size_align(bytes.checked_next_multiple_of(page)?, page).ok()
 }
 
-/// A zeroed array of `T` in whole pages of its own, registered by the caller's function. The
-/// peer may write it at any time, so reads are volatile.
+/// Most registrations (one per NIC of a connection) a [`DmaBuffer`] holds.
+pub(crate) const MAX_REGISTRATIONS: usize = 8;
+
+/// A zeroed array of `T` in whole pages of its own, registered by the caller's function on
+/// each NIC (rail) that reads or writes it. The peer may write it at any time, so reads are
+/// volatile.
 pub(crate) struct DmaBuffer<T: Copy, R> {
-    mr: Option<R>,
-    lkey: u32,
-    rkey: u32,
+    regs: Vec<R>,
+    /// (lkey, rkey) of each registration.
+    keys: [(u32, u32); MAX_REGISTRATIONS],
     ptr: *mut T,
     len: usize,
     layout: Layout,
@@ -60,12 +64,15 @@ unsafe impl<T: Copy + Send, R: Send> Send for DmaBuffer<T, R> {}
 unsafe impl<T: Copy + Send, R: Sync> Sync for DmaBuffer<T, R> {}
 
 impl<T: Copy, R> DmaBuffer<T, R> {
-    /// Allocates `len` zeroed elements and registers them with `register(addr, bytes)`, which
-    /// returns the registration and its (lkey, rkey).
+    /// Allocates `len` zeroed elements and registers them `regs` times (1 to
+    /// [`MAX_REGISTRATIONS`]) with `register(i, addr, bytes)`, which returns registration `i`
+    /// and its (lkey, rkey).
     pub(crate) fn new(
         len: usize,
-        register: impl FnOnce(usize, usize) -> Result<(R, u32, u32)>,
+        regs: usize,
+        mut register: impl FnMut(usize, usize, usize) -> Result<(R, u32, u32)>,
     ) -> Result<Self> {
+        assert!((1..=MAX_REGISTRATIONS).contains(&regs));
         let layout = page_layout::<T>(len)
             .filter(|l| l.align() >= std::mem::align_of::<T>())
             .ok_or_else(|| Error::InvalidArgument(format!("buffer of {len} elements")))?;
@@ -79,18 +86,18 @@ impl<T: Copy, R> DmaBuffer<T, R> {
             ));
         }
         let mut buf = DmaBuffer {
-            mr: None,
-            lkey: 0,
-            rkey: 0,
+            regs: Vec::with_capacity(regs),
+            keys: [(0, 0); MAX_REGISTRATIONS],
             ptr,
             len,
             layout,
             _t: PhantomData,
         };
-        let (mr, lkey, rkey) = register(ptr as usize, layout.size())?;
-        buf.mr = Some(mr);
-        buf.lkey = lkey;
-        buf.rkey = rkey;
+        for i in 0..regs {
+            let (mr, lkey, rkey) = register(i, ptr as usize, layout.size())?;
+            buf.regs.push(mr);
+            buf.keys[i] = (lkey, rkey);
+        }
         Ok(buf)
     }
 
@@ -140,21 +147,23 @@ impl<T: Copy, R> DmaBuffer<T, R> {
         self.ptr as u64 + (i * std::mem::size_of::<T>()) as u64
     }
 
-    /// Local key.
-    pub(crate) fn lkey(&self) -> u32 {
-        self.lkey
+    /// Local key of registration (rail) `i`.
+    #[inline(always)]
+    pub(crate) fn lkey(&self, i: usize) -> u32 {
+        self.keys[i].0
     }
 
-    /// Remote key.
-    pub(crate) fn rkey(&self) -> u32 {
-        self.rkey
+    /// Remote key of registration (rail) `i`.
+    #[inline(always)]
+    pub(crate) fn rkey(&self, i: usize) -> u32 {
+        self.keys[i].1
     }
 }
 
 impl<T: Copy, R> Drop for DmaBuffer<T, R> {
     fn drop(&mut self) {
         // Deregister before freeing the memory.
-        self.mr = None;
+        self.regs.clear();
         // SAFETY: ptr was allocated with this layout in new and is freed once.
         unsafe { alloc::dealloc(self.ptr as *mut u8, self.layout) };
     }
@@ -434,9 +443,9 @@ mod tests {
         assert!(page >= 4096 && page.is_power_of_two());
         for len in [1usize, 16, 257, 1024, 1025] {
             let mut seen = None;
-            let b = DmaBuffer::<u32, ()>::new(len, |addr, bytes| {
+            let b = DmaBuffer::<u32, ()>::new(len, 2, |i, addr, bytes| {
                 seen = Some((addr, bytes));
-                Ok(((), 11, 22))
+                Ok(((), 11 + i as u32, 22 + i as u32))
             })
             .unwrap();
             let (addr, bytes) = seen.unwrap();
@@ -448,7 +457,12 @@ mod tests {
                 bytes,
                 "the registration covers the allocation"
             );
-            assert_eq!((b.lkey(), b.rkey(), b.addr(0)), (11, 22, addr as u64));
+            assert_eq!((b.lkey(0), b.rkey(0), b.addr(0)), (11, 22, addr as u64));
+            assert_eq!(
+                (b.lkey(1), b.rkey(1)),
+                (12, 23),
+                "one registration per rail"
+            );
             assert_eq!(b.get(len - 1), 0, "zeroed");
             b.set(len - 1, 7);
             assert_eq!(b.get(len - 1), 7);

@@ -15,6 +15,7 @@
 mod cq;
 mod mr_cache;
 pub(crate) mod profile;
+mod rail;
 mod recv;
 mod send;
 mod setup;
@@ -145,7 +146,11 @@ impl Transport for VerbsTransport {
     fn listen(&self, dev: usize, ip: IpAddr) -> Result<Box<dyn Listening>> {
         let d = &device(&self.devices, dev)?.verbs;
         let params = profile::conn_params(&self.config, d, None);
-        Ok(Box::new(VerbsListen::bind(ip, d, params)?))
+        Ok(Box::new(VerbsListen::bind(
+            ip,
+            std::slice::from_ref(d),
+            params,
+        )?))
     }
 
     fn connect(
@@ -156,7 +161,11 @@ impl Transport for VerbsTransport {
     ) -> Result<Box<dyn Connecting>> {
         let d = &device(&self.devices, dev)?.verbs;
         let params = profile::conn_params(&self.config, d, traffic_class);
-        Ok(Box::new(VerbsConnecting::start(d, handle, params)?))
+        Ok(Box::new(VerbsConnecting::start(
+            std::slice::from_ref(d),
+            handle,
+            params,
+        )?))
     }
 
     fn register(
@@ -175,11 +184,12 @@ impl Transport for VerbsTransport {
             cache.misses.load(std::sync::atomic::Ordering::Relaxed),
             cache.len()
         );
-        let keys = MemKeys {
-            lkey: held.lkey(),
-            rkey: held.rkey(),
+        let mut keys = MemKeys {
+            rails: 1,
             host,
+            ..MemKeys::default()
         };
+        keys.keys[0] = (held.lkey(), held.rkey());
         Ok((keys, Some(Box::new(held))))
     }
 
@@ -200,11 +210,12 @@ impl Transport for VerbsTransport {
         }
         let mr =
             d.pd.reg_dmabuf_mr(offset, len, addr as u64, fd, ACCESS_RDMA)?;
-        let keys = MemKeys {
-            lkey: mr.lkey(),
-            rkey: mr.rkey(),
+        let mut keys = MemKeys {
+            rails: 1,
             host: false,
+            ..MemKeys::default()
         };
+        keys.keys[0] = (mr.lkey(), mr.rkey());
         Ok((keys, Box::new(mr)))
     }
 }

@@ -9,20 +9,23 @@
 //! receive the caller tests while its entry is held sends everything held at once, so no
 //! receive ever waits on batching.
 //!
-//! `iflush` (GPUDirect): a 1-byte RDMA READ through a QP connected to itself, which completes
-//! only after the NIC's earlier writes to GPU memory are visible.
-
-use std::sync::Arc;
+//! `iflush` (GPUDirect): on each rail, a 1-byte RDMA READ through a QP connected to itself,
+//! which completes only after the NIC's earlier writes to GPU memory are visible.
 
 use parking_lot::Mutex;
 
-use super::cq::CqPoller;
-use super::wire::{cts_index, qps_for, CtsEntry, WrKind, CTS_BYTES, SLOTS, TRUNCATED};
+use super::rail::{self, locate, Rail};
+use super::wire::{
+    cts_index, piece, CtsEntry, QpPlan, WrKind, CTS_BYTES, MAX_RAILS, SLOTS, TRUNCATED,
+};
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{not_in_flight, Completion, Failure, MemKeys, RecvEndpoint, MAX_RECVS};
 use crate::verbs::dma::{DmaBuffer, SendChain, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
+
+/// A receive's QPs: (first, how many), and its sequence number (which rotates its pieces).
+type QpSpan = (usize, usize, u64);
 
 /// Clear-to-send entries are held back (to be posted together) only while the sender holds
 /// at least this many posted receives it can fill.
@@ -41,6 +44,8 @@ struct RecvSlot {
     imm_pending: u32,
     /// The size of a single receive, from its immediate.
     size0: u32,
+    /// The QPs it uses (for the rails' counters).
+    span: QpSpan,
 }
 
 impl RecvSlot {
@@ -49,30 +54,29 @@ impl RecvSlot {
         n: 0,
         imm_pending: 0,
         size0: 0,
+        span: (0, 0, 0),
     };
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum FlushSlot {
     Free,
-    Pending,
+    /// Reads (one per rail) still to complete.
+    Pending(u32),
     Done,
 }
 
 /// Everything a receive comm owns.
 pub(crate) struct RecvState<N: Nic> {
-    // Field order is teardown order: QPs before the memory they use, the CQ last.
-    pub(crate) qps: Vec<N::Qp>,
-    pub(crate) flush_qp: Option<N::Qp>,
-    pub(crate) cts_local: DmaBuffer<CtsEntry, N::Mr>,
+    // Field order is teardown order: QPs (in the rails) before the memory they use.
+    pub(crate) rails: Vec<Rail<N>>,
+    cts_local: DmaBuffer<CtsEntry, N::Mr>,
     pub(crate) sizes_record: DmaBuffer<u32, N::Mr>,
     /// Where flush and probe reads land.
-    pub(crate) flush_target: DmaBuffer<u64, N::Mr>,
-    pub(crate) cq: CqPoller<N>,
-    pub(crate) nic: Arc<N>,
-    /// The sender's clear-to-send FIFO (address, rkey).
-    pub(crate) remote_fifo: (u64, u32),
-    pub(crate) split: bool,
+    flush_target: DmaBuffer<u64, N::Mr>,
+    /// The sender's clear-to-send FIFO: address and key on each of its rails.
+    remote_fifo: (u64, [u32; MAX_RAILS]),
+    plan: QpPlan,
     /// Sequence number of the next receive.
     pub(crate) seq: u64,
     slots: [RecvSlot; SLOTS],
@@ -95,8 +99,6 @@ pub(crate) struct RecvState<N: Nic> {
     /// comm's summary.
     cts_writes: u64,
     cts_entries: u64,
-    /// Signaled work requests posted and not yet completed (clear-to-sends, flushes, probes).
-    in_flight: u32,
     /// Receives posted and not finished.
     waiting: u32,
     chain: SendChain,
@@ -105,31 +107,25 @@ pub(crate) struct RecvState<N: Nic> {
 }
 
 impl<N: Nic> RecvState<N> {
-    /// A comm over connected `qps` (and the flush QP, when GPUDirect may be used).
+    /// A comm over connected `rails` (with flush QPs, when GPUDirect may be used).
     #[allow(clippy::too_many_arguments)] // what setup made, in teardown order
     pub(crate) fn new(
-        qps: Vec<N::Qp>,
-        flush_qp: Option<N::Qp>,
+        rails: Vec<Rail<N>>,
         cts_local: DmaBuffer<CtsEntry, N::Mr>,
         sizes_record: DmaBuffer<u32, N::Mr>,
         flush_target: DmaBuffer<u64, N::Mr>,
-        cq: CqPoller<N>,
-        nic: Arc<N>,
-        remote_fifo: (u64, u32),
-        split: bool,
+        remote_fifo: (u64, [u32; MAX_RAILS]),
+        plan: QpPlan,
         cts_batch: u32,
         peer: String,
     ) -> Self {
         RecvState {
-            qps,
-            flush_qp,
+            rails,
             cts_local,
             sizes_record,
             flush_target,
-            cq,
-            nic,
             remote_fifo,
-            split,
+            plan,
             seq: 0,
             slots: [RecvSlot::FREE; SLOTS],
             flush_slots: [FlushSlot::Free; SLOTS],
@@ -141,7 +137,6 @@ impl<N: Nic> RecvState<N> {
             polled: false,
             cts_writes: 0,
             cts_entries: 0,
-            in_flight: 0,
             waiting: 0,
             chain: SendChain::new(),
             failure: Failure::default(),
@@ -159,8 +154,8 @@ impl<N: Nic> RecvState<N> {
     ) -> Result<Option<usize>> {
         self.failure.check()?;
         // No CQ poll here: `test` polls, and a free slot depends only on `test`.
-        if self.cq.peer_gone {
-            let e = self.cq.gone_error(&self.peer);
+        if self.rails[0].cq.peer_gone {
+            let e = self.rails[0].cq.gone_error(&self.peer);
             return self.failure.record(Err(e));
         }
         let slot = (self.seq % SLOTS as u64) as usize;
@@ -173,12 +168,13 @@ impl<N: Nic> RecvState<N> {
         Ok(Some(slot))
     }
 
-    /// `iflush` of the last non-empty buffer; `Ok(None)` when there is nothing to flush.
+    /// `iflush` of the last non-empty buffer, on every rail; `Ok(None)` when there is nothing
+    /// to flush.
     fn iflush(&mut self, bufs: &[UserBuffer], mem: &[MemKeys]) -> Result<Option<usize>> {
         self.failure.check()?;
-        let Some(flush_qp) = &self.flush_qp else {
+        if self.rails[0].flush_qp.is_none() {
             return Ok(None);
-        };
+        }
         let Some(last) = (0..bufs.len()).rev().find(|&i| !bufs[i].is_empty()) else {
             return Ok(None);
         };
@@ -191,19 +187,24 @@ impl<N: Nic> RecvState<N> {
         else {
             return Err(too_many_flushes());
         };
-        self.chain.clear();
-        self.chain.read(
-            self.flush_target.addr(0),
-            1,
-            self.flush_target.lkey(),
-            bufs[last].addr() as u64,
-            mem[last].rkey,
-        );
-        self.chain.finish(WrKind::Flush.id(fslot), 0);
-        let r = self.chain.post(&*self.nic, flush_qp);
-        self.failure.record(r)?;
-        self.in_flight += 1;
-        self.flush_slots[fslot] = FlushSlot::Pending;
+        for (r, rail) in self.rails.iter_mut().enumerate() {
+            let Some(flush_qp) = &rail.flush_qp else {
+                continue;
+            };
+            self.chain.clear();
+            self.chain.read(
+                self.flush_target.addr(0),
+                1,
+                self.flush_target.lkey(r),
+                bufs[last].addr() as u64,
+                mem[last].rkey(r),
+            );
+            self.chain.finish(WrKind::Flush.id(fslot), 0);
+            let posted = self.chain.post(&*rail.nic, flush_qp);
+            self.failure.record(posted)?;
+            rail.in_flight += 1;
+        }
+        self.flush_slots[fslot] = FlushSlot::Pending(self.rails.len() as u32);
         self.flush_next = (fslot + 1) % SLOTS;
         Ok(Some(FLUSH_ID_BASE + fslot))
     }
@@ -230,7 +231,7 @@ impl<N: Nic> RecvState<N> {
         }
         if self.slots[id].imm_pending > 0 {
             self.failure.check()?;
-            if !self.cq.peer_gone {
+            if !self.rails[0].cq.peer_gone {
                 return Ok(None);
             }
             // Completions the peer caused before it left are already in the CQ: look once
@@ -238,7 +239,7 @@ impl<N: Nic> RecvState<N> {
             let r = self.progress();
             let _ = self.failure.record(r);
             if self.slots[id].imm_pending > 0 {
-                let e = self.cq.gone_error(&self.peer);
+                let e = self.rails[0].cq.gone_error(&self.peer);
                 return self.failure.record(Err(e));
             }
         }
@@ -246,7 +247,7 @@ impl<N: Nic> RecvState<N> {
     }
 
     fn test_flush(&mut self, f: usize) -> Result<Option<Completion>> {
-        if self.flush_slots.get(f) == Some(&FlushSlot::Pending) {
+        if matches!(self.flush_slots.get(f), Some(FlushSlot::Pending(_))) {
             let r = self.progress();
             let _ = self.failure.record(r);
         }
@@ -255,7 +256,7 @@ impl<N: Nic> RecvState<N> {
                 self.flush_slots[f] = FlushSlot::Free;
                 Ok(Some(Completion::EMPTY))
             }
-            Some(FlushSlot::Pending) => self.failure.check().map(|()| None),
+            Some(FlushSlot::Pending(_)) => self.failure.check().map(|()| None),
             _ => Err(not_in_flight("flush", f)),
         }
     }
@@ -280,6 +281,9 @@ impl<N: Nic> RecvState<N> {
             truncated |= v == TRUNCATED;
             c.sizes[i] = v;
         }
+        if !truncated {
+            self.count_rails(st.span, &c);
+        }
         if truncated {
             return Err(Error::Truncated(format!(
                 "{} sent more bytes than the receive posted for them",
@@ -287,6 +291,22 @@ impl<N: Nic> RecvState<N> {
             )));
         }
         Ok(Some(c))
+    }
+
+    /// Adds receive `c`, which used `span`, to the counters of the rails its pieces came on
+    /// (the sender cut them as `post_slot` does).
+    fn count_rails(&mut self, (first, used, seq): QpSpan, c: &Completion) {
+        let rails = self.rails.len();
+        for k in 0..used {
+            let q = self.plan.qp_of_piece(seq, first, used, k);
+            let bytes: u64 = c.sizes[..c.n]
+                .iter()
+                .map(|s| piece(*s as usize, k, used).1 as u64)
+                .sum();
+            let stats = &mut self.rails[q % rails].stats;
+            stats.bytes += bytes;
+            stats.messages += u64::from(bytes > 0);
+        }
     }
 
     fn post_receive(
@@ -297,14 +317,21 @@ impl<N: Nic> RecvState<N> {
         mem: &[MemKeys],
     ) -> Result<()> {
         let n = bufs.len();
-        let nqps = self.qps.len();
-        let (first_qp, used) = qps_for(self.seq, nqps, self.split);
-        for k in 0..used {
-            let qp = &self.qps[(first_qp + k) % nqps];
-            self.nic.post_recv(qp, WrKind::Recv.id(slot))?;
+        let rails = self.rails.len();
+        // The sender decides from the first entry's size, saturated as the entry holds it.
+        let posted = bufs[0].len().min(u32::MAX as usize);
+        let (first_qp, used) = self.plan.qps(self.seq, posted);
+        for q in first_qp..first_qp + used {
+            let (r, i) = locate(q, rails);
+            let rail = &self.rails[r];
+            rail.nic.post_recv(&rail.qps[i], WrKind::Recv.id(slot))?;
         }
         for (i, b) in bufs.iter().enumerate() {
-            let entry = CtsEntry::new(b.addr() as u64, b.len(), mem[i].rkey, tags[i], n, self.seq);
+            let mut rkeys = [0; MAX_RAILS];
+            for (r, k) in rkeys.iter_mut().enumerate().take(rails) {
+                *k = mem[i].rkey(r);
+            }
+            let entry = CtsEntry::new(b.addr() as u64, b.len(), rkeys, tags[i], n, self.seq);
             self.cts_local.set(cts_index(slot, i), entry);
         }
         self.slots[slot] = RecvSlot {
@@ -312,6 +339,7 @@ impl<N: Nic> RecvState<N> {
             n,
             imm_pending: used as u32,
             size0: 0,
+            span: (first_qp, used, self.seq),
         };
         self.seq += 1;
         self.waiting += 1;
@@ -348,25 +376,27 @@ impl<N: Nic> RecvState<N> {
             if signaled {
                 self.cts_unsignaled = 0;
             }
-            let qp = &self.qps[0];
+            // The connection's QP 0: the receiver's rail 0 to the sender's rail 0.
+            let rail = &mut self.rails[0];
+            let qp = &rail.qps[0];
             self.chain.post_one(
-                &*self.nic,
+                &*rail.nic,
                 qp,
                 (
                     self.cts_local.addr(cts_index(first, 0)),
                     bytes as u32,
-                    self.cts_local.lkey(),
+                    self.cts_local.lkey(0),
                 ),
                 (
                     self.remote_fifo.0 + (cts_index(first, 0) * CTS_BYTES) as u64,
-                    self.remote_fifo.1,
+                    self.remote_fifo.1[0],
                 ),
                 None,
                 WrKind::Cts.id(first),
                 signaled,
                 qp.max_inline(),
             )?;
-            self.in_flight += u32::from(signaled);
+            rail.in_flight += u32::from(signaled);
             self.cts_posted += k as u64;
             self.announced += k as u64;
             self.cts_writes += 1;
@@ -375,48 +405,62 @@ impl<N: Nic> RecvState<N> {
         Ok(())
     }
 
+    /// Drains every rail's CQ.
     fn progress(&mut self) -> Result<()> {
-        let (slots, flush_slots, in_flight) =
-            (&mut self.slots, &mut self.flush_slots, &mut self.in_flight);
-        let busy = (*in_flight > 0, self.waiting > 0);
-        let probe = self.cq.drain(&self.nic, &self.qps, &self.peer, busy, |c| {
-            let slot = WrKind::slot(c.wr_id);
-            match WrKind::of(c.wr_id) {
-                Some(WrKind::Recv) if c.opcode == WC_RECV_RDMA_WITH_IMM => {
-                    let st = &mut slots[slot];
-                    if st.n == 1 {
-                        st.size0 = c.imm;
+        let waiting = self.waiting > 0;
+        for r in 0..self.rails.len() {
+            let (rails, slots, flush_slots) =
+                (&mut self.rails, &mut self.slots, &mut self.flush_slots);
+            let rail = &mut rails[r];
+            let mut done = 0;
+            let probe = rail.drain(&self.peer, waiting, |c| {
+                let slot = WrKind::slot(c.wr_id);
+                match WrKind::of(c.wr_id) {
+                    Some(WrKind::Recv) if c.opcode == WC_RECV_RDMA_WITH_IMM => {
+                        let st = &mut slots[slot];
+                        if st.n == 1 {
+                            st.size0 = c.imm;
+                        }
+                        st.imm_pending = st.imm_pending.saturating_sub(1);
                     }
-                    st.imm_pending = st.imm_pending.saturating_sub(1);
-                    return;
+                    Some(WrKind::Flush) => {
+                        done += 1;
+                        flush_slots[slot] = match flush_slots[slot] {
+                            FlushSlot::Pending(n) if n > 1 => FlushSlot::Pending(n - 1),
+                            _ => FlushSlot::Done,
+                        };
+                    }
+                    Some(WrKind::Cts | WrKind::Probe) => done += 1,
+                    _ => {}
                 }
-                Some(WrKind::Flush) => flush_slots[slot] = FlushSlot::Done,
-                Some(WrKind::Cts | WrKind::Probe) => {}
-                _ => return,
+            })?;
+            rail.in_flight = rail.in_flight.saturating_sub(done);
+            if probe {
+                self.post_probe(r)?;
             }
-            *in_flight = in_flight.saturating_sub(1);
-        })?;
-        if probe {
-            self.post_probe()?;
         }
         Ok(())
     }
 
-    /// A 1-byte read of the sender's FIFO: work that completes at once on a live path, for
-    /// the watchdog. Behind any clear-to-send stuck in the same queue.
+    /// A 1-byte read of the sender's FIFO over rail `r`: work that completes at once on a
+    /// live path, for the watchdog. Behind any clear-to-send stuck in the same queue.
     #[cold]
-    fn post_probe(&mut self) -> Result<()> {
+    fn post_probe(&mut self, r: usize) -> Result<()> {
+        // The rail's first QP is the connection's QP `r`, which meets the sender's rail
+        // `r % its rails`.
+        let rkey = self.remote_fifo.1[r % self.plan.rails];
         self.chain.clear();
         self.chain.read(
             self.flush_target.addr(1),
             1,
-            self.flush_target.lkey(),
+            self.flush_target.lkey(r),
             self.remote_fifo.0,
-            self.remote_fifo.1,
+            rkey,
         );
         self.chain.finish(WrKind::Probe.id(0), 0);
-        self.chain.post(&*self.nic, &self.qps[0])?;
-        self.in_flight += 1;
+        let rail = &mut self.rails[r];
+        self.chain.post(&*rail.nic, &rail.qps[0])?;
+        rail.in_flight += 1;
         Ok(())
     }
 
@@ -459,6 +503,12 @@ impl<N: Nic> VerbsRecvComm<N> {
     pub(crate) fn cts_counts(&self) -> (u64, u64) {
         self.inner.lock().clear_to_send_counts()
     }
+
+    /// What each rail carried.
+    #[cfg(test)]
+    pub(crate) fn rail_stats(&self) -> Vec<rail::RailStats> {
+        self.inner.lock().rails.iter().map(|r| r.stats).collect()
+    }
 }
 
 impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
@@ -479,8 +529,12 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
     }
 
     fn summary(&self) -> String {
-        // How well clear-to-sends were batched (NCCL_ERDMA_CTS_BATCH).
-        let (writes, entries) = self.inner.lock().clear_to_send_counts();
-        format!(" ({writes} clear-to-send writes for {entries} receives)")
+        // How well clear-to-sends were batched (NCCL_ERDMA_CTS_BATCH), and the rails.
+        let s = self.inner.lock();
+        let (writes, entries) = s.clear_to_send_counts();
+        format!(
+            " ({writes} clear-to-send writes for {entries} receives){}",
+            rail::summary(&s.rails)
+        )
     }
 }

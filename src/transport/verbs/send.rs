@@ -3,24 +3,25 @@
 //! slot has its send, posts the RDMA WRITEs; `test` reports a send done when the slot's
 //! writes have completed.
 //!
-//! A slot's writes: one WRITE_WITH_IMM per QP used, carrying the size as its immediate for a
-//! single receive; for a grouped receive, data WRITEs and a final WRITE_WITH_IMM of the
-//! sizes into the receiver's size record. A send larger than its buffer is not sent: its
-//! size is marked `TRUNCATED` (and so are the sends of the slot that never came, so the
-//! receiver learns of it whichever send was too large), the slot is posted at once and the
-//! comm fails from then on.
-
-use std::sync::Arc;
+//! A slot's writes: on each QP the receive uses (one; or one per rail, striped, for a large
+//! receive on a multi-rail connection; or all with `NCCL_IB_SPLIT_DATA_ON_QPS`), a piece of
+//! every message ending in a WRITE_WITH_IMM, which carries the size for a single receive;
+//! for a grouped receive it writes all sizes into the receiver's size record. A send larger
+//! than its buffer is not sent: its size is marked `TRUNCATED` (and so are the sends of the
+//! slot that never came, so the receiver learns of it whichever send was too large), the
+//! slot is posted at once and the comm fails from then on.
 
 use parking_lot::Mutex;
 
-use super::cq::CqPoller;
-use super::wire::{cts_index, piece, qps_for, CtsEntry, WrKind, CTS_SEQ_OFFSET, SLOTS, TRUNCATED};
+use super::rail::{self, locate, Rail};
+use super::wire::{
+    cts_index, piece, CtsEntry, QpPlan, WrKind, CTS_SEQ_OFFSET, MAX_RAILS, SLOTS, TRUNCATED,
+};
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{not_in_flight, Completion, Failure, MemKeys, SendEndpoint, MAX_RECVS};
 use crate::verbs::dma::{DmaBuffer, SendChain};
-use crate::verbs::nic::Nic;
+use crate::verbs::nic::{Nic, QueuePair};
 
 /// Where in `sizes_local` a probe's byte lands (after the size records).
 pub(crate) const PROBE_AT: usize = SLOTS * MAX_RECVS;
@@ -36,7 +37,11 @@ struct SendSlot {
     posted: bool,
     sizes: [usize; MAX_RECVS],
     addrs: [u64; MAX_RECVS],
-    lkeys: [u32; MAX_RECVS],
+    /// Each send's local key on each rail of the connection.
+    lkeys: [[u32; MAX_RAILS]; MAX_RECVS],
+    /// Bytes the receive's first buffer holds, which decides striping (both ends know it
+    /// from the first entry).
+    room: usize,
     trunc: u8,
     /// Entries whose buffer is not host memory (GPU memory registered for GPUDirect).
     device_mem: u8,
@@ -52,7 +57,8 @@ impl SendSlot {
         posted: false,
         sizes: [0; MAX_RECVS],
         addrs: [0; MAX_RECVS],
-        lkeys: [0; MAX_RECVS],
+        lkeys: [[0; MAX_RAILS]; MAX_RECVS],
+        room: 0,
         trunc: 0,
         device_mem: 0,
     };
@@ -93,64 +99,56 @@ impl SendSlot {
     }
 }
 
+/// The receiver's size records: address, key on each of its rails, how many rails.
+pub(crate) type RemoteRecords = (u64, [u32; MAX_RAILS], usize);
+
 /// Everything a send comm owns.
 pub(crate) struct SendState<N: Nic> {
-    // Field order is teardown order: QPs before the memory they use, the CQ last.
-    pub(crate) qps: Vec<N::Qp>,
-    pub(crate) fifo: DmaBuffer<CtsEntry, N::Mr>,
+    // Field order is teardown order: QPs (in the rails) before the memory they use.
+    pub(crate) rails: Vec<Rail<N>>,
+    fifo: DmaBuffer<CtsEntry, N::Mr>,
     /// Size records of grouped receives as sent, and the probe's landing byte.
-    pub(crate) sizes_local: DmaBuffer<u32, N::Mr>,
-    pub(crate) cq: CqPoller<N>,
-    pub(crate) nic: Arc<N>,
-    /// The receiver's size records (address, rkey).
-    pub(crate) remote_sizes: (u64, u32),
-    pub(crate) split: bool,
+    sizes_local: DmaBuffer<u32, N::Mr>,
+    remote_sizes: RemoteRecords,
+    plan: QpPlan,
     /// Sequence number of the next receive slot to fill.
-    pub(crate) seq: u64,
+    seq: u64,
     slots: [SendSlot; SLOTS],
     chain: SendChain,
     failure: Failure,
     pub(crate) peer: String,
     /// `isend` calls that found nothing to post.
     idle_calls: u32,
-    /// Signaled work requests posted and not yet completed.
-    in_flight: u32,
 }
 
 impl<N: Nic> SendState<N> {
-    /// A comm over connected `qps`, once the listener's answer gave the size records.
-    #[allow(clippy::too_many_arguments)] // what setup made, in teardown order
+    /// A comm over connected `rails`, once the listener's answer gave its size records.
     pub(crate) fn new(
-        qps: Vec<N::Qp>,
+        rails: Vec<Rail<N>>,
         fifo: DmaBuffer<CtsEntry, N::Mr>,
         sizes_local: DmaBuffer<u32, N::Mr>,
-        cq: CqPoller<N>,
-        nic: Arc<N>,
-        remote_sizes: (u64, u32),
-        split: bool,
+        remote_sizes: RemoteRecords,
+        plan: QpPlan,
         peer: String,
     ) -> Self {
         SendState {
-            qps,
+            rails,
             fifo,
             sizes_local,
-            cq,
-            nic,
             remote_sizes,
-            split,
+            plan,
             seq: 0,
             slots: [SendSlot::FREE; SLOTS],
             chain: SendChain::new(),
             failure: Failure::default(),
             peer,
             idle_calls: 0,
-            in_flight: 0,
         }
     }
 
     /// `isend` (see the module doc); returns the request id `slot * 8 + entry`.
     #[inline(always)]
-    fn isend(&mut self, buf: UserBuffer, tag: i32, mem: MemKeys) -> Result<Option<usize>> {
+    fn isend(&mut self, buf: UserBuffer, tag: i32, mem: &MemKeys) -> Result<Option<usize>> {
         self.failure.check()?;
         let slot = (self.seq % SLOTS as u64) as usize;
         let want = self.seq + 1;
@@ -171,6 +169,7 @@ impl<N: Nic> SendState<N> {
         let st = &mut self.slots[slot];
         if !st.busy {
             st.start(n);
+            st.room = first.size as usize;
         }
         // The first unmatched entry with this tag; each entry is read only when reached, and
         // one that has not landed yet means "not yet".
@@ -199,7 +198,9 @@ impl<N: Nic> SendState<N> {
         st.matched |= 1 << e;
         st.sizes[e] = buf.len();
         st.addrs[e] = buf.addr() as u64;
-        st.lkeys[e] = mem.lkey;
+        for r in 0..self.plan.rails {
+            st.lkeys[e][r] = mem.lkey(r);
+        }
         st.device_mem |= u8::from(!mem.host) << e;
         let truncated = buf.len() as u64 > u64::from(room);
         if truncated {
@@ -210,7 +211,7 @@ impl<N: Nic> SendState<N> {
             st.trunc |= (1 << e) | (all & !st.matched);
             st.matched = all;
         }
-        if st.complete() {
+        if self.slots[slot].complete() {
             let r = self.post_slot(slot, n);
             self.failure.record(r)?;
         }
@@ -247,8 +248,8 @@ impl<N: Nic> SendState<N> {
             return Ok(Some(Completion::single(size)));
         }
         self.failure.check()?;
-        if self.cq.peer_gone {
-            let e = self.cq.gone_error(&self.peer);
+        if self.rails[0].cq.peer_gone {
+            let e = self.rails[0].cq.gone_error(&self.peer);
             return self.failure.record(Err(e));
         }
         Ok(None)
@@ -263,8 +264,8 @@ impl<N: Nic> SendState<N> {
             let r = self.progress(true);
             self.failure.record(r)?;
         }
-        if self.cq.peer_gone {
-            let e = self.cq.gone_error(&self.peer);
+        if self.rails[0].cq.peer_gone {
+            let e = self.rails[0].cq.gone_error(&self.peer);
             return self.failure.record(Err(e));
         }
         Ok(None)
@@ -279,67 +280,78 @@ impl<N: Nic> SendState<N> {
         self.failure.record(Err(e))
     }
 
-    /// Drains the CQ; `waiting`: a send waits for its clear-to-send.
+    /// Drains every rail's CQ; `waiting`: a send waits for its clear-to-send.
     fn progress(&mut self, waiting: bool) -> Result<()> {
-        let (slots, in_flight) = (&mut self.slots, &mut self.in_flight);
-        let busy = (*in_flight > 0, waiting);
-        let probe = self.cq.drain(&self.nic, &self.qps, &self.peer, busy, |c| {
-            match WrKind::of(c.wr_id) {
+        for r in 0..self.rails.len() {
+            let (rails, slots) = (&mut self.rails, &mut self.slots);
+            let rail = &mut rails[r];
+            let mut done = 0;
+            let probe = rail.drain(&self.peer, waiting, |c| match WrKind::of(c.wr_id) {
                 Some(WrKind::Send) => {
                     let st = &mut slots[WrKind::slot(c.wr_id)];
                     st.cqe_pending = st.cqe_pending.saturating_sub(1);
+                    done += 1;
                 }
-                Some(WrKind::Probe) => {}
-                _ => return,
+                Some(WrKind::Probe) => done += 1,
+                _ => {}
+            })?;
+            rail.in_flight = rail.in_flight.saturating_sub(done);
+            if probe {
+                self.post_probe(r)?;
             }
-            *in_flight = in_flight.saturating_sub(1);
-        })?;
-        if probe {
-            self.post_probe()?;
         }
         Ok(())
     }
 
-    /// A 1-byte read of the receiver's size records: work that completes at once on a live
-    /// path, for the watchdog.
+    /// A 1-byte read of the receiver's size records over rail `r`: work that completes at
+    /// once on a live path, for the watchdog.
     #[cold]
-    fn post_probe(&mut self) -> Result<()> {
+    fn post_probe(&mut self, r: usize) -> Result<()> {
+        // The rail's first QP is the connection's QP `r`, which meets the peer's rail
+        // `r % its rails`.
+        let (addr, rkeys, remote_rails) = self.remote_sizes;
         self.chain.clear();
         self.chain.read(
             self.sizes_local.addr(PROBE_AT),
             1,
-            self.sizes_local.lkey(),
-            self.remote_sizes.0,
-            self.remote_sizes.1,
+            self.sizes_local.lkey(r),
+            addr,
+            rkeys[r % remote_rails],
         );
         self.chain.finish(WrKind::Probe.id(0), 0);
-        self.chain.post(&*self.nic, &self.qps[0])?;
-        self.in_flight += 1;
+        let rail = &mut self.rails[r];
+        self.chain.post(&*rail.nic, &rail.qps[0])?;
+        rail.in_flight += 1;
         Ok(())
     }
 
     /// Posts the writes of a fully matched slot of `n` messages.
     fn post_slot(&mut self, slot: usize, n: usize) -> Result<()> {
-        let nqps = self.qps.len();
-        let (first_qp, used) = qps_for(self.seq, nqps, self.split);
+        let plan = self.plan;
+        let (first_qp, used) = plan.qps(self.seq, self.slots[slot].room);
         let base = cts_index(slot, 0);
         let st = &self.slots[slot];
-        let nic = &*self.nic;
+        let (_, remote_rkeys, remote_rails) = self.remote_sizes;
         if n == 1 && used == 1 && st.trunc == 0 {
             // The common case: one WRITE_WITH_IMM carrying the data and its size.
             let e = self.fifo.get(base);
-            let qp = &self.qps[first_qp];
+            let (r, i) = locate(first_qp, plan.rails);
+            let rail = &mut self.rails[r];
+            let qp = &rail.qps[i];
             let len = st.sizes[0] as u32;
             self.chain.post_one(
-                nic,
+                &*rail.nic,
                 qp,
-                (st.addrs[0], len, st.lkeys[0]),
-                (e.addr, e.rkey),
+                (st.addrs[0], len, st.lkeys[0][r]),
+                (e.addr, e.rkeys[first_qp % remote_rails]),
                 Some(len),
                 WrKind::Send.id(slot),
                 true,
-                st.max_inline(crate::verbs::nic::QueuePair::max_inline(qp)),
+                st.max_inline(qp.max_inline()),
             )?;
+            rail.in_flight += 1;
+            rail.stats.bytes += u64::from(len);
+            rail.stats.messages += 1;
             return self.posted(slot, 1);
         }
         if n > 1 {
@@ -352,10 +364,14 @@ impl<N: Nic> SendState<N> {
                 self.sizes_local.set(base + i, v);
             }
         }
-        let chain = &mut self.chain;
         for k in 0..used {
-            let qp = &self.qps[(first_qp + k) % nqps];
+            let q = plan.qp_of_piece(self.seq, first_qp, used, k);
+            let (r, qi) = locate(q, plan.rails);
+            let remote_rail = q % remote_rails;
+            let rail = &mut self.rails[r];
+            let chain = &mut self.chain;
             chain.clear();
+            let mut bytes = 0;
             for i in 0..n {
                 if st.trunc & (1 << i) != 0 {
                     continue;
@@ -367,10 +383,11 @@ impl<N: Nic> SendState<N> {
                     chain.write(
                         st.addrs[i] + off as u64,
                         len as u32,
-                        st.lkeys[i],
+                        st.lkeys[i][r],
                         e.addr + off as u64,
-                        e.rkey,
+                        e.rkeys[remote_rail],
                     );
+                    bytes += len as u64;
                 }
             }
             if n == 1 {
@@ -381,7 +398,7 @@ impl<N: Nic> SendState<N> {
                 };
                 if chain.is_empty() {
                     let e = self.fifo.get(base);
-                    chain.write_imm(0, 0, 0, e.addr, e.rkey, imm);
+                    chain.write_imm(0, 0, 0, e.addr, e.rkeys[remote_rail], imm);
                 } else {
                     chain.last_with_imm(imm);
                 }
@@ -389,15 +406,18 @@ impl<N: Nic> SendState<N> {
                 chain.write_imm(
                     self.sizes_local.addr(base),
                     (4 * n) as u32,
-                    self.sizes_local.lkey(),
+                    self.sizes_local.lkey(r),
                     self.remote_sizes.0 + (base * 4) as u64,
-                    self.remote_sizes.1,
+                    remote_rkeys[remote_rail],
                     slot as u32,
                 );
             }
-            let max_inline = st.max_inline(crate::verbs::nic::QueuePair::max_inline(qp));
-            chain.finish(WrKind::Send.id(slot), max_inline);
-            chain.post(nic, qp)?;
+            let qp = &rail.qps[qi];
+            chain.finish(WrKind::Send.id(slot), st.max_inline(qp.max_inline()));
+            chain.post(&*rail.nic, qp)?;
+            rail.in_flight += 1;
+            rail.stats.bytes += bytes;
+            rail.stats.messages += u64::from(bytes > 0);
         }
         self.posted(slot, used)
     }
@@ -407,7 +427,6 @@ impl<N: Nic> SendState<N> {
         let st = &mut self.slots[slot];
         st.cqe_pending = cqes as u32;
         st.posted = true;
-        self.in_flight += cqes as u32;
         self.seq += 1;
         Ok(())
     }
@@ -445,15 +464,26 @@ impl<N: Nic> VerbsSendComm<N> {
     #[cfg(test)]
     pub(crate) fn skip_to(&self, seq: u64) {
         let mut s = self.inner.lock();
-        assert!(s.slots.iter().all(|st| !st.busy) && s.in_flight == 0);
+        assert!(s.slots.iter().all(|st| !st.busy) && s.rails.iter().all(|r| r.in_flight == 0));
         s.seq = seq;
     }
 
-    /// The QP numbers of the connection.
+    /// The QP numbers of the connection, in connection order.
     #[cfg(test)]
     pub(crate) fn qpns(&self) -> Vec<u32> {
-        use crate::verbs::nic::QueuePair;
-        self.inner.lock().qps.iter().map(|q| q.qpn()).collect()
+        let s = self.inner.lock();
+        (0..s.plan.nqps)
+            .map(|q| {
+                let (r, i) = locate(q, s.rails.len());
+                s.rails[r].qps[i].qpn()
+            })
+            .collect()
+    }
+
+    /// What each rail carried.
+    #[cfg(test)]
+    pub(crate) fn rail_stats(&self) -> Vec<rail::RailStats> {
+        self.inner.lock().rails.iter().map(|r| r.stats).collect()
     }
 }
 
@@ -462,11 +492,15 @@ impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
         self.inner.lock().peer.clone()
     }
 
-    fn isend(&self, buf: UserBuffer, tag: i32, mem: MemKeys) -> Result<Option<usize>> {
+    fn isend(&self, buf: UserBuffer, tag: i32, mem: &MemKeys) -> Result<Option<usize>> {
         self.inner.lock().isend(buf, tag, mem)
     }
 
     fn test(&self, id: usize) -> Result<Option<Completion>> {
         self.inner.lock().test(id)
+    }
+
+    fn summary(&self) -> String {
+        rail::summary(&self.inner.lock().rails)
     }
 }

@@ -1,17 +1,20 @@
-//! Connection setup over `oob`. The connector creates its QPs, clear-to-send FIFO and size
-//! records and sends them in its hello; the listener creates as many QPs, brings them to RTS
-//! against the connector's and answers (with the split setting in effect: the receiver's);
-//! the connector brings its QPs up and sends `Ready`, and only then does `accept` return, so
-//! the receiver never writes into a QP that is not ready. Nothing here blocks.
+//! Connection setup over `oob`. The connector creates its QPs (`NCCL_IB_QPS_PER_CONNECTION`
+//! per rail, dealt over its rails), clear-to-send FIFO and size records and sends them in its
+//! hello; the listener creates as many QPs over its own rails, brings them to RTS against the
+//! connector's and answers (with the split setting in effect: the receiver's); the connector
+//! brings its QPs up and sends `Ready`, and only then does `accept` return, so the receiver
+//! never writes into a QP that is not ready. QP `q` of each end is on rail `q % rails` of
+//! that end, so ends with different rail counts still pair every QP. Nothing here blocks.
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use super::cq::CqPoller;
+use super::rail::{locate, Rail};
 use super::recv::{RecvState, VerbsRecvComm};
 use super::send::{SendState, VerbsSendComm, PROBE_AT};
-use super::wire::{ConnInfo, CtsEntry, MAX_INLINE, SLOTS};
+use super::wire::{ConnInfo, CtsEntry, QpPlan, RailInfo, MAX_INLINE, MAX_QPS, MAX_RAILS, SLOTS};
 use crate::error::{Error, Result};
-use crate::oob::{Channel, Handle, Hello, Listener, MsgKind, Timeouts, TransportKind};
+use crate::oob::{Channel, Handle, Hello, Listener, Message, MsgKind, Timeouts, TransportKind};
 use crate::transport::{Connecting, Listening, RecvEndpoint, SendEndpoint, MAX_RECVS};
 use crate::verbs::device::{mtu_bytes, LINK_LAYER_ETHERNET};
 use crate::verbs::dma::DmaBuffer;
@@ -21,7 +24,7 @@ use crate::verbs::resources::{QpPath, RemoteQp};
 /// What a connection is set up with (settings, resolved per device).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ConnParams {
-    /// `NCCL_IB_QPS_PER_CONNECTION` (the connector's is used).
+    /// `NCCL_IB_QPS_PER_CONNECTION`, per rail (the connector's is used).
     pub(crate) qps_per_connection: u32,
     /// `NCCL_IB_SPLIT_DATA_ON_QPS` (the receiver's is used).
     pub(crate) split_data: bool,
@@ -33,7 +36,7 @@ pub(crate) struct ConnParams {
     pub(crate) traffic_class: u8,
     /// `NCCL_IB_SL`, 0 when unset.
     pub(crate) sl: u8,
-    /// Create the loopback flush QP (GPUDirect in use, or forced).
+    /// Create the loopback flush QPs (GPUDirect in use, or forced).
     pub(crate) flush: bool,
     /// Bounds on reaching the peer's listener and on a silent peer.
     pub(crate) timeouts: Timeouts,
@@ -44,37 +47,60 @@ pub(crate) struct ConnParams {
     pub(crate) work_timeout: Option<Duration>,
 }
 
-/// A DMA buffer of `len` elements registered on `nic`.
-fn dma<T: Copy, N: Nic>(nic: &N, len: usize) -> Result<DmaBuffer<T, N::Mr>> {
-    DmaBuffer::new(len, |addr, bytes| {
-        let mr = nic.register(addr, bytes)?;
+/// A DMA buffer of `len` elements registered on every NIC of `nics`.
+fn dma<T: Copy, N: Nic>(nics: &[Arc<N>], len: usize) -> Result<DmaBuffer<T, N::Mr>> {
+    DmaBuffer::new(len, nics.len(), |i, addr, bytes| {
+        let mr = nics[i].register(addr, bytes)?;
         let (lkey, rkey) = (mr.lkey(), mr.rkey());
         Ok((mr, lkey, rkey))
     })
 }
 
-fn local_info<N: Nic>(nic: &N, qps: &[N::Qp], addr: u64, rkey: u32, p: &ConnParams) -> ConnInfo {
-    let l = nic.local();
+/// This end of a connection as the other end needs it: `addr` and its key on each rail.
+fn local_info<N: Nic>(
+    rails: &[Rail<N>],
+    addr: u64,
+    rkey: impl Fn(usize) -> u32,
+    p: &ConnParams,
+) -> ConnInfo {
+    let info = rails
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let l = r.nic.local();
+            RailInfo {
+                link_layer: l.link_layer,
+                mtu: l.active_mtu as u8,
+                port: l.port,
+                gid_index: l.gid_index,
+                lid: l.lid,
+                gid: l.gid,
+                rkey: rkey(i),
+                device: l.name.clone(),
+            }
+        })
+        .collect();
+    let nqps: usize = rails.iter().map(|r| r.qps.len()).sum();
+    let qps = (0..nqps)
+        .map(|q| {
+            let (r, i) = locate(q, rails.len());
+            let qp = &rails[r].qps[i];
+            (qp.qpn(), qp.psn())
+        })
+        .collect();
     ConnInfo {
-        link_layer: l.link_layer,
-        mtu: l.active_mtu as u8,
-        port: l.port,
-        gid_index: l.gid_index,
-        lid: l.lid,
-        gid: l.gid,
         addr,
-        rkey,
-        device: l.name.clone(),
         tc: p.traffic_class,
         sl: p.sl,
         split: p.split_data,
-        qps: qps.iter().map(|q| (q.qpn(), q.psn())).collect(),
+        rails: info,
+        qps,
     }
 }
 
-/// The path towards `remote`: the smaller of the two ports' MTUs (so peers with different
-/// MTUs talk at the smaller one), `tc`/`sl` as agreed.
-fn path<N: Nic>(nic: &N, remote: &ConnInfo, p: &ConnParams, tc: u8, sl: u8) -> QpPath {
+/// The path from `nic` towards `remote`: the smaller of the two ports' MTUs (so peers with
+/// different MTUs talk at the smaller one), `tc`/`sl` as agreed.
+fn path<N: Nic>(nic: &N, remote: &RailInfo, p: &ConnParams, tc: u8, sl: u8) -> QpPath {
     let l = nic.local();
     QpPath {
         port: l.port,
@@ -88,91 +114,155 @@ fn path<N: Nic>(nic: &N, remote: &ConnInfo, p: &ConnParams, tc: u8, sl: u8) -> Q
     }
 }
 
-fn check_link<N: Nic>(nic: &N, remote: &ConnInfo, peer: SocketAddr) -> Result<()> {
-    let l = nic.local();
-    if remote.link_layer != l.link_layer {
-        let name = |layer: u8| {
-            if layer == LINK_LAYER_ETHERNET {
-                "Ethernet (RoCE)"
-            } else {
-                "InfiniBand"
-            }
-        };
-        return Err(Error::Usage(format!(
-            "link layer mismatch: local device {} is {}, peer {peer} device {} is {}; pick \
-             devices of one kind on every node with NCCL_IB_HCA",
-            l.name,
-            name(l.link_layer),
-            remote.device,
-            name(remote.link_layer)
-        )));
-    }
-    let (ours, theirs) = (l.active_mtu, u32::from(remote.mtu));
-    if ours != theirs {
-        tracing::info!(
-            "{} (MTU {}) and peer {peer} {} (MTU {}) differ: the connection uses {} bytes",
-            l.name,
-            mtu_bytes(ours),
-            remote.device,
-            mtu_bytes(theirs),
-            mtu_bytes(ours.min(theirs))
-        );
+/// Checks that every rail pair the QPs join can talk: same link layer; a differing MTU is
+/// fine (the smaller is used) and said once.
+fn check_links<N: Nic>(rails: &[Rail<N>], remote: &ConnInfo, peer: SocketAddr) -> Result<()> {
+    let name = |layer: u8| {
+        if layer == LINK_LAYER_ETHERNET {
+            "Ethernet (RoCE)"
+        } else {
+            "InfiniBand"
+        }
+    };
+    for q in 0..remote.qps.len().max(rails.len()) {
+        let l = rails[q % rails.len()].nic.local();
+        let r = &remote.rails[q % remote.rails.len()];
+        if r.link_layer != l.link_layer {
+            return Err(Error::Usage(format!(
+                "link layer mismatch: local device {} is {}, peer {peer} device {} is {}; pick \
+                 devices of one kind on every node with NCCL_IB_HCA",
+                l.name,
+                name(l.link_layer),
+                r.device,
+                name(r.link_layer)
+            )));
+        }
+        let (ours, theirs) = (l.active_mtu, u32::from(r.mtu));
+        if ours != theirs && q < rails.len() {
+            tracing::info!(
+                "{} (MTU {}) and peer {peer} {} (MTU {}) differ: the connection uses {} bytes",
+                l.name,
+                mtu_bytes(ours),
+                r.device,
+                mtu_bytes(theirs),
+                mtu_bytes(ours.min(theirs))
+            );
+        }
     }
     Ok(())
 }
 
-fn connect_qps<N: Nic>(nic: &N, qps: &[N::Qp], remote: &ConnInfo, path: &QpPath) -> Result<()> {
-    for (qp, (qpn, psn)) in qps.iter().zip(&remote.qps) {
-        let r = RemoteQp {
+/// Brings every QP of `rails` up against `remote` (QP `q` to the peer's QP `q`).
+fn connect_qps<N: Nic>(
+    rails: &[Rail<N>],
+    remote: &ConnInfo,
+    p: &ConnParams,
+    tc: u8,
+    sl: u8,
+) -> Result<()> {
+    for (q, (qpn, psn)) in remote.qps.iter().enumerate() {
+        let (r, i) = locate(q, rails.len());
+        let rail = &rails[r];
+        let theirs = &remote.rails[q % remote.rails.len()];
+        let rq = RemoteQp {
             qpn: *qpn,
             psn: *psn,
-            gid: remote.gid,
-            lid: remote.lid,
+            gid: theirs.gid,
+            lid: theirs.lid,
         };
-        nic.connect_qp(qp, path, &r)?;
+        rail.nic
+            .connect_qp(&rail.qps[i], &path(&*rail.nic, theirs, p, tc, sl), &rq)?;
     }
     Ok(())
 }
 
-fn create_qps<N: Nic>(
-    nic: &N,
-    cq: &N::Cq,
-    n: usize,
-    send_wr: u32,
-    recv_wr: u32,
-) -> Result<Vec<N::Qp>> {
-    (0..n)
-        .map(|_| nic.create_qp(cq, send_wr, recv_wr, MAX_INLINE))
+/// The rails of a connection of `nqps` QPs over `nics`: per rail a CQ with room for
+/// `cqes_per_qp` completions per QP (plus the flush QP's), its QPs, and a loopback flush QP
+/// when `flush`.
+fn make_rails<N: Nic>(
+    nics: &[Arc<N>],
+    nqps: usize,
+    (send_wr, recv_wr, cqes_per_qp): (u32, u32, usize),
+    flush: bool,
+    p: &ConnParams,
+) -> Result<Vec<Rail<N>>> {
+    nics.iter()
+        .enumerate()
+        .map(|(r, nic)| {
+            let mine = (0..nqps).filter(|q| q % nics.len() == r).count();
+            let cq = nic.create_cq(cqes_per_qp * (mine + 1) + 16)?;
+            let qps = (0..mine)
+                .map(|_| nic.create_qp(&cq, send_wr, recv_wr, MAX_INLINE))
+                .collect::<Result<Vec<_>>>()?;
+            let flush_qp = if flush {
+                let qp = nic.create_qp(&cq, SLOTS as u32, 1, MAX_INLINE)?;
+                let l = nic.local();
+                let own = RemoteQp {
+                    qpn: qp.qpn(),
+                    psn: qp.psn(),
+                    gid: l.gid,
+                    lid: l.lid,
+                };
+                let me = RailInfo {
+                    link_layer: l.link_layer,
+                    mtu: l.active_mtu as u8,
+                    port: l.port,
+                    gid_index: l.gid_index,
+                    lid: l.lid,
+                    gid: l.gid,
+                    rkey: 0,
+                    device: l.name.clone(),
+                };
+                nic.connect_qp(&qp, &path(&**nic, &me, p, 0, 0), &own)?;
+                Some(qp)
+            } else {
+                None
+            };
+            Ok(Rail::new(
+                Arc::clone(nic),
+                CqPoller::new(cq, p.work_timeout),
+                qps,
+                flush_qp,
+            ))
+        })
         .collect()
+}
+
+/// The remote keys of a `ConnInfo`'s memory, by rail.
+fn rkeys(info: &ConnInfo) -> [u32; MAX_RAILS] {
+    let mut keys = [0; MAX_RAILS];
+    for (k, r) in keys.iter_mut().zip(&info.rails) {
+        *k = r.rkey;
+    }
+    keys
 }
 
 /// What the connector made before the listener answered.
 struct Unconnected<N: Nic> {
-    qps: Vec<N::Qp>,
+    rails: Vec<Rail<N>>,
     fifo: DmaBuffer<CtsEntry, N::Mr>,
     sizes_local: DmaBuffer<u32, N::Mr>,
-    cq: N::Cq,
 }
 
 /// The connecting side, between NCCL's repeated `connect` calls.
 pub(crate) struct VerbsConnecting<N: Nic> {
     chan: Channel,
-    nic: Arc<N>,
     made: Option<Unconnected<N>>,
     sender: Option<SendState<N>>,
     params: ConnParams,
 }
 
 impl<N: Nic> VerbsConnecting<N> {
-    /// Creates the sender's QPs and FIFO and starts the handshake with the listener.
-    pub(crate) fn start(nic: &Arc<N>, handle: &Handle, params: ConnParams) -> Result<Self> {
-        let nqps = params.qps_per_connection as usize;
-        // Per QP: data writes (and probes) signaled once per slot.
-        let cq = nic.create_cq(SLOTS * nqps * 2 + 16)?;
-        let qps = create_qps(&**nic, &cq, nqps, (SLOTS * (MAX_RECVS + 2)) as u32, 1)?;
-        let fifo = dma::<CtsEntry, N>(nic, SLOTS * MAX_RECVS)?;
-        let sizes_local = dma::<u32, N>(nic, PROBE_AT + 2)?;
-        let info = local_info(&**nic, &qps, fifo.addr(0), fifo.rkey(), &params);
+    /// Creates the sender's QPs (over the rails `nics`) and FIFO and starts the handshake
+    /// with the listener.
+    pub(crate) fn start(nics: &[Arc<N>], handle: &Handle, params: ConnParams) -> Result<Self> {
+        let nqps = (params.qps_per_connection as usize * nics.len()).clamp(nics.len(), MAX_QPS);
+        // Per QP: data writes (and probes), one signaled per slot.
+        let sizing = ((SLOTS * (MAX_RECVS + 2)) as u32, 1, SLOTS * 2);
+        let rails = make_rails(nics, nqps, sizing, false, &params)?;
+        let fifo = dma::<CtsEntry, N>(nics, SLOTS * MAX_RECVS)?;
+        let sizes_local = dma::<u32, N>(nics, PROBE_AT + 2)?;
+        let info = local_info(&rails, fifo.addr(0), |r| fifo.rkey(r), &params);
         let mut chan = Channel::connect(handle.addr, params.timeouts)?;
         let hello = Hello {
             nonce: handle.nonce,
@@ -182,12 +272,10 @@ impl<N: Nic> VerbsConnecting<N> {
         chan.queue(MsgKind::Hello, &hello.encode());
         Ok(VerbsConnecting {
             chan,
-            nic: Arc::clone(nic),
             made: Some(Unconnected {
-                qps,
+                rails,
                 fifo,
                 sizes_local,
-                cq,
             }),
             sender: None,
             params,
@@ -213,13 +301,13 @@ impl<N: Nic> VerbsConnecting<N> {
             return Ok(None);
         };
         if let Some(stream) = self.chan.try_clone_stream() {
-            s.cq.watch(stream);
+            s.rails[0].cq.watch(stream);
         }
         Ok(Some(VerbsSendComm::new(s)))
     }
 
     /// Brings the QPs up against the listener's answer.
-    fn accepted(&mut self, m: crate::oob::Message) -> Result<SendState<N>> {
+    fn accepted(&mut self, m: Message) -> Result<SendState<N>> {
         let peer = self.chan.peer();
         match m.kind {
             MsgKind::Accept => {}
@@ -236,16 +324,15 @@ impl<N: Nic> VerbsConnecting<N> {
             }
         }
         let remote = ConnInfo::decode(&m.payload)?;
-        let nic = &*self.nic;
-        check_link(nic, &remote, peer)?;
         let made = self.made.take().ok_or_else(|| {
             Error::Misuse(format!("connect to {peer} polled again after it failed"))
         })?;
-        if remote.qps.len() != made.qps.len() {
+        check_links(&made.rails, &remote, peer)?;
+        let nqps: usize = made.rails.iter().map(|r| r.qps.len()).sum();
+        if remote.qps.len() != nqps {
             return Err(Error::Remote(format!(
-                "{peer} answered with {} QPs for our {}",
+                "{peer} answered with {} QPs for our {nqps}",
                 remote.qps.len(),
-                made.qps.len()
             )));
         }
         if remote.split != self.params.split_data {
@@ -256,23 +343,20 @@ impl<N: Nic> VerbsConnecting<N> {
                 u8::from(remote.split)
             );
         }
-        let p = path(
-            nic,
-            &remote,
-            &self.params,
-            self.params.traffic_class,
-            self.params.sl,
-        );
-        connect_qps(nic, &made.qps, &remote, &p)?;
+        let p = &self.params;
+        connect_qps(&made.rails, &remote, p, p.traffic_class, p.sl)?;
+        let plan = QpPlan {
+            nqps,
+            rails: made.rails.len(),
+            split: remote.split,
+        };
         Ok(SendState::new(
-            made.qps,
+            made.rails,
             made.fifo,
             made.sizes_local,
-            CqPoller::new(made.cq, self.params.work_timeout),
-            Arc::clone(&self.nic),
-            (remote.addr, remote.rkey),
-            remote.split,
-            format!("{peer} ({})", remote.device),
+            (remote.addr, rkeys(&remote), remote.rails.len()),
+            plan,
+            format!("{peer} ({})", remote.devices()),
         ))
     }
 }
@@ -286,17 +370,17 @@ impl<N: Nic> Connecting for VerbsConnecting<N> {
 /// The listening side of one connection.
 pub(crate) struct VerbsListen<N: Nic> {
     listener: Listener,
-    nic: Arc<N>,
+    nics: Vec<Arc<N>>,
     params: ConnParams,
     accepting: Option<(Channel, RecvState<N>)>,
 }
 
 impl<N: Nic> VerbsListen<N> {
-    /// Binds the bootstrap listener for `nic`.
-    pub(crate) fn bind(ip: std::net::IpAddr, nic: &Arc<N>, params: ConnParams) -> Result<Self> {
+    /// Binds the bootstrap listener for a device over the rails `nics`.
+    pub(crate) fn bind(ip: std::net::IpAddr, nics: &[Arc<N>], params: ConnParams) -> Result<Self> {
         Ok(VerbsListen {
             listener: Listener::bind(ip, TransportKind::Verbs, params.timeouts)?,
-            nic: Arc::clone(nic),
+            nics: nics.to_vec(),
             params,
             accepting: None,
         })
@@ -325,13 +409,8 @@ impl<N: Nic> VerbsListen<N> {
                 sl: remote.sl,
                 ..self.params
             };
-            let info = local_info(
-                &*self.nic,
-                &state.qps,
-                state.sizes_record.addr(0),
-                state.sizes_record.rkey(),
-                &answer,
-            );
+            let records = &state.sizes_record;
+            let info = local_info(&state.rails, records.addr(0), |r| records.rkey(r), &answer);
             chan.queue(MsgKind::Accept, &info.encode());
             self.accepting = Some((chan, state));
         }
@@ -347,7 +426,7 @@ impl<N: Nic> VerbsListen<N> {
                 let Some((chan, mut state)) = self.accepting.take() else {
                     return Ok(None);
                 };
-                state.cq.watch(chan.into_stream());
+                state.rails[0].cq.watch(chan.into_stream());
                 Ok(Some(VerbsRecvComm::new(state)))
             }
             Some(m) => Err(Error::Remote(format!(
@@ -359,31 +438,15 @@ impl<N: Nic> VerbsListen<N> {
     }
 
     fn setup_receiver(&self, remote: &ConnInfo, peer: SocketAddr) -> Result<RecvState<N>> {
-        let nic = &*self.nic;
-        check_link(nic, remote, peer)?;
         let nqps = remote.qps.len();
+        // Every rail used carries at least one QP.
+        let nics = &self.nics[..self.nics.len().min(nqps)];
         // Per QP: a receive per slot; and the signaled clear-to-sends, flushes and probes.
-        let cq = nic.create_cq(SLOTS * (nqps + 2) + 16)?;
-        let qps = create_qps(nic, &cq, nqps, (SLOTS * 2) as u32, SLOTS as u32 + 1)?;
+        let sizing = ((SLOTS * 2) as u32, SLOTS as u32 + 1, SLOTS + 2);
+        let rails = make_rails(nics, nqps, sizing, self.params.flush, &self.params)?;
+        check_links(&rails, remote, peer)?;
         // The receiver uses the sender's traffic class and service level, as NCCL does.
-        let p = path(nic, remote, &self.params, remote.tc, remote.sl);
-        connect_qps(nic, &qps, remote, &p)?;
-        let flush_qp = if self.params.flush {
-            let qp = create_qps(nic, &cq, 1, SLOTS as u32, 1)?.remove(0);
-            let l = nic.local();
-            let own = RemoteQp {
-                qpn: qp.qpn(),
-                psn: qp.psn(),
-                gid: l.gid,
-                lid: l.lid,
-            };
-            let mut own_path = p;
-            own_path.mtu = l.active_mtu;
-            nic.connect_qp(&qp, &own_path, &own)?;
-            Some(qp)
-        } else {
-            None
-        };
+        connect_qps(&rails, remote, &self.params, remote.tc, remote.sl)?;
         if remote.split != self.params.split_data {
             tracing::info!(
                 "NCCL_IB_SPLIT_DATA_ON_QPS is {} here and {} at the sender {peer}: the \
@@ -392,18 +455,20 @@ impl<N: Nic> VerbsListen<N> {
                 u8::from(remote.split)
             );
         }
+        let plan = QpPlan {
+            nqps,
+            rails: remote.rails.len(),
+            split: self.params.split_data,
+        };
         Ok(RecvState::new(
-            qps,
-            flush_qp,
-            dma(nic, SLOTS * MAX_RECVS)?,
-            dma(nic, SLOTS * MAX_RECVS)?,
-            dma(nic, 2)?,
-            CqPoller::new(cq, self.params.work_timeout),
-            Arc::clone(&self.nic),
-            (remote.addr, remote.rkey),
-            self.params.split_data,
+            rails,
+            dma(nics, SLOTS * MAX_RECVS)?,
+            dma(nics, SLOTS * MAX_RECVS)?,
+            dma(nics, 2)?,
+            (remote.addr, rkeys(remote)),
+            plan,
             self.params.cts_batch,
-            format!("{peer} ({})", remote.device),
+            format!("{peer} ({})", remote.devices()),
         ))
     }
 }

@@ -10,8 +10,10 @@ use crate::transport::{MAX_RECVS, MAX_REQUESTS};
 pub(crate) const SLOTS: usize = MAX_REQUESTS;
 /// Marks a send that was larger than its receive, in an immediate or a size record.
 pub(crate) const TRUNCATED: u32 = u32::MAX;
-/// Bytes per clear-to-send entry; entries never straddle 32-byte boundaries.
-pub(crate) const CTS_BYTES: usize = 32;
+/// Bytes per clear-to-send entry (one cache line; the `seq` word never straddles one).
+pub(crate) const CTS_BYTES: usize = 64;
+/// Most NICs (rails) one connection spans: a virtual device of NCCL's v12 ABI.
+pub(crate) const MAX_RAILS: usize = 8;
 /// Alignment of the pieces a message is split into over several QPs (LL/LL128 lines).
 pub(crate) const SPLIT_ALIGN: usize = 128;
 /// eRDMA's inline limit, and enough for three clear-to-send entries.
@@ -21,18 +23,20 @@ pub(crate) const MAX_QPS: usize = 128;
 
 /// One clear-to-send entry, as the receiver writes it into the sender's FIFO: entry `i` of
 /// slot `s` announces buffer `i` of the receive with sequence number `seq` (`seq % SLOTS ==
-/// s`).
-#[repr(C, align(8))]
+/// s`), with its key on each of the receiver's rails.
+#[repr(C, align(64))]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct CtsEntry {
     pub(crate) addr: u64,
-    pub(crate) rkey: u32,
     pub(crate) tag: i32,
     /// The buffer's size, saturated at `u32::MAX` (sends are at most 1 GiB, so a larger
     /// buffer can never be too small).
     pub(crate) size: u32,
     /// Buffers in the grouped receive.
     pub(crate) nreqs: u32,
+    _reserved: u32,
+    /// The buffer's remote key on each of the receiver's rails.
+    pub(crate) rkeys: [u32; MAX_RAILS],
     /// The receive's sequence number + 1 (0: never written). 64 bits, so it never wraps: an
     /// entry left over from an older receive of the same slot can never pass for a new one.
     /// Last, so the NIC places it after the fields it announces.
@@ -44,15 +48,23 @@ pub(crate) const CTS_SEQ_OFFSET: usize = std::mem::offset_of!(CtsEntry, seq);
 const _: () = assert!(CTS_SEQ_OFFSET + 8 == CTS_BYTES);
 
 impl CtsEntry {
-    /// The entry announcing `addr..addr+len` (`rkey`, `tag`) as one of `nreqs` buffers of
-    /// the receive numbered `seq`.
-    pub(crate) fn new(addr: u64, len: usize, rkey: u32, tag: i32, nreqs: usize, seq: u64) -> Self {
+    /// The entry announcing `addr..addr+len` (with `rkeys` on the receiver's rails, `tag`)
+    /// as one of `nreqs` buffers of the receive numbered `seq`.
+    pub(crate) fn new(
+        addr: u64,
+        len: usize,
+        rkeys: [u32; MAX_RAILS],
+        tag: i32,
+        nreqs: usize,
+        seq: u64,
+    ) -> Self {
         CtsEntry {
             addr,
-            rkey,
             tag,
             size: u32::try_from(len).unwrap_or(u32::MAX),
             nreqs: nreqs as u32,
+            _reserved: 0,
+            rkeys,
             seq: seq + 1,
         }
     }
@@ -132,58 +144,112 @@ pub(crate) fn piece(size: usize, k: usize, used: usize) -> (usize, usize) {
     (off, chunk.min(size - off))
 }
 
-/// The QPs a request uses: (first, how many). Split: every QP, each with a piece of every
-/// message; else requests take turns, one QP each.
-#[inline(always)]
-pub(crate) fn qps_for(seq: u64, nqps: usize, split: bool) -> (usize, usize) {
-    if split {
-        (0, nqps)
-    } else {
-        ((seq % nqps as u64) as usize, 1)
+/// Receives whose first buffer holds at least this many bytes are striped over every rail of
+/// a connection that spans several; smaller ones go to one QP, taking turns. (The first
+/// buffer, because its clear-to-send entry is the one the sender always has.)
+pub(crate) const STRIPE_MIN: usize = 16 << 10;
+
+/// How a connection spreads requests over its QPs. QP `q` lives on rail `q % rails` (of the
+/// connecting side; the accepting side maps it onto its own rails the same way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct QpPlan {
+    /// QPs of the connection.
+    pub(crate) nqps: usize,
+    /// Rails (NICs) of the connecting side: the stripe width.
+    pub(crate) rails: usize,
+    /// `NCCL_IB_SPLIT_DATA_ON_QPS`: every request over every QP.
+    pub(crate) split: bool,
+}
+
+impl QpPlan {
+    /// The QPs request `seq` uses, whose first receive buffer holds `posted` bytes: (first,
+    /// how many). Split: every QP. A large receive on several rails: one QP of each rail, the
+    /// QP group taking turns. Otherwise one QP, taking turns (so over every rail).
+    #[inline(always)]
+    pub(crate) fn qps(&self, seq: u64, posted: usize) -> (usize, usize) {
+        if self.split {
+            (0, self.nqps)
+        } else if self.rails > 1 && posted >= STRIPE_MIN {
+            let groups = (self.nqps / self.rails) as u64;
+            ((seq % groups) as usize * self.rails, self.rails)
+        } else {
+            ((seq % self.nqps as u64) as usize, 1)
+        }
+    }
+
+    /// The QP (index into the connection's QPs) that carries piece `k` of request `seq`'s
+    /// `used` pieces starting at `first`. Pieces rotate with the sequence number, so the
+    /// first piece (all of a small message) lands on each rail in turn.
+    #[inline(always)]
+    pub(crate) fn qp_of_piece(&self, seq: u64, first: usize, used: usize, k: usize) -> usize {
+        if used == 1 {
+            first
+        } else {
+            first + (k + (seq % used as u64) as usize) % used
+        }
     }
 }
 
-/// What each side tells the other about its end of the connection: the first message of
-/// the connector (in its hello) and of the listener (in its accept).
+/// One rail (NIC) of a connection's end, as the other end needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct ConnInfo {
+pub(crate) struct RailInfo {
     pub(crate) link_layer: u8,
     pub(crate) mtu: u8,
     pub(crate) port: u8,
     pub(crate) gid_index: u8,
     pub(crate) lid: u16,
     pub(crate) gid: [u8; 16],
-    /// Sender: its clear-to-send FIFO; receiver: its size records.
-    pub(crate) addr: u64,
+    /// The key of the connection's memory (`ConnInfo::addr`) on this rail.
     pub(crate) rkey: u32,
     pub(crate) device: String,
+}
+
+/// What each side tells the other about its end of the connection: the first message of
+/// the connector (in its hello) and of the listener (in its accept).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct ConnInfo {
+    /// Sender: its clear-to-send FIFO; receiver: its size records.
+    pub(crate) addr: u64,
     pub(crate) tc: u8,
     pub(crate) sl: u8,
     /// `NCCL_IB_SPLIT_DATA_ON_QPS`: the connector's setting in the hello, the setting in
     /// effect (the receiver's) in the accept.
     pub(crate) split: bool,
+    /// The NICs of this end; QP `q` is on rail `q % rails.len()`.
+    pub(crate) rails: Vec<RailInfo>,
     /// (QP number, initial PSN) of each QP.
     pub(crate) qps: Vec<(u32, u32)>,
 }
 
-const CONN_FIXED: usize = 72;
+const CONN_FIXED: usize = 16;
+const RAIL_BYTES: usize = 60;
 const FLAG_SPLIT: u8 = 1;
 
 impl ConnInfo {
+    /// Every rail's device name, `a+b`, for messages.
+    pub(crate) fn devices(&self) -> String {
+        let names: Vec<&str> = self.rails.iter().map(|r| r.device.as_str()).collect();
+        names.join("+")
+    }
+
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(CONN_FIXED + 8 * self.qps.len());
+        let mut v =
+            Vec::with_capacity(CONN_FIXED + RAIL_BYTES * self.rails.len() + 8 * self.qps.len());
         v.extend_from_slice(&(self.qps.len() as u16).to_le_bytes());
-        v.extend_from_slice(&[self.link_layer, self.mtu, self.port, self.gid_index]);
-        v.extend_from_slice(&self.lid.to_le_bytes());
-        v.extend_from_slice(&self.gid);
-        v.extend_from_slice(&self.addr.to_le_bytes());
-        v.extend_from_slice(&self.rkey.to_le_bytes());
-        let mut name = [0u8; 32];
-        let n = self.device.len().min(32);
-        name[..n].copy_from_slice(&self.device.as_bytes()[..n]);
-        v.extend_from_slice(&name);
         let flags = if self.split { FLAG_SPLIT } else { 0 };
-        v.extend_from_slice(&[self.tc, self.sl, flags, 0]);
+        v.extend_from_slice(&[self.rails.len() as u8, flags, self.tc, self.sl, 0, 0]);
+        v.extend_from_slice(&self.addr.to_le_bytes());
+        for r in &self.rails {
+            v.extend_from_slice(&[r.link_layer, r.mtu, r.port, r.gid_index]);
+            v.extend_from_slice(&r.lid.to_le_bytes());
+            v.extend_from_slice(&[0, 0]);
+            v.extend_from_slice(&r.gid);
+            v.extend_from_slice(&r.rkey.to_le_bytes());
+            let mut name = [0u8; 32];
+            let n = r.device.len().min(32);
+            name[..n].copy_from_slice(&r.device.as_bytes()[..n]);
+            v.extend_from_slice(&name);
+        }
         for (qpn, psn) in &self.qps {
             v.extend_from_slice(&qpn.to_le_bytes());
             v.extend_from_slice(&psn.to_le_bytes());
@@ -197,30 +263,47 @@ impl ConnInfo {
             return Err(bad("too short"));
         }
         let nqps = u16::from_le_bytes([p[0], p[1]]) as usize;
-        if nqps == 0 || nqps > MAX_QPS || p.len() != CONN_FIXED + 8 * nqps {
-            return Err(bad(&format!("{nqps} QPs in {} bytes", p.len())));
+        let nrails = p[2] as usize;
+        if nrails == 0 || nrails > MAX_RAILS || nqps < nrails || nqps > MAX_QPS {
+            return Err(bad(&format!("{nqps} QPs over {nrails} rails")));
+        }
+        let qps_at = CONN_FIXED + RAIL_BYTES * nrails;
+        if p.len() != qps_at + 8 * nqps {
+            return Err(bad(&format!(
+                "{} bytes for {nqps} QPs over {nrails} rails",
+                p.len()
+            )));
         }
         let u32_at = |o: usize| u32::from_le_bytes([p[o], p[o + 1], p[o + 2], p[o + 3]]);
-        let mut gid = [0u8; 16];
-        gid.copy_from_slice(&p[8..24]);
         let mut addr = [0u8; 8];
-        addr.copy_from_slice(&p[24..32]);
-        let name_end = p[36..68].iter().position(|b| *b == 0).unwrap_or(32);
+        addr.copy_from_slice(&p[8..16]);
+        let rails = (0..nrails)
+            .map(|i| {
+                let r = &p[CONN_FIXED + RAIL_BYTES * i..CONN_FIXED + RAIL_BYTES * (i + 1)];
+                let mut gid = [0u8; 16];
+                gid.copy_from_slice(&r[8..24]);
+                let name = &r[28..60];
+                let end = name.iter().position(|b| *b == 0).unwrap_or(32);
+                RailInfo {
+                    link_layer: r[0],
+                    mtu: r[1],
+                    port: r[2],
+                    gid_index: r[3],
+                    lid: u16::from_le_bytes([r[4], r[5]]),
+                    gid,
+                    rkey: u32::from_le_bytes([r[24], r[25], r[26], r[27]]),
+                    device: String::from_utf8_lossy(&name[..end]).into_owned(),
+                }
+            })
+            .collect();
         Ok(ConnInfo {
-            link_layer: p[2],
-            mtu: p[3],
-            port: p[4],
-            gid_index: p[5],
-            lid: u16::from_le_bytes([p[6], p[7]]),
-            gid,
             addr: u64::from_le_bytes(addr),
-            rkey: u32_at(32),
-            device: String::from_utf8_lossy(&p[36..36 + name_end]).into_owned(),
-            tc: p[68],
-            sl: p[69],
-            split: p[70] & FLAG_SPLIT != 0,
+            tc: p[4],
+            sl: p[5],
+            split: p[3] & FLAG_SPLIT != 0,
+            rails,
             qps: (0..nqps)
-                .map(|i| (u32_at(CONN_FIXED + 8 * i), u32_at(CONN_FIXED + 8 * i + 4)))
+                .map(|i| (u32_at(qps_at + 8 * i), u32_at(qps_at + 8 * i + 4)))
                 .collect(),
         })
     }
@@ -263,11 +346,37 @@ mod tests {
     }
 
     #[test]
-    fn requests_take_turns_over_qps_unless_split() {
-        assert_eq!(qps_for(0, 4, false), (0, 1));
-        assert_eq!(qps_for(5, 4, false), (1, 1));
-        assert_eq!(qps_for(u64::from(u32::MAX) + 1, 4, false), (0, 1));
-        assert_eq!(qps_for(7, 4, true), (0, 4));
+    fn requests_take_turns_over_qps_unless_split_or_striped() {
+        let one = QpPlan {
+            nqps: 4,
+            rails: 1,
+            split: false,
+        };
+        assert_eq!(one.qps(0, 1 << 20), (0, 1));
+        assert_eq!(one.qps(5, 8), (1, 1));
+        assert_eq!(one.qps(u64::from(u32::MAX) + 1, 8), (0, 1));
+        let split = QpPlan { split: true, ..one };
+        assert_eq!(split.qps(7, 8), (0, 4));
+        // Two rails, two QPs each: large receives take one QP of each rail (QP q is on
+        // rail q % 2), groups taking turns; small ones one QP, over both rails in turn.
+        let two = QpPlan {
+            nqps: 4,
+            rails: 2,
+            split: false,
+        };
+        assert_eq!(two.qps(0, STRIPE_MIN), (0, 2));
+        assert_eq!(two.qps(1, 1 << 20), (2, 2));
+        assert_eq!(two.qps(2, 1 << 20), (0, 2));
+        let small: Vec<usize> = (0..4).map(|s| two.qps(s, STRIPE_MIN - 1).0 % 2).collect();
+        assert_eq!(small, [0, 1, 0, 1], "small receives alternate rails");
+        // The first piece rotates over the rails of the stripe.
+        let firsts: Vec<usize> = (0..4u64).map(|s| two.qp_of_piece(s, 0, 2, 0) % 2).collect();
+        assert_eq!(firsts, [0, 1, 0, 1]);
+        for seq in 0..5 {
+            let mut seen: Vec<usize> = (0..2).map(|k| two.qp_of_piece(seq, 2, 2, k)).collect();
+            seen.sort();
+            assert_eq!(seen, [2, 3], "each QP of the stripe gets one piece");
+        }
     }
 
     #[test]
@@ -291,32 +400,46 @@ mod tests {
 
     #[test]
     fn cts_entries_saturate_sizes_and_number_receives_from_one() {
-        let e = CtsEntry::new(0x1000, 5 << 30, 7, -3, 2, u64::from(u32::MAX));
+        let e = CtsEntry::new(
+            0x1000,
+            5 << 30,
+            [7, 8, 0, 0, 0, 0, 0, 0],
+            -3,
+            2,
+            u64::from(u32::MAX),
+        );
         assert_eq!(e.size, u32::MAX);
         assert_eq!(e.seq, 1 << 32, "no wrap at 2^32");
-        assert_eq!((e.addr, e.rkey, e.tag, e.nreqs), (0x1000, 7, -3, 2));
+        assert_eq!((e.addr, e.rkeys[1], e.tag, e.nreqs), (0x1000, 8, -3, 2));
         assert_eq!(cts_index(3, 2), 26);
     }
 
-    #[test]
-    fn conn_info_round_trips_and_rejects_bad_lengths() {
-        let info = ConnInfo {
+    fn rail(name: &str, rkey: u32) -> RailInfo {
+        RailInfo {
             link_layer: 2,
             mtu: 3,
             port: 1,
             gid_index: 1,
             lid: 9,
             gid: [7; 16],
+            rkey,
+            device: name.into(),
+        }
+    }
+
+    #[test]
+    fn conn_info_round_trips_and_rejects_bad_lengths() {
+        let info = ConnInfo {
             addr: 0xdead_beef_0000,
-            rkey: 42,
-            device: "rxe0".into(),
             tc: 106,
             sl: 3,
             split: true,
-            qps: vec![(17, 100), (18, 200)],
+            rails: vec![rail("rxe0", 42), rail("rxe1", 43)],
+            qps: vec![(17, 100), (18, 200), (19, 300), (20, 400)],
         };
         let bytes = info.encode();
         assert_eq!(ConnInfo::decode(&bytes).unwrap(), info);
+        assert_eq!(info.devices(), "rxe0+rxe1");
         let off = ConnInfo {
             split: false,
             ..info.clone()
@@ -325,8 +448,13 @@ mod tests {
         assert!(ConnInfo::decode(&bytes[..CONN_FIXED]).is_err());
         assert!(ConnInfo::decode(&bytes[..bytes.len() - 1]).is_err());
         let mut zero = bytes.clone();
-        zero[0] = 0;
-        zero[1] = 0;
-        assert!(ConnInfo::decode(&zero).is_err());
+        zero[2] = 0;
+        assert!(ConnInfo::decode(&zero).is_err(), "no rail");
+        let mut more = bytes.clone();
+        more[2] = 9;
+        assert!(
+            ConnInfo::decode(&more).is_err(),
+            "more rails than a vNIC holds"
+        );
     }
 }

@@ -16,7 +16,7 @@ fn a_send_larger_than_its_receive_fails_on_both_sides() {
     let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
     assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
     // The comm stays failed: a later send is an error, not a wait.
-    assert!(c.send.isend(src.whole(), 3, src.keys()).is_err());
+    assert!(c.send.isend(src.whole(), 3, &src.keys()).is_err());
 }
 
 #[test]
@@ -70,7 +70,7 @@ fn a_failed_write_is_an_error_naming_peer_operation_and_status() {
         assert!(msg.contains(part), "{part:?} missing in: {msg}");
     }
     // The comm stays failed.
-    assert!(c.send.isend(src.whole(), 0, src.keys()).is_err());
+    assert!(c.send.isend(src.whole(), 0, &src.keys()).is_err());
 }
 
 #[test]
@@ -78,7 +78,7 @@ fn a_receiver_whose_clear_to_send_fails_gets_an_error() {
     let c = connect(params());
     let mut dst = c.buf(false, 64, 0);
     // The receiver's QP towards the sender: its clear-to-send writes fail.
-    c.fabric.cut(&c.rx_nic, Some(Cut::Fail(RETRY_EXCEEDED)));
+    c.fabric.cut(&c.rx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
     let r = c.irecv(&mut [&mut dst], &[0]);
     let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
     assert!(e.to_string().contains("clear-to-send RDMA write"), "{e}");
@@ -101,7 +101,7 @@ fn a_peer_that_closes_fails_the_waiting_side() {
     drop(c.recv);
     let deadline = Instant::now() + Duration::from_secs(10);
     let e = loop {
-        match c.send.isend(src.whole(), 0, src.keys()) {
+        match c.send.isend(src.whole(), 0, &src.keys()) {
             Err(e) => break e,
             Ok(None) => assert!(Instant::now() < deadline, "no error"),
             Ok(Some(_)) => panic!("posted to a closed peer"),
@@ -123,7 +123,7 @@ fn a_cut_link_that_never_answers_fails_a_posted_send_within_the_work_timeout() {
     let mut dst = c.buf(false, 64, 0);
     let mut src = c.buf(true, 64, 1);
     c.irecv(&mut [&mut dst], &[0]);
-    c.fabric.cut(&c.tx_nic, Some(Cut::Silent));
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Silent));
     let t0 = Instant::now();
     let s = c.send_buf(&mut src, 0);
     let e = wait_error(Duration::from_secs(10), || c.send.test(s));
@@ -141,7 +141,7 @@ fn a_cut_link_that_never_answers_fails_a_posted_send_within_the_work_timeout() {
 fn a_receiver_waiting_on_a_dead_link_probes_and_fails() {
     let c = connect(watchdog_params());
     let mut dst = c.buf(false, 64, 0);
-    c.fabric.cut(&c.rx_nic, Some(Cut::Silent));
+    c.fabric.cut(&c.rx_nics[0], Some(Cut::Silent));
     let r = c.irecv(&mut [&mut dst], &[0]);
     let t0 = Instant::now();
     let e = wait_error(Duration::from_secs(10), || c.recv.test(r));
@@ -152,11 +152,11 @@ fn a_receiver_waiting_on_a_dead_link_probes_and_fails() {
 #[test]
 fn a_sender_waiting_for_a_clear_to_send_on_a_dead_link_probes_and_fails() {
     let c = connect(watchdog_params());
-    c.fabric.cut(&c.tx_nic, Some(Cut::Silent));
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Silent));
     let mut src = c.buf(true, 64, 0);
     let deadline = Instant::now() + Duration::from_secs(10);
     let e = loop {
-        match c.send.isend(src.whole(), 0, src.keys()) {
+        match c.send.isend(src.whole(), 0, &src.keys()) {
             Err(e) => break e,
             Ok(None) => assert!(Instant::now() < deadline, "no error"),
             Ok(Some(_)) => panic!("nothing was announced"),
@@ -191,12 +191,12 @@ fn a_link_that_flaps_inside_the_work_timeout_loses_nothing() {
     let mut dst = c.buf(false, 4096, 0);
     let mut src = c.buf(true, 4096, 12);
     let r = c.irecv(&mut [&mut dst], &[0]);
-    c.fabric.cut(&c.tx_nic, Some(Cut::Silent));
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Silent));
     let s = c.send_buf(&mut src, 0);
     for _ in 0..5000 {
         assert_eq!(c.send.test(s).unwrap(), None);
     }
-    c.fabric.cut(&c.tx_nic, None);
+    c.fabric.cut(&c.tx_nics[0], None);
     wait(|| c.send.test(s)).unwrap();
     wait(|| c.recv.test(r)).unwrap();
     assert_eq!(dst.mem.bytes(), TestMem::pattern(4096, 12));
@@ -207,7 +207,7 @@ fn a_fatal_asynchronous_event_fails_the_comm() {
     let c = connect(params());
     let mut dst = c.buf(false, 64, 0);
     let r = c.irecv(&mut [&mut dst], &[0]);
-    c.fabric.fatal_event(&c.rx_nic, None, "device fatal");
+    c.fabric.fatal_event(&c.rx_nics[0], None, "device fatal");
     let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
     assert!(
         e.to_string()
@@ -221,7 +221,7 @@ fn a_connect_to_a_device_of_another_link_layer_is_refused_with_both_names() {
     let fabric = Fabric::new();
     let tx = fabric.nic("fake0");
     let rx = fabric.nic_with_link_layer("ib0", crate::verbs::device::LINK_LAYER_IB);
-    let e = match try_connect(&tx, &rx, params(), params()) {
+    let e = match try_connect(&[tx], &[rx], params(), params()) {
         Err(e) => e,
         Ok(_) => panic!("connected across link layers"),
     };

@@ -4,6 +4,7 @@
 //! sequence number crossing 2^32, a link that never answers, a failed work request).
 
 mod faults;
+mod rails;
 mod traffic;
 
 use std::{
@@ -44,19 +45,20 @@ fn params() -> ConnParams {
     }
 }
 
-/// A connection between two fake NICs.
+/// A connection between fake NICs: the sender's rails and the receiver's.
 struct Conn {
     fabric: Fabric,
-    tx_nic: Arc<FakeNic>,
-    rx_nic: Arc<FakeNic>,
+    tx_nics: Vec<Arc<FakeNic>>,
+    rx_nics: Vec<Arc<FakeNic>>,
     send: VerbsSendComm<FakeNic>,
     recv: VerbsRecvComm<FakeNic>,
 }
 
-/// Connects `tx` (sender, with `tx_params`) to `rx` (receiver) over loopback `oob`.
+/// Connects the rails `tx` (sender, with `tx_params`) to the rails `rx` (receiver) over
+/// loopback `oob`.
 fn try_connect(
-    tx: &Arc<FakeNic>,
-    rx: &Arc<FakeNic>,
+    tx: &[Arc<FakeNic>],
+    rx: &[Arc<FakeNic>],
     tx_params: ConnParams,
     rx_params: ConnParams,
 ) -> Result<(VerbsSendComm<FakeNic>, VerbsRecvComm<FakeNic>)> {
@@ -77,41 +79,69 @@ fn try_connect(
     Ok((send.unwrap(), recv.unwrap()))
 }
 
-fn connect_with(tx_params: ConnParams, rx_params: ConnParams) -> Conn {
+/// A connection from `tx_rails` NICs to `rx_rails` NICs (named `tx0`.. and `rx0`..; with one
+/// rail each, `fake0` and `fake1`).
+fn connect_rails(
+    tx_rails: usize,
+    rx_rails: usize,
+    tx_params: ConnParams,
+    rx_params: ConnParams,
+) -> Conn {
     let fabric = Fabric::new();
-    let (tx_nic, rx_nic) = (fabric.nic("fake0"), fabric.nic("fake1"));
-    let (send, recv) = try_connect(&tx_nic, &rx_nic, tx_params, rx_params).unwrap();
+    let name = |side: &str, i: usize, n: usize| match (side, n) {
+        ("tx", 1) => "fake0".to_string(),
+        ("rx", 1) => "fake1".to_string(),
+        _ => format!("{side}{i}"),
+    };
+    let tx_nics: Vec<_> = (0..tx_rails)
+        .map(|i| fabric.nic(&name("tx", i, tx_rails)))
+        .collect();
+    let rx_nics: Vec<_> = (0..rx_rails)
+        .map(|i| fabric.nic(&name("rx", i, rx_rails)))
+        .collect();
+    let (send, recv) = try_connect(&tx_nics, &rx_nics, tx_params, rx_params).unwrap();
     Conn {
         fabric,
-        tx_nic,
-        rx_nic,
+        tx_nics,
+        rx_nics,
         send,
         recv,
     }
+}
+
+fn connect_with(tx_params: ConnParams, rx_params: ConnParams) -> Conn {
+    connect_rails(1, 1, tx_params, rx_params)
 }
 
 fn connect(p: ConnParams) -> Conn {
     connect_with(p, p)
 }
 
-/// Test memory registered on a fake NIC.
+/// Test memory registered on fake NICs (the rails of one end).
 struct Buf {
     mem: TestMem,
-    mr: FakeMr,
+    mrs: Vec<FakeMr>,
 }
 
 impl Buf {
-    fn new(nic: &FakeNic, len: usize, seed: u64) -> Self {
+    fn new(nics: &[Arc<FakeNic>], len: usize, seed: u64) -> Self {
         let mem = TestMem::new(len, seed);
-        let mr = nic.register(mem.addr(), len.max(1)).unwrap();
-        Buf { mem, mr }
+        let mrs = nics
+            .iter()
+            .map(|n| n.register(mem.addr(), len.max(1)).unwrap())
+            .collect();
+        Buf { mem, mrs }
     }
     fn keys(&self) -> MemKeys {
-        MemKeys {
-            lkey: self.mr.lkey(),
-            rkey: self.mr.rkey(),
+        let mut k = MemKeys {
+            rails: self.mrs.len() as u8,
             host: true,
+            ..MemKeys::default()
+        };
+        for (to, mr) in k.keys.iter_mut().zip(&self.mrs) {
+            *to = (mr.lkey(), mr.rkey());
         }
+        k
     }
     fn whole(&mut self) -> UserBuffer {
         self.mem.buffer()
@@ -120,7 +150,11 @@ impl Buf {
 
 impl Conn {
     fn buf(&self, sender: bool, len: usize, seed: u64) -> Buf {
-        Buf::new(if sender { &self.tx_nic } else { &self.rx_nic }, len, seed)
+        Buf::new(
+            if sender { &self.tx_nics } else { &self.rx_nics },
+            len,
+            seed,
+        )
     }
 
     /// Posts a receive of `bufs` with `tags`, which must be accepted at once.
@@ -136,7 +170,7 @@ impl Conn {
     /// Polls `isend` until it posts (the clear-to-send must arrive within `POLLS`).
     fn isend(&self, buf: UserBuffer, keys: MemKeys, tag: i32) -> Result<usize> {
         for _ in 0..POLLS {
-            if let Some(id) = self.send.isend(buf, tag, keys)? {
+            if let Some(id) = self.send.isend(buf, tag, &keys)? {
                 return Ok(id);
             }
         }

@@ -22,7 +22,7 @@ fn a_send_waits_for_its_clear_to_send() {
     let mut src = c.buf(true, 64, 3);
     let mut dst = c.buf(false, 64, 0);
     for _ in 0..1000 {
-        assert_eq!(c.send.isend(src.whole(), 5, src.keys()).unwrap(), None);
+        assert_eq!(c.send.isend(src.whole(), 5, &src.keys()).unwrap(), None);
     }
     let r = c.irecv(&mut [&mut dst], &[5]);
     let s = c.send_buf(&mut src, 5);
@@ -37,7 +37,7 @@ fn a_send_with_another_tag_waits() {
     let mut src = c.buf(true, 16, 1);
     let mut dst = c.buf(false, 16, 0);
     let r = c.irecv(&mut [&mut dst], &[1]);
-    assert_eq!(c.send.isend(src.whole(), 2, src.keys()).unwrap(), None);
+    assert_eq!(c.send.isend(src.whole(), 2, &src.keys()).unwrap(), None);
     let s = c.send_buf(&mut src, 1);
     wait(|| c.send.test(s)).unwrap();
     wait(|| c.recv.test(r)).unwrap();
@@ -120,7 +120,7 @@ fn the_sender_reuses_a_slot_only_after_its_sends_are_tested() {
     rids.push(c.irecv(&mut [last], &[0]));
     // Slot 0 holds an untested send: the 33rd send must wait for it.
     for _ in 0..1000 {
-        assert_eq!(c.send.isend(src.whole(), 0, src.keys()).unwrap(), None);
+        assert_eq!(c.send.isend(src.whole(), 0, &src.keys()).unwrap(), None);
     }
     wait(|| c.send.test(sids[0])).unwrap();
     let s = c.send_buf(&mut src, 0);
@@ -212,7 +212,7 @@ fn clear_to_sends_are_batched_while_the_receiver_polls() {
             posted.push_back(id);
         }
         if sent < n {
-            if let Some(s) = c.send.isend(src.whole(), 0, src.keys()).unwrap() {
+            if let Some(s) = c.send.isend(src.whole(), 0, &src.keys()).unwrap() {
                 wait(|| c.send.test(s)).unwrap();
                 sent += 1;
             }
@@ -308,12 +308,12 @@ fn a_stale_entry_from_2_pow_32_receives_ago_never_matches() {
     let mut new_a = c.buf(false, 16, 0);
     let mut new_b = c.buf(false, 16, 0);
     let r = c.irecv(&mut [&mut new_a, &mut new_b], &[1, 2]);
-    c.fabric.place_partial(32);
+    c.fabric.place_partial(super::super::wire::CTS_BYTES);
     let mut src = c.buf(true, 16, 3);
     let (b, k) = (src.whole(), src.keys());
     for _ in 0..1000 {
         assert_eq!(
-            c.send.isend(b, 2, k).unwrap(),
+            c.send.isend(b, 2, &k).unwrap(),
             None,
             "the second entry has not landed: it must not match its stale predecessor"
         );
@@ -343,10 +343,10 @@ fn a_half_placed_clear_to_send_is_not_yet() {
     let mut dst = c.buf(false, 64, 0);
     let r = c.irecv(&mut [&mut dst], &[4]);
     // Everything but the sequence number (the last 8 bytes of the entry).
-    c.fabric.place_partial(24);
+    c.fabric.place_partial(super::super::wire::CTS_BYTES - 8);
     let mut src = c.buf(true, 64, 8);
     for _ in 0..100 {
-        assert_eq!(c.send.isend(src.whole(), 4, src.keys()).unwrap(), None);
+        assert_eq!(c.send.isend(src.whole(), 4, &src.keys()).unwrap(), None);
     }
     c.fabric.hold(false);
     let s = c.send_buf(&mut src, 4);

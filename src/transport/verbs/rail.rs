@@ -1,0 +1,115 @@
+//! The rails of a connection: one per NIC of its device (one for a physical device, up to 8
+//! for a virtual one). Each rail has its own QPs and completion queue (a CQ belongs to one
+//! NIC), its own work watchdog (so a rail that dies is found and named even while the others
+//! still complete work) and its own traffic counters. QP `q` of a connection lives on rail
+//! `q % rails` of each end.
+
+use std::sync::Arc;
+
+use super::cq::CqPoller;
+use crate::error::Result;
+use crate::verbs::dma::Completion;
+use crate::verbs::nic::Nic;
+
+/// What one rail carried.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct RailStats {
+    pub(crate) bytes: u64,
+    pub(crate) messages: u64,
+    pub(crate) errors: u64,
+}
+
+/// One NIC of a connection.
+pub(crate) struct Rail<N: Nic> {
+    // Field order is teardown order: QPs before the CQ they complete into.
+    /// This rail's QPs, in connection order: local QP `i` is the connection's QP
+    /// `i * rails + index`.
+    pub(crate) qps: Vec<N::Qp>,
+    /// The loopback QP of a receiver's flushes (GPUDirect), when it has one.
+    pub(crate) flush_qp: Option<N::Qp>,
+    pub(crate) cq: CqPoller<N>,
+    pub(crate) nic: Arc<N>,
+    /// Signaled work requests posted on this rail and not completed yet.
+    pub(crate) in_flight: u32,
+    pub(crate) stats: RailStats,
+}
+
+impl<N: Nic> Rail<N> {
+    pub(crate) fn new(
+        nic: Arc<N>,
+        cq: CqPoller<N>,
+        qps: Vec<N::Qp>,
+        flush_qp: Option<N::Qp>,
+    ) -> Self {
+        Rail {
+            qps,
+            flush_qp,
+            cq,
+            nic,
+            in_flight: 0,
+            stats: RailStats::default(),
+        }
+    }
+
+    /// The device name, for messages.
+    pub(crate) fn name(&self) -> &str {
+        &self.nic.local().name
+    }
+
+    /// Drains this rail's CQ into `on` (see [`CqPoller::drain`]); `waiting`: the comm waits
+    /// for its peer. Returns whether this rail should post a probe. A failure counts as the
+    /// rail's error.
+    pub(crate) fn drain(
+        &mut self,
+        peer: &str,
+        waiting: bool,
+        on: impl FnMut(&Completion),
+    ) -> Result<bool> {
+        let work = self.in_flight > 0;
+        let r = self
+            .cq
+            .drain(&self.nic, &self.qps, peer, (work, waiting), on);
+        if r.is_err() {
+            self.stats.errors += 1;
+        }
+        r
+    }
+}
+
+/// The rails of `rails` with their counters, for a comm's summary: ` (rxe0: B bytes in M
+/// messages, E errors; rxe1: ...)`.
+pub(crate) fn summary<N: Nic>(rails: &[Rail<N>]) -> String {
+    let parts: Vec<String> = rails
+        .iter()
+        .map(|r| {
+            format!(
+                "{}: {} bytes in {} messages, {} errors",
+                r.name(),
+                r.stats.bytes,
+                r.stats.messages,
+                r.stats.errors
+            )
+        })
+        .collect();
+    format!(" (rails {})", parts.join("; "))
+}
+
+/// The rail and rail-local index of connection QP `q` over `rails` rails.
+#[inline(always)]
+pub(crate) fn locate(q: usize, rails: usize) -> (usize, usize) {
+    (q % rails, q / rails)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn qps_are_dealt_over_the_rails() {
+        assert_eq!(locate(0, 1), (0, 0));
+        assert_eq!(locate(5, 1), (0, 5));
+        let two: Vec<(usize, usize)> = (0..4).map(|q| locate(q, 2)).collect();
+        assert_eq!(two, [(0, 0), (1, 0), (0, 1), (1, 1)]);
+        assert_eq!(locate(7, 3), (1, 2));
+    }
+}
