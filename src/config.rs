@@ -29,6 +29,27 @@ impl fmt::Display for TransportChoice {
     }
 }
 
+/// Whether the plugin offers several NICs as one fused device (`NCCL_ERDMA_FUSE_NICS`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum FuseNics {
+    /// Fuse every usable eRDMA NIC, unless NCCL is asked to fuse NICs itself.
+    Auto,
+    /// Fuse every usable NIC (of the first one's link layer).
+    On,
+    /// Offer each NIC as its own device.
+    Off,
+}
+
+impl fmt::Display for FuseNics {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            FuseNics::Auto => "auto",
+            FuseNics::On => "1",
+            FuseNics::Off => "0",
+        })
+    }
+}
+
 /// Address family preference (`AF_INET` / `AF_INET6`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum AddrFamily {
@@ -273,6 +294,18 @@ settings! {
     stats_interval_s: u64 = 0, "NCCL_ERDMA_STATS_INTERVAL", |var, raw| int_in(var, raw, 0, 86_400);
     /// Always create the flush QP and report forceFlush (diagnostics).
     force_flush: bool = false, "NCCL_ERDMA_FORCE_FLUSH", flag;
+    /// Offer several NICs as one device striping over all of them: auto (every eRDMA NIC,
+    /// unless NCCL is asked to fuse NICs), 1 (every NIC), 0 (never).
+    fuse_nics: FuseNics = FuseNics::Auto, "NCCL_ERDMA_FUSE_NICS", |var, raw| {
+        match raw.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(FuseNics::Auto),
+            "1" | "on" | "yes" => Ok(FuseNics::On),
+            "0" | "off" | "no" => Ok(FuseNics::Off),
+            _ => Err(Error::config(var, raw, "auto, 1 or 0")),
+        }
+    };
+    /// Whether NCCL's NIC fusion (makeVDevice) may fuse devices (1), as for NCCL IB.
+    merge_nics: bool = true, "NCCL_IB_MERGE_NICS", flag;
     /// Clear-to-send entries a receiver may hold back and post in one RDMA write (1..16;
     /// unset: 8 on software RDMA devices, 1 on hardware).
     cts_batch: Option<u32> = None, "NCCL_ERDMA_CTS_BATCH", |var, raw| {
@@ -351,7 +384,7 @@ macro_rules! show_display {
         }
     )*};
 }
-show_display!(u32, i32, u64, String, TransportChoice, NameFilter);
+show_display!(u32, i32, u64, String, TransportChoice, NameFilter, FuseNics);
 
 impl Show for bool {
     fn show(&self) -> String {
@@ -463,6 +496,8 @@ mod tests {
             ("NCCL_SOCKET_FAMILY", "AF_UNIX", "AF_INET or AF_INET6"),
             ("NCCL_IB_ADDR_RANGE", "10.0.0.0/33", "CIDR"),
             ("NCCL_IB_HCA", "mlx5_0:x", "device[:port]"),
+            ("NCCL_ERDMA_FUSE_NICS", "2", "auto, 1 or 0"),
+            ("NCCL_ERDMA_WORK_TIMEOUT_S", "x", "from 0 to 86400"),
         ] {
             let err = cfg(&[(var, value)]).unwrap_err();
             let msg = err.to_string();

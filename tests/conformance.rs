@@ -28,10 +28,10 @@ fn every_version_is_exported_with_name_and_null_optional_slots() {
         assert_eq!(net.name(), "erdma", "v{v}");
         assert!(
             net.optional_slots_null(),
-            "v{v}: optional slots must be NULL"
+            "v{v}: optional slots NULL, makeVDevice (v9+) and finalize (v11+) set"
         );
     }
-    assert!(Net::open(&lib(), 12).is_err(), "v12 is not exported");
+    assert!(Net::open(&lib(), 13).is_err(), "v13 does not exist");
 }
 
 #[test]
@@ -62,13 +62,20 @@ fn properties_follow_each_version_rules() {
         }
         if v >= 9 {
             assert_eq!(p.force_flush, Some(0), "v{v}");
-            assert_eq!(p.vprops, Some((1, [0, 0, 0, 0])), "v{v}");
+            assert_eq!(p.vprops, Some((1, vec![0])), "v{v}");
             let (p2p, coll) = p.max_bytes.unwrap();
             assert!(p2p > 0 && p2p <= 1 << 40, "v{v}: maxP2pBytes {p2p}");
             assert!(coll > 0 && coll <= 1 << 40, "v{v}: maxCollBytes {coll}");
         }
         if v >= 11 {
             assert_eq!(p.max_multi_request_size, Some(1));
+        }
+        if v >= 12 {
+            let (rail, plane) = p.rail_plane.unwrap();
+            assert!(
+                rail >= -1 && plane == -1,
+                "v{v}: railId {rail} planeId {plane}"
+            );
         }
         assert_eq!(
             net.properties(n).unwrap_err(),
@@ -1161,6 +1168,78 @@ fn child_default_transport_verbs() {
     );
     let (s, r) = connect_pair(&net);
     transfer(&net, s, r, 100_000, 100_000, 5);
+    close_pair(&mut net, s, r);
+}
+
+#[test]
+fn make_vdevice_refuses_what_cannot_be_fused() {
+    let usage = ncclResult_t::ncclInvalidUsage;
+    for v in [9, 10, 11, 12] {
+        let net = open(v);
+        let n = net.devices().unwrap();
+        let too_many: Vec<i32> = vec![0; if v >= 12 { 9 } else { 5 }];
+        for devs in [
+            &[0, 0][..],
+            &[0, n + 7][..],
+            &[-1][..],
+            &[][..],
+            &too_many[..],
+        ] {
+            assert_eq!(net.make_vdevice(devs).unwrap_err(), usage, "v{v}: {devs:?}");
+        }
+        if verbs_device().is_none() {
+            // One tcp device: nothing to fuse.
+            assert_eq!(net.make_vdevice(&[0]).unwrap_err(), usage, "v{v} tcp");
+        }
+        assert_eq!(
+            net.devices().unwrap(),
+            n,
+            "v{v}: refused requests add no device"
+        );
+    }
+    let warn = client::logged_lines()
+        .into_iter()
+        .any(|l| l.level == 2 && l.text.contains("makeVDevice of devices [0, 0]"));
+    assert!(warn, "a WARN names the refused request");
+    // No makeVDevice before v9.
+    assert!(open(8).make_vdevice(&[0]).is_err());
+}
+
+#[test]
+#[ignore = "needs an RDMA device: NCCL_ERDMA_TEST_DEVICE (run by the Soft-RoCE tier)"]
+fn verbs_make_vdevice_adds_a_device_that_carries_data() {
+    require_verbs();
+    run_child(test_name!(child_verbs_vdevice), &[], &[], false);
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_verbs_vdevice() {
+    if !is_child() {
+        return;
+    }
+    let mut net = open(12);
+    let n = net.devices().unwrap();
+    let physical = net.properties(0).unwrap();
+    let d = net.make_vdevice(&[0]).unwrap();
+    assert_eq!(
+        (d, net.devices().unwrap()),
+        (n, n + 1),
+        "appended after the physical ones"
+    );
+    let p = net.properties(d).unwrap();
+    assert_eq!(p.name, physical.name);
+    assert_eq!(p.vprops, Some((1, vec![0])));
+    assert_eq!(p.speed, physical.speed);
+    assert_eq!(
+        p.rail_plane,
+        Some((-1, -1)),
+        "a virtual device has no rail of its own"
+    );
+    let (s, r) = connect_pair_on(&net, d);
+    for (i, size) in [0, 8, 100_000, 1 << 20].into_iter().enumerate() {
+        transfer(&net, s, r, size, size + 64, i as u64);
+    }
     close_pair(&mut net, s, r);
 }
 

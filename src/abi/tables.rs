@@ -1,6 +1,5 @@
 //! The exported `ncclNetPlugin_vN` tables: each slot is a shared one (`slots`) or a
-//! version's own (`versions`); `getDeviceMr`, `irecvConsumed`, `makeVDevice` and
-//! `setNetAttr` are NULL.
+//! version's own (`versions`); `getDeviceMr`, `irecvConsumed` and `setNetAttr` are NULL.
 
 use super::slots::*;
 use super::versions::*;
@@ -113,7 +112,7 @@ pub static ncclNetPlugin_v9: Table<ncclNet_v9_t> = Table(ncclNet_v9_t {
     closeListen: Some(close_listen),
     getDeviceMr: None,
     irecvConsumed: None,
-    makeVDevice: None,
+    makeVDevice: Some(make_vdevice_v9),
 });
 
 /// NCCL 2.26 - 2.27.
@@ -138,10 +137,10 @@ pub static ncclNetPlugin_v10: Table<ncclNet_v10_t> = Table(ncclNet_v10_t {
     closeListen: Some(close_listen),
     getDeviceMr: None,
     irecvConsumed: None,
-    makeVDevice: None,
+    makeVDevice: Some(make_vdevice_v9),
 });
 
-/// NCCL 2.28 and later (PyTorch 2.11 ships 2.28.9).
+/// NCCL 2.28 - 2.29 (PyTorch 2.11 ships 2.28.9).
 #[no_mangle]
 pub static ncclNetPlugin_v11: Table<ncclNet_v11_t> = Table(ncclNet_v11_t {
     name: NAME_C.as_ptr(),
@@ -163,7 +162,35 @@ pub static ncclNetPlugin_v11: Table<ncclNet_v11_t> = Table(ncclNet_v11_t {
     closeListen: Some(close_listen),
     getDeviceMr: None,
     irecvConsumed: None,
-    makeVDevice: None,
+    makeVDevice: Some(make_vdevice_v9),
+    finalize: Some(finalize_v11),
+    setNetAttr: None,
+});
+
+/// NCCL 2.30 and later: v11's slots with v12 properties (railId/planeId) and virtual
+/// devices of up to 8 NICs.
+#[no_mangle]
+pub static ncclNetPlugin_v12: Table<ncclNet_v12_t> = Table(ncclNet_v12_t {
+    name: NAME_C.as_ptr(),
+    init: Some(init_v11),
+    devices: Some(devices),
+    getProperties: Some(get_properties_v12),
+    listen: Some(listen_v11),
+    connect: Some(connect_v11),
+    accept: Some(accept_v7),
+    regMr: Some(reg_mr_size_t),
+    regMrDmaBuf: Some(reg_mr_dmabuf),
+    deregMr: Some(dereg_mr),
+    isend: Some(isend_v10),
+    irecv: Some(irecv_v10),
+    iflush: Some(iflush),
+    test: Some(test),
+    closeSend: Some(close_send),
+    closeRecv: Some(close_recv),
+    closeListen: Some(close_listen),
+    getDeviceMr: None,
+    irecvConsumed: None,
+    makeVDevice: Some(make_vdevice_v12),
     finalize: Some(finalize_v11),
     setNetAttr: None,
 });

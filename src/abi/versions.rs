@@ -48,14 +48,16 @@ macro_rules! fill_v7 {
     }};
 }
 
-/// Fills the fields of v9 and later.
+/// Fills the fields of v9 and later; `vProps` lists the physical devices a virtual device
+/// fuses, or the device itself.
 macro_rules! fill_v9 {
-    ($p:expr, $d:expr, $dev:expr) => {{
+    ($p:expr, $d:expr) => {{
         fill_v7!($p, $d);
         $p.regIsGlobal = 1;
         $p.forceFlush = c_int::from($d.force_flush);
-        $p.vProps.ndevs = 1;
-        $p.vProps.devs[0] = $dev;
+        let n = $d.vdevs.len().min($p.vProps.devs.len());
+        $p.vProps.ndevs = n as c_int;
+        $p.vProps.devs[..n].copy_from_slice(&$d.vdevs[..n]);
         $p.maxP2pBytes = MAX_P2P_BYTES;
         $p.maxCollBytes = MAX_COLL_BYTES;
     }};
@@ -72,7 +74,7 @@ fn properties<P: Default>(
         let plugin = plugin::get()?;
         let device = plugin.device(dev)?;
         let mut p = P::default();
-        fill(&mut p, device);
+        fill(&mut p, &device);
         // SAFETY: checked non-NULL; NCCL passes a writable struct of this version's layout.
         unsafe { props.write(p) };
         Ok(())
@@ -119,7 +121,7 @@ pub(super) extern "C" fn get_properties_v9(
     dev: c_int,
     props: *mut ncclNetProperties_v9_t,
 ) -> ncclResult_t {
-    properties(dev, props, |p, d| fill_v9!(p, d, dev))
+    properties(dev, props, |p, d| fill_v9!(p, d))
 }
 
 pub(super) extern "C" fn get_properties_v11(
@@ -127,9 +129,64 @@ pub(super) extern "C" fn get_properties_v11(
     props: *mut ncclNetProperties_v11_t,
 ) -> ncclResult_t {
     properties(dev, props, |p, d| {
-        fill_v9!(p, d, dev);
+        fill_v9!(p, d);
         p.maxMultiRequestSize = 1;
     })
+}
+
+pub(super) extern "C" fn get_properties_v12(
+    dev: c_int,
+    props: *mut ncclNetProperties_v12_t,
+) -> ncclResult_t {
+    properties(dev, props, |p, d| {
+        fill_v9!(p, d);
+        p.maxMultiRequestSize = 1;
+        p.railId = d.rail_id;
+        p.planeId = NCCL_NET_ID_UNDEF as i16;
+    })
+}
+
+/// `makeVDevice` for any version: `ndevs` devices from `devs`, at most `max`.
+fn make_vdevice(d: *mut c_int, ndevs: c_int, devs: &[c_int], max: usize) -> ncclResult_t {
+    boundary("makeVDevice", || {
+        non_null(d, "d")?;
+        let n = usize::try_from(ndevs)
+            .unwrap_or(usize::MAX)
+            .min(devs.len() + 1);
+        let picked = devs.get(..n).ok_or_else(|| {
+            Error::Usage(format!(
+                "makeVDevice of {ndevs} devices; 1 to {max} can be fused"
+            ))
+        })?;
+        let index = plugin::get()?.make_vdevice(picked, max)?;
+        // SAFETY: checked non-NULL; NCCL passes a writable int.
+        unsafe { *d = index as c_int };
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn make_vdevice_v9(
+    d: *mut c_int,
+    props: *mut ncclNetVDeviceProps_v9_t,
+) -> ncclResult_t {
+    if props.is_null() {
+        return make_vdevice(d, -1, &[], NCCL_NET_MAX_DEVS_PER_NIC_V9 as usize);
+    }
+    // SAFETY: non-NULL; NCCL passes a valid struct for the duration of the call.
+    let p = unsafe { &*props };
+    make_vdevice(d, p.ndevs, &p.devs, NCCL_NET_MAX_DEVS_PER_NIC_V9 as usize)
+}
+
+pub(super) extern "C" fn make_vdevice_v12(
+    d: *mut c_int,
+    props: *mut ncclNetVDeviceProps_v12_t,
+) -> ncclResult_t {
+    if props.is_null() {
+        return make_vdevice(d, -1, &[], NCCL_NET_MAX_DEVS_PER_NIC_V12 as usize);
+    }
+    // SAFETY: non-NULL; NCCL passes a valid struct for the duration of the call.
+    let p = unsafe { &*props };
+    make_vdevice(d, p.ndevs, &p.devs, NCCL_NET_MAX_DEVS_PER_NIC_V12 as usize)
 }
 
 // ---------------------------------------------------------------------------------------

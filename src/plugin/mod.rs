@@ -43,6 +43,8 @@ pub(crate) use mr::Registration;
 pub(crate) const NAME: &str = "erdma";
 /// `maxCollBytes`: NCCL's CollNet default.
 pub(crate) const MAX_COLL_BYTES: usize = 512 << 20;
+/// Most devices (physical and virtual) a plugin reports.
+const MAX_DEVICES: usize = 256;
 
 impl DeviceProps {
     /// `name` for C; valid for the life of the process (the plugin is never torn down).
@@ -69,7 +71,8 @@ pub(crate) struct Plugin {
     keys_per_device: bool,
     /// Live memory registrations.
     mrs: MrTable,
-    totals: Vec<stats::DeviceTotals>,
+    /// Traffic totals per device index.
+    totals: Box<[stats::DeviceTotals]>,
     next_comm: AtomicU64,
     connecting: Mutex<Stages<Box<dyn Connecting>>>,
 }
@@ -114,7 +117,8 @@ impl Plugin {
             bootstrap.ip
         );
         let transport = transport::open(&config, &bootstrap)?;
-        for (i, d) in transport.devices().iter().enumerate() {
+        for i in 0..transport.device_count() {
+            let d = transport.device(i)?;
             tracing::info!(
                 target: INIT,
                 "device {i}: {} transport {} speed {} Mbps ptrSupport {:#x} pci {:?}",
@@ -127,9 +131,7 @@ impl Plugin {
         }
         Ok(Plugin {
             config,
-            totals: transport
-                .devices()
-                .iter()
+            totals: (0..MAX_DEVICES)
                 .map(|_| stats::DeviceTotals::default())
                 .collect(),
             keys_per_device: transport.kind() == TransportKind::Verbs,
@@ -148,19 +150,30 @@ impl Plugin {
 
     /// Number of devices.
     pub(crate) fn device_count(&self) -> usize {
-        self.transport.devices().len()
+        self.transport.device_count()
     }
 
     /// Device `dev`, checked.
-    pub(crate) fn device(&self, dev: i32) -> Result<&DeviceProps> {
-        let devices = self.transport.devices();
+    pub(crate) fn device(&self, dev: i32) -> Result<Arc<DeviceProps>> {
         let index = usize::try_from(dev).unwrap_or(usize::MAX);
-        transport::device(devices, index).map_err(|_| {
+        self.transport.device(index).map_err(|_| {
             Error::InvalidArgument(format!(
                 "device {dev} does not exist ({} devices)",
-                devices.len()
+                self.device_count()
             ))
         })
+    }
+
+    /// `makeVDevice`: a virtual device fusing the physical devices `devs` (at most `max`,
+    /// the ABI version's limit); its index.
+    pub(crate) fn make_vdevice(&self, devs: &[i32], max: usize) -> Result<usize> {
+        let d = self.transport.make_vdevice(devs, max)?;
+        if d >= MAX_DEVICES {
+            return Err(Error::Usage(format!(
+                "makeVDevice: more than {MAX_DEVICES} devices"
+            )));
+        }
+        Ok(d)
     }
 
     /// Traffic totals of device `dev`.
@@ -171,7 +184,9 @@ impl Plugin {
     /// Counters for a new comm on `dev` talking to `peer`.
     fn comm_stats(&self, dir: stats::Direction, dev: usize, peer: &str) -> stats::CommStats {
         let id = self.next_comm.fetch_add(1, Ordering::Relaxed);
-        let name = self.device(dev as i32).map_or("?", DeviceProps::name);
+        let name = self
+            .device(dev as i32)
+            .map_or_else(|_| "?".to_string(), |d| d.name().to_string());
         stats::CommStats::new(
             dir,
             format!("#{id} on {name} with {peer}"),

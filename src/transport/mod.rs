@@ -13,7 +13,7 @@
 pub(crate) mod tcp;
 pub(crate) mod verbs;
 
-use std::{any::Any, ffi::CString, net::IpAddr};
+use std::{any::Any, ffi::CString, net::IpAddr, sync::Arc};
 
 use crate::buffer::UserBuffer;
 use crate::config::{Config, TransportChoice};
@@ -51,6 +51,12 @@ pub(crate) struct DeviceProps {
     pub(crate) port: i32,
     pub(crate) max_comms: i32,
     pub(crate) force_flush: bool,
+    /// `vProps`: the physical devices (NCCL's indexes) a virtual device fuses; itself for a
+    /// physical one.
+    pub(crate) vdevs: Vec<i32>,
+    /// v12 `railId`: the device's position among the NICs of its kind, -1 where unknown (a
+    /// virtual device spans several).
+    pub(crate) rail_id: i16,
 }
 
 impl DeviceProps {
@@ -126,8 +132,18 @@ impl Completion {
 pub(crate) trait Transport: Send + Sync {
     /// Which transport this is (it travels in handles, so both ends must agree).
     fn kind(&self) -> TransportKind;
-    /// The devices NCCL numbers 0, 1, ...
-    fn devices(&self) -> &[DeviceProps];
+    /// How many devices NCCL sees (physical ones, then virtual ones `make_vdevice` added).
+    fn device_count(&self) -> usize;
+    /// Device `dev` (checked).
+    fn device(&self, dev: usize) -> Result<Arc<DeviceProps>>;
+    /// NCCL's NIC fusion (`makeVDevice`): a virtual device over the physical devices `devs`,
+    /// at most `max` of them; returns its index. Transports that cannot fuse refuse.
+    fn make_vdevice(&self, devs: &[i32], max: usize) -> Result<usize> {
+        let _ = max;
+        Err(Error::Usage(format!(
+            "makeVDevice of devices {devs:?}: this transport has one device and cannot fuse"
+        )))
+    }
     /// Binds a listener for one connection on device `dev` (checked), on `ip`.
     fn listen(&self, dev: usize, ip: IpAddr) -> Result<Box<dyn Listening>>;
     /// Starts connecting to the listener `handle` describes, from device `dev` (checked).

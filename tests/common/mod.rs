@@ -87,14 +87,19 @@ pub fn poll_until(what: &str, mut f: impl FnMut() -> Opaque) -> Opaque {
 
 /// A connected loopback pair on device 0: (send comm, recv comm).
 pub fn connect_pair(net: &Net) -> (Opaque, Opaque) {
+    connect_pair_on(net, 0)
+}
+
+/// A connected loopback pair on device `dev`: (send comm, recv comm).
+pub fn connect_pair_on(net: &Net, dev: i32) -> (Opaque, Opaque) {
     let mut handle = [0u8; 128];
-    let listen = net.listen(0, &mut handle).expect("listen");
+    let listen = net.listen(dev, &mut handle).expect("listen");
     let (mut send, mut recv) = (Opaque::NULL, Opaque::NULL);
     let start = Instant::now();
     // NCCL polls connect and accept from one thread: neither may block.
     while send.is_null() || recv.is_null() {
         if send.is_null() {
-            send = net.connect(0, &mut handle).expect("connect");
+            send = net.connect(dev, &mut handle).expect("connect");
         }
         if recv.is_null() {
             recv = net.accept(listen).expect("accept");

@@ -16,7 +16,7 @@ use nccl_net_erdma::ffi::*;
 pub const MAX_CLIENT_RECVS: usize = 16;
 
 /// ABI versions the plugin exports.
-pub const VERSIONS: [u32; 6] = [6, 7, 8, 9, 10, 11];
+pub const VERSIONS: [u32; 7] = [6, 7, 8, 9, 10, 11, 12];
 
 /// NCCL's result code, as an error.
 pub type Code = ncclResult_t;
@@ -67,12 +67,14 @@ pub struct Properties {
     pub max_recvs: i32,
     /// `netDeviceType` and `netDeviceVersion` (v7+).
     pub net_device: Option<(u32, i32)>,
-    /// `vProps` (v9+).
-    pub vprops: Option<(i32, [i32; 4])>,
+    /// `vProps` (v9+): ndevs and the first `ndevs` devices.
+    pub vprops: Option<(i32, Vec<i32>)>,
     /// `maxP2pBytes` and `maxCollBytes` (v9+).
     pub max_bytes: Option<(usize, usize)>,
-    /// `maxMultiRequestSize` (v11).
+    /// `maxMultiRequestSize` (v11+).
     pub max_multi_request_size: Option<i32>,
+    /// `railId` and `planeId` (v12).
+    pub rail_plane: Option<(i16, i16)>,
 }
 
 /// One line the plugin sent to the test logger.
@@ -235,6 +237,7 @@ enum Table {
     V9(*const ncclNet_v9_t),
     V10(*const ncclNet_v10_t),
     V11(*const ncclNet_v11_t),
+    V12(*const ncclNet_v12_t),
 }
 
 /// A loaded plugin library and one of its tables.
@@ -294,6 +297,10 @@ macro_rules! call {
                     let $t = &*p;
                     $body
                 }
+                Table::V12(p) => {
+                    let $t = &*p;
+                    $body
+                }
             }
         }
     }};
@@ -339,6 +346,7 @@ impl Net {
             9 => Table::V9(p as _),
             10 => Table::V10(p as _),
             11 => Table::V11(p as _),
+            12 => Table::V12(p as _),
             v => return Err(format!("unsupported version {v}")),
         };
         Ok(Net {
@@ -370,6 +378,7 @@ impl Net {
             Table::V9(p) => p as _,
             Table::V10(p) => p as _,
             Table::V11(p) => p as _,
+            Table::V12(p) => p as _,
         }
     }
 
@@ -398,6 +407,7 @@ impl Net {
                 Table::V9(p) => (*p).init.unwrap()(log),
                 Table::V10(p) => (*p).init.unwrap()(log, prof),
                 Table::V11(p) => (*p).init.unwrap()(&mut ctx, 42, &mut config, log, prof),
+                Table::V12(p) => (*p).init.unwrap()(&mut ctx, 42, &mut config, log, prof),
             }
         };
         if !ctx.is_null() {
@@ -418,6 +428,8 @@ impl Net {
         match self.table {
             // SAFETY: as in `call!`; ctx is passed through untouched.
             Table::V11(p) => check(unsafe { (*p).finalize.unwrap()(ctx.0) }),
+            // SAFETY: as in `call!`; ctx is passed through untouched.
+            Table::V12(p) => check(unsafe { (*p).finalize.unwrap()(ctx.0) }),
             _ => Ok(()),
         }
     }
@@ -449,6 +461,7 @@ impl Net {
                     vprops: None,
                     max_bytes: None,
                     max_multi_request_size: None,
+                    rail_plane: None,
                 }
             };
         }
@@ -489,9 +502,22 @@ impl Net {
                     reg_is_global: Some(v.regIsGlobal),
                     force_flush: Some(v.forceFlush),
                     net_device: Some((v.netDeviceType, v.netDeviceVersion)),
-                    vprops: Some((v.vProps.ndevs, v.vProps.devs)),
+                    vprops: Some(vprops(v.vProps.ndevs, &v.vProps.devs)),
                     max_bytes: Some((v.maxP2pBytes, v.maxCollBytes)),
                     max_multi_request_size: Some(v.maxMultiRequestSize),
+                    ..base!(v)
+                }
+            }
+            Table::V12(p) => {
+                let v = get!(p, ncclNetProperties_v12_t);
+                Properties {
+                    reg_is_global: Some(v.regIsGlobal),
+                    force_flush: Some(v.forceFlush),
+                    net_device: Some((v.netDeviceType, v.netDeviceVersion)),
+                    vprops: Some(vprops(v.vProps.ndevs, &v.vProps.devs)),
+                    max_bytes: Some((v.maxP2pBytes, v.maxCollBytes)),
+                    max_multi_request_size: Some(v.maxMultiRequestSize),
+                    rail_plane: Some((v.railId, v.planeId)),
                     ..base!(v)
                 }
             }
@@ -505,6 +531,8 @@ impl Net {
         let r = match self.table {
             // SAFETY: as in `call!`.
             Table::V11(p) => unsafe { (*p).listen.unwrap()(self.ctx, dev, h, &mut comm) },
+            // SAFETY: as in `call!`.
+            Table::V12(p) => unsafe { (*p).listen.unwrap()(self.ctx, dev, h, &mut comm) },
             _ => call!(self, t => listen_slot(t)(dev, h, &mut comm)),
         };
         check(r)?;
@@ -528,6 +556,7 @@ impl Net {
                     (*p).connect.unwrap()(dev, &mut config, h, &mut comm, &mut dev_comm)
                 }
                 Table::V11(p) => (*p).connect.unwrap()(self.ctx, dev, h, &mut comm, &mut dev_comm),
+                Table::V12(p) => (*p).connect.unwrap()(self.ctx, dev, h, &mut comm, &mut dev_comm),
             }
         };
         check(r)?;
@@ -547,6 +576,7 @@ impl Net {
                 Table::V9(p) => (*p).accept.unwrap()(listen.0, &mut comm, &mut dev_comm),
                 Table::V10(p) => (*p).accept.unwrap()(listen.0, &mut comm, &mut dev_comm),
                 Table::V11(p) => (*p).accept.unwrap()(listen.0, &mut comm, &mut dev_comm),
+                Table::V12(p) => (*p).accept.unwrap()(listen.0, &mut comm, &mut dev_comm),
             }
         };
         check(r)?;
@@ -573,6 +603,7 @@ impl Net {
                 Table::V9(p) => (*p).regMr.unwrap()(comm.0, d, size, ptr_type, &mut mh),
                 Table::V10(p) => (*p).regMr.unwrap()(comm.0, d, size, ptr_type, &mut mh),
                 Table::V11(p) => (*p).regMr.unwrap()(comm.0, d, size, ptr_type, &mut mh),
+                Table::V12(p) => (*p).regMr.unwrap()(comm.0, d, size, ptr_type, &mut mh),
             }
         };
         check(r)?;
@@ -608,6 +639,9 @@ impl Net {
                     (*p).isend.unwrap()(comm.0, d, size, tag, mhandle.0, null, &mut req)
                 }
                 Table::V11(p) => {
+                    (*p).isend.unwrap()(comm.0, d, size, tag, mhandle.0, null, &mut req)
+                }
+                Table::V12(p) => {
                     (*p).isend.unwrap()(comm.0, d, size, tag, mhandle.0, null, &mut req)
                 }
             }
@@ -692,6 +726,7 @@ impl Net {
                 Table::V9(p) => (*p).irecv.unwrap()(comm.0, n, d, sz, t, m, &mut req),
                 Table::V10(p) => (*p).irecv.unwrap()(comm.0, n, d, sz, t, m, null, &mut req),
                 Table::V11(p) => (*p).irecv.unwrap()(comm.0, n, d, sz, t, m, null, &mut req),
+                Table::V12(p) => (*p).irecv.unwrap()(comm.0, n, d, sz, t, m, null, &mut req),
             }
         };
         check(r)?;
@@ -745,8 +780,9 @@ impl Net {
         check(call!(self, t => t.closeListen.unwrap()(comm.0)))
     }
 
-    /// Whether the optional slots NCCL checks for NULL are NULL in this table:
-    /// (getDeviceMr, irecvConsumed, makeVDevice, setNetAttr) where the version has them.
+    /// Whether the optional slots NCCL checks for NULL and this plugin leaves out are NULL
+    /// (getDeviceMr, irecvConsumed, setNetAttr where the version has them), and the ones it
+    /// implements set (makeVDevice v9+, finalize v11+).
     pub fn optional_slots_null(&self) -> bool {
         // SAFETY: as in `call!`.
         unsafe {
@@ -757,22 +793,55 @@ impl Net {
                 Table::V9(p) => {
                     (*p).getDeviceMr.is_none()
                         && (*p).irecvConsumed.is_none()
-                        && (*p).makeVDevice.is_none()
+                        && (*p).makeVDevice.is_some()
                 }
                 Table::V10(p) => {
                     (*p).getDeviceMr.is_none()
                         && (*p).irecvConsumed.is_none()
-                        && (*p).makeVDevice.is_none()
+                        && (*p).makeVDevice.is_some()
                 }
                 Table::V11(p) => {
                     (*p).getDeviceMr.is_none()
                         && (*p).irecvConsumed.is_none()
-                        && (*p).makeVDevice.is_none()
+                        && (*p).makeVDevice.is_some()
+                        && (*p).setNetAttr.is_none()
+                        && (*p).finalize.is_some()
+                }
+                Table::V12(p) => {
+                    (*p).getDeviceMr.is_none()
+                        && (*p).irecvConsumed.is_none()
+                        && (*p).makeVDevice.is_some()
                         && (*p).setNetAttr.is_none()
                         && (*p).finalize.is_some()
                 }
             }
         }
+    }
+
+    /// `makeVDevice` (v9+) of the devices `devs` (NCCL may pass up to 4, v12 up to 8): the
+    /// new device's index.
+    pub fn make_vdevice(&self, devs: &[i32]) -> Result<i32, Code> {
+        let mut d: c_int = -1;
+        macro_rules! fuse {
+            ($p:expr, $ty:ty) => {{
+                let mut props = <$ty>::default();
+                props.ndevs = devs.len() as c_int;
+                for (to, from) in props.devs.iter_mut().zip(devs) {
+                    *to = *from;
+                }
+                // SAFETY: as in `call!`; props lives across the call.
+                unsafe { (*$p).makeVDevice.unwrap()(&mut d, &mut props) }
+            }};
+        }
+        let r = match self.table {
+            Table::V9(p) => fuse!(p, ncclNetVDeviceProps_v9_t),
+            Table::V10(p) => fuse!(p, ncclNetVDeviceProps_v10_t),
+            Table::V11(p) => fuse!(p, ncclNetVDeviceProps_v11_t),
+            Table::V12(p) => fuse!(p, ncclNetVDeviceProps_v12_t),
+            _ => return Err(ncclResult_t::ncclInvalidUsage),
+        };
+        check(r)?;
+        Ok(d)
     }
 
     /// Unloads the library (`dlclose`), as NCCL 2.28+ does after its last communicator.
@@ -802,10 +871,17 @@ fn v9_props(v: ncclNetProperties_v9_t) -> Properties {
         max_comms: v.maxComms,
         max_recvs: v.maxRecvs,
         net_device: Some((v.netDeviceType, v.netDeviceVersion)),
-        vprops: Some((v.vProps.ndevs, v.vProps.devs)),
+        vprops: Some(vprops(v.vProps.ndevs, &v.vProps.devs)),
         max_bytes: Some((v.maxP2pBytes, v.maxCollBytes)),
         max_multi_request_size: None,
+        rail_plane: None,
     }
+}
+
+/// `vProps` as (ndevs, the first `ndevs` devices).
+fn vprops(ndevs: i32, devs: &[i32]) -> (i32, Vec<i32>) {
+    let n = usize::try_from(ndevs).unwrap_or(0).min(devs.len());
+    (ndevs, devs[..n].to_vec())
 }
 
 /// `listen` of the tables without a context (v6..v10).
@@ -840,6 +916,14 @@ listen_slot!(
     ncclNet_v9_t,
     ncclNet_v10_t
 );
+
+impl ListenSlot for ncclNet_v12_t {
+    fn listen_fn(
+        &self,
+    ) -> unsafe extern "C" fn(c_int, *mut c_void, *mut *mut c_void) -> ncclResult_t {
+        unreachable!("v12 listen takes a context and is called directly")
+    }
+}
 
 impl ListenSlot for ncclNet_v11_t {
     fn listen_fn(

@@ -16,6 +16,7 @@ use std::{
     ffi::CString,
     io::{self, IoSlice},
     net::{IpAddr, SocketAddr},
+    sync::Arc,
     time::Duration,
 };
 
@@ -60,7 +61,7 @@ fn into_data_socket(stream: std::net::TcpStream) -> Result<Socket> {
 
 /// The tcp backend: one device, the bootstrap interface.
 pub(crate) struct TcpTransport {
-    props: [DeviceProps; 1],
+    props: [Arc<DeviceProps>; 1],
     timeouts: Timeouts,
 }
 
@@ -84,7 +85,7 @@ impl TcpTransport {
             .and_then(|p| CString::new(p.to_string_lossy().into_owned()).ok());
         let peer = config.peer_timeout_s.value;
         TcpTransport {
-            props: [DeviceProps {
+            props: [Arc::new(DeviceProps {
                 name: CString::new(format!("erdma-tcp-{ifname}")).unwrap_or_default(),
                 pci_path,
                 guid: 0,
@@ -93,7 +94,9 @@ impl TcpTransport {
                 port: 1,
                 max_comms: 65536,
                 force_flush: false,
-            }],
+                vdevs: vec![0],
+                rail_id: -1,
+            })],
             timeouts: Timeouts {
                 connect: Duration::from_millis(config.connect_timeout_ms.value),
                 peer: (peer > 0).then(|| Duration::from_secs(peer)),
@@ -107,8 +110,12 @@ impl Transport for TcpTransport {
         TransportKind::Tcp
     }
 
-    fn devices(&self) -> &[DeviceProps] {
-        &self.props
+    fn device_count(&self) -> usize {
+        self.props.len()
+    }
+
+    fn device(&self, dev: usize) -> Result<Arc<DeviceProps>> {
+        device(&self.props, dev).map(Arc::clone)
     }
 
     fn listen(&self, dev: usize, ip: IpAddr) -> Result<Box<dyn Listening>> {

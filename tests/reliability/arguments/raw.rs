@@ -14,6 +14,7 @@ enum Tbl<'a> {
     V9(&'a ffi::ncclNet_v9_t),
     V10(&'a ffi::ncclNet_v10_t),
     V11(&'a ffi::ncclNet_v11_t),
+    V12(&'a ffi::ncclNet_v12_t),
 }
 
 fn tbl(net: &Net) -> Tbl<'_> {
@@ -28,6 +29,7 @@ fn tbl(net: &Net) -> Tbl<'_> {
             9 => Tbl::V9(&*(p as *const ffi::ncclNet_v9_t)),
             10 => Tbl::V10(&*(p as *const ffi::ncclNet_v10_t)),
             11 => Tbl::V11(&*(p as *const ffi::ncclNet_v11_t)),
+            12 => Tbl::V12(&*(p as *const ffi::ncclNet_v12_t)),
             v => unreachable!("version {v}"),
         }
     }
@@ -44,6 +46,7 @@ macro_rules! each {
             Tbl::V9($t) => $body,
             Tbl::V10($t) => $body,
             Tbl::V11($t) => $body,
+            Tbl::V12($t) => $body,
         }
     };
 }
@@ -81,6 +84,7 @@ pub(super) fn raw_listen(
             Tbl::V9(t) => t.listen.unwrap()(0, handle, out),
             Tbl::V10(t) => t.listen.unwrap()(0, handle, out),
             Tbl::V11(t) => t.listen.unwrap()(ctx, 0, handle, out),
+            Tbl::V12(t) => t.listen.unwrap()(ctx, 0, handle, out),
         }
     }
 }
@@ -100,6 +104,7 @@ pub(super) fn raw_connect(
             Tbl::V9(t) => t.connect.unwrap()(0, handle, out, &mut null()),
             Tbl::V10(t) => t.connect.unwrap()(0, null(), handle, out, &mut null()),
             Tbl::V11(t) => t.connect.unwrap()(ctx, 0, handle, out, &mut null()),
+            Tbl::V12(t) => t.connect.unwrap()(ctx, 0, handle, out, &mut null()),
         }
     }
 }
@@ -114,6 +119,7 @@ pub(super) fn raw_accept(net: &Net, listen: Opaque, out: *mut *mut c_void) -> nc
             Tbl::V9(t) => t.accept.unwrap()(listen.0, out, &mut null()),
             Tbl::V10(t) => t.accept.unwrap()(listen.0, out, &mut null()),
             Tbl::V11(t) => t.accept.unwrap()(listen.0, out, &mut null()),
+            Tbl::V12(t) => t.accept.unwrap()(listen.0, out, &mut null()),
         }
     }
 }
@@ -137,6 +143,7 @@ pub(super) fn raw_reg_mr(
             Tbl::V9(t) => t.regMr.unwrap()(comm.0, d, z, HOST, out),
             Tbl::V10(t) => t.regMr.unwrap()(comm.0, d, z, HOST, out),
             Tbl::V11(t) => t.regMr.unwrap()(comm.0, d, z, HOST, out),
+            Tbl::V12(t) => t.regMr.unwrap()(comm.0, d, z, HOST, out),
         }
     }
 }
@@ -173,6 +180,7 @@ pub(super) fn raw_isend(
             Tbl::V9(t) => t.isend.unwrap()(comm.0, d, z, 0, mh.0, req),
             Tbl::V10(t) => t.isend.unwrap()(comm.0, d, z, 0, mh.0, null(), req),
             Tbl::V11(t) => t.isend.unwrap()(comm.0, d, z, 0, mh.0, null(), req),
+            Tbl::V12(t) => t.isend.unwrap()(comm.0, d, z, 0, mh.0, null(), req),
         }
     }
 }
@@ -250,6 +258,7 @@ pub(super) fn raw_irecv(net: &Net, comm: Opaque, a: Arrays<'_>) -> (ncclResult_t
             Tbl::V9(x) => x.irecv.unwrap()(comm.0, n, d, sz, t, m, r),
             Tbl::V10(x) => x.irecv.unwrap()(comm.0, n, d, sz, t, m, null(), r),
             Tbl::V11(x) => x.irecv.unwrap()(comm.0, n, d, sz, t, m, null(), r),
+            Tbl::V12(x) => x.irecv.unwrap()(comm.0, n, d, sz, t, m, null(), r),
         }
     };
     (code, Opaque(req))
@@ -269,29 +278,37 @@ pub(super) fn raw_iflush(net: &Net, comm: Opaque, a: Arrays<'_>) -> ncclResult_t
 /// A v11 context from `init` (NULL before v11).
 pub(super) fn raw_init_v11(net: &Net) -> *mut c_void {
     let mut ctx = null();
-    if let Tbl::V11(t) = tbl(net) {
-        // SAFETY: see the note on raw calls above.
-        let code = unsafe { t.init.unwrap()(&mut ctx, 7, null(), None, None) };
-        assert_eq!(code, ncclResult_t::ncclSuccess);
-        assert!(!ctx.is_null());
-    }
+    // SAFETY: see the note on raw calls above.
+    let code = unsafe {
+        match tbl(net) {
+            Tbl::V11(t) => t.init.unwrap()(&mut ctx, 7, null(), None, None),
+            Tbl::V12(t) => t.init.unwrap()(&mut ctx, 7, null(), None, None),
+            _ => return ctx,
+        }
+    };
+    assert_eq!(code, ncclResult_t::ncclSuccess);
+    assert!(!ctx.is_null());
     ctx
 }
 
 pub(super) fn raw_finalize_v11(net: &Net, ctx: *mut c_void) {
-    if let Tbl::V11(t) = tbl(net) {
-        // SAFETY: see the note on raw calls above; ctx came from `raw_init_v11`.
-        assert_eq!(
-            unsafe { t.finalize.unwrap()(ctx) },
-            ncclResult_t::ncclSuccess
-        );
-    }
+    // SAFETY: see the note on raw calls above; ctx came from `raw_init_v11`.
+    let code = unsafe {
+        match tbl(net) {
+            Tbl::V11(t) => t.finalize.unwrap()(ctx),
+            Tbl::V12(t) => t.finalize.unwrap()(ctx),
+            _ => return,
+        }
+    };
+    assert_eq!(code, ncclResult_t::ncclSuccess);
 }
 
 pub(super) fn raw_init_v11_null_ctx(net: &Net) -> ncclResult_t {
     match tbl(net) {
         // SAFETY: see the note on raw calls above.
         Tbl::V11(t) => unsafe { t.init.unwrap()(null(), 7, null(), None, None) },
+        // SAFETY: see the note on raw calls above.
+        Tbl::V12(t) => unsafe { t.init.unwrap()(null(), 7, null(), None, None) },
         _ => ncclResult_t::ncclSuccess,
     }
 }

@@ -20,6 +20,8 @@ pub const DEFAULT_WINDOW: usize = 8;
 pub const DEFAULT_LISTEN_PORT: u16 = 18515;
 /// Most `--iters`.
 const MAX_ITERS: usize = 100_000_000;
+/// Most `--script` rounds per phase.
+const MAX_SCRIPT_ROUNDS: usize = 1_000_000;
 
 const USAGE: &str = "\
 nccl-net-bench [options]                  both sides on this host (loopback)
@@ -74,6 +76,12 @@ pub struct Options {
     pub stats: bool,
     /// `--idle-probe`: idle calls per side (0: none).
     pub probe: usize,
+    /// `--script`: rounds per phase of the scripted run (None: the normal run).
+    pub script: Option<usize>,
+    /// `--script-idle`: idle isends and idle tests per message of the scripted run.
+    pub script_idle: usize,
+    /// `--script-wait`: the scripted run's wait for the network (None: by transport).
+    pub script_wait_us: Option<u64>,
 }
 
 /// `--sizes`: a newtype, because clap reads a bare `Vec` as "the flag takes many values"
@@ -192,9 +200,34 @@ struct Cli {
 
     /// before the sizes, K isend calls that must return NULL (side A)
     /// and then K test calls of a receive not yet sent to (side B): the
-    /// cost of idle calls, for instruction counts (scripts/cpu-cost.sh)
+    /// cost of idle calls, for instruction counts (see also --script)
     #[arg(long = "idle-probe", value_name = "K", value_parser = count::<0, MAX_PROBE>, verbatim_doc_comment)]
     probe: Option<usize>,
+
+    /// the scripted run for instruction counts (scripts/cpu-cost.sh):
+    /// both ends of one connection in this process, a fixed sequence
+    /// of calls whose every outcome is known in advance, R rounds of
+    /// --window messages (the first of --sizes) per phase, one phase
+    /// per kind of call; prints `script` lines, no table
+    #[arg(
+        long,
+        value_name = "R",
+        value_parser = count::<1, MAX_SCRIPT_ROUNDS>,
+        conflicts_with_all = ["listen", "connect", "plot", "probe", "csv", "svg"],
+        verbatim_doc_comment
+    )]
+    script: Option<usize>,
+
+    /// with --script: idle isends and idle tests per message, 0..64
+    /// (default 1)
+    #[arg(long = "script-idle", value_name = "K", value_parser = count::<0, 64>, requires = "script", verbatim_doc_comment)]
+    script_idle: Option<usize>,
+
+    /// with --script: microseconds to wait, outside the plugin, for
+    /// the network before calls due to succeed (default 1000 on verbs,
+    /// 0 on tcp)
+    #[arg(long = "script-wait", value_name = "US", value_parser = count::<0, 1_000_000>, requires = "script", verbatim_doc_comment)]
+    script_wait: Option<usize>,
 
     /// be side A on control port PORT (default 18515; 0 = any, printed)
     #[arg(long, value_name = "PORT", value_parser = port, overrides_with = "connect", verbatim_doc_comment)]
@@ -282,6 +315,9 @@ impl From<Cli> for Options {
             notes: c.notes,
             stats: c.stats,
             probe: c.probe.unwrap_or(0),
+            script: c.script,
+            script_idle: c.script_idle.unwrap_or(1),
+            script_wait_us: c.script_wait.map(|v| v as u64),
         }
     }
 }
@@ -449,6 +485,33 @@ mod tests {
     }
 
     #[test]
+    fn script_options_parse() {
+        let o = args("--script 256 --window 1 --sizes 8").unwrap();
+        assert_eq!(
+            (o.script, o.script_idle, o.script_wait_us),
+            (Some(256), 1, None)
+        );
+        let o = args("--script 4 --script-idle 0 --script-wait 500").unwrap();
+        assert_eq!(
+            (o.script, o.script_idle, o.script_wait_us),
+            (Some(4), 0, Some(500))
+        );
+        assert_eq!(args("").unwrap().script, None);
+        assert!(error("--script 0").contains("must be in 1..=1000000"));
+        assert!(
+            error("--script-idle 2").contains("--script"),
+            "needs --script"
+        );
+        for other in ["--listen", "--connect h:1", "--idle-probe 5", "--csv x.csv"] {
+            assert_eq!(
+                args(&format!("--script 8 {other}")).unwrap_err().kind(),
+                ErrorKind::ArgumentConflict,
+                "{other}"
+            );
+        }
+    }
+
+    #[test]
     fn options_parse() {
         let o = args("--listen 0 --sizes 8,1M --group 4 --conns 2 --window=4").unwrap();
         assert_eq!(o.role, Role::Listen(0));
@@ -479,7 +542,7 @@ mod tests {
         assert!(error("--conns 65").contains("must be in 1..=64, got 65"));
         assert!(error("--iters 0").contains("must be in 1..=100000000, got 0"));
         assert!(error("--iters x").contains("\"x\" is not a valid number"));
-        assert!(error("--abi 5").contains("must be one of [6, 7, 8, 9, 10, 11]"));
+        assert!(error("--abi 5").contains("must be one of [6, 7, 8, 9, 10, 11, 12]"));
         assert!(error("--idle-probe 10000001").contains("must be in 0..=10000000"));
         assert!(error("--bytes 0").contains("must be in 1..=1073741824, got 0"));
         assert!(error("--listen=x").contains("bad port \"x\""));
@@ -495,7 +558,7 @@ mod tests {
         assert_eq!(
             args("--stats --idle-probe 40").unwrap().probe,
             40,
-            "cost-runs.sh's probe run"
+            "the idle probe with the stats"
         );
     }
 
@@ -578,6 +641,9 @@ mod tests {
             "--note",
             "--stats",
             "--idle-probe",
+            "--script",
+            "--script-idle",
+            "--script-wait",
             "--listen",
             "--connect",
             "--cpus",
