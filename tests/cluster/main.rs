@@ -15,7 +15,7 @@ mod traffic;
 use std::time::{Duration, Instant};
 
 use peer::{sh, Fault, Host, Link, Peer};
-use traffic::{close, connect, open, recv, send, warnings, Comms, Stream};
+use traffic::{close, connect, connect_on, open, rail_bytes, recv, send, warnings, Comms, Stream};
 
 /// Sizes every connection carries, each verified: 0 to 4 MiB.
 const SIZES: [usize; 9] = [0, 1, 8, 1000, 4096, 65_536, 1 << 20, 3 << 20, 4 << 20];
@@ -646,6 +646,118 @@ fn mgmt_cut_with_rails_up_keeps_data_flowing_then_fails_within_the_peer_timeout(
             after.bytes + failed.done.bytes,
             failed.code,
             took.as_secs_f64()
+        ),
+    );
+}
+
+/// Each rail's share of the bytes in percent, for the `dir` comm closed last.
+fn shares(dir: &str) -> Vec<(String, u64)> {
+    let rails = rail_bytes(dir);
+    let total: u64 = rails.iter().map(|(_, b)| b).sum();
+    rails
+        .into_iter()
+        .map(|(n, b)| (n, b * 100 / total.max(1)))
+        .collect()
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn nccl_fuses_both_rails_and_large_messages_stripe_evenly() {
+    let case = "nccl_fuses_both_rails_and_large_messages_stripe_evenly";
+    // The NICs one by one, and NCCL's fusion (makeVDevice) of both.
+    set(&[
+        ("NCCL_ERDMA_FUSE_NICS", "0"),
+        ("NCCL_IB_QPS_PER_CONNECTION", "2"),
+    ]);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = open();
+    assert_eq!(net.devices().unwrap(), 2, "rxe0 and rxe1");
+    let (a, b) = (net.properties(0).unwrap(), net.properties(1).unwrap());
+    assert_eq!((a.rail_plane, b.rail_plane), (Some((0, -1)), Some((1, -1))));
+    let fused = net.make_vdevice(&[0, 1]).expect("makeVDevice");
+    assert_eq!(fused, 2);
+    let f = net.properties(fused).unwrap();
+    assert_eq!(f.name, "rxe0+rxe1");
+    assert_eq!(f.vprops, Some((2, vec![0, 1])));
+    assert_eq!(f.speed, a.speed + b.speed);
+    let s = Stream {
+        sizes: &[1 << 20],
+        count: 24,
+        seed: 71,
+        window: 8,
+        limit: Duration::from_secs(120),
+    };
+    // One rail, then both, in the same run.
+    let c = connect_on(&net, &mut p, 0);
+    let single = one_way(&net, &c, &mut p, &s, false);
+    close(&net, c);
+    p.step("single closed");
+    let c = connect_on(&net, &mut p, fused);
+    let both = one_way(&net, &c, &mut p, &Stream { seed: 81, ..s }, false);
+    close(&net, c);
+    p.step("fused closed");
+    let dir = if p.host == Host::Two { "tx" } else { "rx" };
+    let split = shares(dir);
+    assert_eq!(split.len(), 2, "{split:?}");
+    for (rail, pct) in &split {
+        assert!(
+            (40..=60).contains(pct),
+            "{rail} carried {pct}% of the bytes: {split:?}"
+        );
+    }
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=completed bytes_verified={} rails={split:?} MBps_one_rail={:.3} \
+             MBps_fused={:.3} ratio={:.2}",
+            single.bytes + both.bytes,
+            single.mbps(),
+            both.mbps(),
+            both.mbps() / single.mbps().max(1e-9)
+        ),
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+fn both_rails_fused_without_nccl_asking() {
+    let case = "both_rails_fused_without_nccl_asking";
+    // What eRDMA gets by default (NCCL_ERDMA_FUSE_NICS=auto fuses eRDMA NICs; rxe is not
+    // eRDMA, so the test asks for it).
+    set(&[("NCCL_ERDMA_FUSE_NICS", "1")]);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = open();
+    assert_eq!(net.devices().unwrap(), 1, "one device over both NICs");
+    let d = net.properties(0).unwrap();
+    assert_eq!(
+        (d.name.as_str(), d.rail_plane),
+        ("rxe0+rxe1", Some((-1, -1)))
+    );
+    let c = connect(&net, &mut p);
+    let s = Stream {
+        sizes: &[0, 100, 65_536, 1 << 20],
+        count: 32,
+        seed: 91,
+        window: 8,
+        limit: Duration::from_secs(120),
+    };
+    let there = one_way(&net, &c, &mut p, &s, false);
+    let back = one_way(&net, &c, &mut p, &Stream { seed: 191, ..s }, true);
+    close(&net, c);
+    p.step("closed");
+    let dir = if p.host == Host::Two { "tx" } else { "rx" };
+    let rails = rail_bytes(dir);
+    assert!(
+        rails.iter().all(|(_, b)| *b > 0),
+        "both rails carried data: {rails:?}"
+    );
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=completed bytes_verified={} rails={rails:?}",
+            there.bytes + back.bytes
         ),
     );
 }

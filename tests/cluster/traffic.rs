@@ -27,9 +27,9 @@ pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
         .collect()
 }
 
-/// The plugin under test: `NCCL_ERDMA_PLUGIN_LIB` (the staged library).
+/// The plugin under test: `NCCL_ERDMA_PLUGIN_LIB` (the staged library), its v12 table.
 pub fn open() -> Net {
-    let mut net = Net::open(&client::default_library(), 11).unwrap_or_else(|e| panic!("{e}"));
+    let mut net = Net::open(&client::default_library(), 12).unwrap_or_else(|e| panic!("{e}"));
     net.init().expect("init");
     net
 }
@@ -40,17 +40,22 @@ pub struct Comms {
     pub recv: Opaque,
 }
 
-/// Connects both ways over the plugin, handles swapped through `peer`.
+/// Connects both ways over the plugin's device 0, handles swapped through `peer`.
 pub fn connect(net: &Net, peer: &mut Peer) -> Comms {
+    connect_on(net, peer, 0)
+}
+
+/// Connects both ways over device `dev`.
+pub fn connect_on(net: &Net, peer: &mut Peer, dev: i32) -> Comms {
     let mut ours = [0u8; 128];
-    let listen = net.listen(0, &mut ours).expect("listen");
+    let listen = net.listen(dev, &mut ours).expect("listen");
     peer.send(&format!("handle {}", handle_to_hex(&ours)));
     let mut theirs = handle_from_hex(&peer.expect("handle")).expect("a handle");
     let (mut send, mut recv) = (Opaque::NULL, Opaque::NULL);
     let deadline = Instant::now() + Duration::from_secs(60);
     while send.is_null() || recv.is_null() {
         if send.is_null() {
-            send = net.connect(0, &mut theirs).expect("connect");
+            send = net.connect(dev, &mut theirs).expect("connect");
         }
         if recv.is_null() {
             recv = net.accept(listen).expect("accept");
@@ -316,5 +321,29 @@ pub fn warnings() -> Vec<String> {
         .into_iter()
         .filter(|l| l.level <= nccl_net_erdma::ffi::NCCL_LOG_WARN)
         .map(|l| l.text)
+        .collect()
+}
+
+/// The bytes each rail carried, from the plugin's close summary of the last `dir` ("tx" or
+/// "rx") comm: `... (rails rxe0: B bytes in M messages, E errors; rxe1: ...)`.
+pub fn rail_bytes(dir: &str) -> Vec<(String, u64)> {
+    let line = client::logged_lines()
+        .into_iter()
+        .rev()
+        .find(|l| l.text.contains(&format!("closed {dir} comm")))
+        .unwrap_or_else(|| panic!("no {dir} close summary"))
+        .text;
+    let rails = line
+        .split("(rails ")
+        .nth(1)
+        .and_then(|r| r.split(')').next())
+        .unwrap_or("");
+    rails
+        .split("; ")
+        .filter_map(|r| {
+            let (name, rest) = r.split_once(": ")?;
+            let bytes = rest.split_whitespace().next()?.parse().ok()?;
+            Some((name.to_string(), bytes))
+        })
         .collect()
 }
