@@ -1,31 +1,45 @@
 #!/usr/bin/env bash
-# CPU cost of the plugin per message, as instructions counted by callgrind (deterministic: the
-# same code path executes the same instructions, whatever the machine's load).
+# CPU cost of the plugin per call and per message, as instructions counted by callgrind, in a
+# run whose every plugin call is known in advance: the same commit gives the same figures.
 #
 #   scripts/cpu-cost.sh [tcp] [verbs]       (default: both)
 #
-# What runs: nccl-net-bench with 8-byte messages, window $CPU_COST_WINDOW (8), bandwidth phase
-# only, both sides on one host, each process under `valgrind --tool=callgrind`, collecting
-# only inside the bench's send loop (side A: isend + test) and receive loop (side B: irecv +
-# test), twice: with N1 and N2 messages ($CPU_COST_MSGS, 2000,4000). Every figure is
-# (count at N2 - count at N1) / (N2 - N1), so setup and one-off costs cancel. A third run,
-# the idle probe, makes $CPU_COST_PROBE (4000) isend calls that must return NULL and as many
-# test calls of a receive not yet sent to: the cost of one idle call, used to split the
-# measured cost into idle polling and work.
+# What runs: nccl-net-bench --script (tools/src/bin/nccl-net-bench/script.rs) under
+# `valgrind --tool=callgrind` (scripts/perf/cost-runs.sh): one process holding both ends of
+# one connection repeats a round of $CPU_COST_WINDOW (1) 8-byte messages; per message the
+# sender makes $CPU_COST_IDLE (1) isend(s) before the receive is posted (each returns NULL),
+# the receiver posts the irecv and, once the clear-to-send has landed, makes
+# $CPU_COST_IDLE test(s) of it (not done: nothing is sent yet), the sender's isend is
+# accepted, and once the data and the completions have arrived one test completes the send
+# and one the receive. The waits are sleeps outside the plugin ($CPU_COST_WAIT_US; default
+# 1000 us on verbs, none on tcp, whose loopback delivers within the sending call). After a
+# warm-up, one phase of $CPU_COST_ROUNDS (256) rounds per kind of call collects instructions
+# only inside the bench's counting function for that kind, and gets its own profile. A call
+# due to succeed that finds the network slower than the wait (a miss, verbs only) is
+# retried and its phase run again, so each figure is the instructions of exactly the calls
+# it names, divided by their number: nothing is estimated or subtracted.
 #   tcp    on this host (loopback);
-#   verbs  inside the Soft-RoCE VM (scripts/rxe-vm.sh: rxe0, both sides in the VM), with
+#   verbs  inside the Soft-RoCE VM (scripts/rxe-vm.sh: rxe0, both ends in the VM), with
 #          this host's valgrind staged into it (the VM's rootfs has none and no network).
-# "The plugin's own code" is every instruction whose code lies in libnccl_net_erdma.so (our
-# Rust, with the std code compiled into it); libc (syscall wrappers, memcpy), libibverbs and
-# its provider are reported separately, and the kernel is not counted at all (callgrind sees
-# user space only). Also reported: allocations (calls of malloc & co.) and lock slow paths
-# (parking_lot *_slow, futex) per message, the plugin's entry points with their calls per
-# message, and the hottest functions and source lines.
+# The figures, per call: isend accepted, irecv, the test that completes the send, the test
+# that completes the receive; WORK PER MESSAGE, both sides = the sum of those four; and the
+# idle calls NCCL's proxy makes while polling: an isend that returns NULL, a test of a
+# receive not done. "The plugin's own code" is every instruction whose code lies in
+# libnccl_net_erdma.so (our Rust, with the std code compiled into it); libc (syscall
+# wrappers, memcpy), libibverbs and its provider are reported separately, and the kernel is
+# not counted at all (callgrind sees user space only). Also reported, per message over all
+# the calls of a round: allocations (calls of malloc & co.) and lock slow paths
+# (parking_lot *_slow, futex) by the plugin, its calls into other libraries; and the
+# hottest functions and source lines per kind of call.
 #
 # Output: the report on stdout and, in $OUT (default target/perf/cpu-cost), cpu-cost.txt,
-# cpu-cost.csv and the raw callgrind profiles (callgrind_annotate can read them).
-# Environment: CPU_COST_MSGS, CPU_COST_PROBE, CPU_COST_WINDOW, OUT, CPU_COST_REPORT_ONLY=1
-# (no runs: report again from the profiles already in $OUT), and rxe-vm.sh's RXE_VM_*.
+# cpu-cost.csv (transport,window,figure,calls,misses,plugin_ir,libc_ir,verbs_ir,driver_ir,
+# allocs,lock_slow_paths: one row per kind of call with its figures per call, and a
+# work_per_message row with the sums of the four) and the raw callgrind profiles, one per
+# phase (callgrind_annotate can read them). Environment: CPU_COST_ROUNDS (a multiple of 256 keeps the plugin's
+# every-n-th-call work in every phase alike), CPU_COST_WINDOW (1..32), CPU_COST_IDLE,
+# CPU_COST_WAIT_US, OUT, CPU_COST_REPORT_ONLY=1 (no runs: report again from the profiles
+# already in $OUT), and rxe-vm.sh's RXE_VM_*.
 set -Eeuo pipefail
 trap 'echo "cpu-cost: error: line $LINENO: \`$BASH_COMMAND\` failed (exit $?)" >&2; exit 1' ERR
 
@@ -43,13 +57,22 @@ for t in "${transports[@]}"; do
     exit 2
   }
 done
-IFS=, read -r n1 n2 <<<"${CPU_COST_MSGS:-2000,4000}"
-probe=${CPU_COST_PROBE:-4000}
-window=${CPU_COST_WINDOW:-8}
-[[ $n1 =~ ^[0-9]+$ && $n2 =~ ^[0-9]+$ && $n2 -gt $n1 && $n1 -gt 0 ]] || {
-  echo "cpu-cost: CPU_COST_MSGS must be N1,N2 with 0 < N1 < N2, not '${CPU_COST_MSGS:-}'" >&2
-  exit 2
+rounds=${CPU_COST_ROUNDS:-256}
+window=${CPU_COST_WINDOW:-1}
+idle=${CPU_COST_IDLE:-1}
+wait_us=${CPU_COST_WAIT_US:-}
+check_number() { # NAME VALUE MIN MAX
+  [[ $2 =~ ^[0-9]+$ && $2 -ge $3 && $2 -le $4 ]] || {
+    echo "cpu-cost: $1 must be a number in $3..$4, not '$2'" >&2
+    exit 2
+  }
 }
+check_number CPU_COST_ROUNDS "$rounds" 1 1000000
+check_number CPU_COST_WINDOW "$window" 1 32
+check_number CPU_COST_IDLE "$idle" 0 64
+[[ -z $wait_us ]] || check_number CPU_COST_WAIT_US "$wait_us" 0 1000000
+(( rounds % 256 == 0 )) ||
+  echo "cpu-cost: note: CPU_COST_ROUNDS=$rounds is not a multiple of 256: work the plugin does every n-th call may fall unevenly into the phases" >&2
 out=${OUT:-$root/target/perf/cpu-cost}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -70,48 +93,32 @@ lib=$rel/libnccl-net-erdma.so
 report=$out/cpu-cost.txt
 csv=$out/cpu-cost.csv
 : >"$report"
-echo "transport,side,plugin_ir_per_msg,plugin_work_ir_per_msg,libc_ir_per_msg,verbs_ir_per_msg,posts_per_msg,null_posts_per_msg,tests_per_msg,idle_tests_per_msg,plugin_allocs_per_msg" >"$csv"
+echo "transport,window,figure,calls,misses,plugin_ir,libc_ir,verbs_ir,driver_ir,allocs,lock_slow_paths" >"$csv"
 
-# Sums the profiles of DIR/{n1,n2,probe} and prints the report for NAME.
-analyze() { # NAME DIR
-  local name=$1 dir=$2 r f side
-  for r in n1 n2 probe; do
-    for f in "$dir/$r"/callgrind.*.out; do
-      [[ -e $f ]] || {
-        echo "cpu-cost: no callgrind profiles in $dir/$r" >&2
-        return 1
-      }
-      side=A
-      grep -q '^cmd:.* --connect ' "$f" && side=B
-      awk -v plugin='libnccl[-_]net[-_]erdma' -f scripts/perf/callgrind-sum.awk "$f" >"$dir/$r/$side.tsv"
-    done
-    # The bench's `stats` lines: the calls each side made.
-    awk '/^stats / {
-      side = ""
-      for (i = 2; i <= NF; i++) {
-        if ($i == "per_message:") break
-        split($i, kv, "=")
-        if (kv[1] == "side") { side = kv[2]; continue }
-        k = kv[1]; sub(/^(isend|irecv)/, "post", k)
-        if (side != "" && k ~ /^(post|post_null|test|test_idle)$/) printf "%s:%s\t%s\n", side, k, kv[2]
-      }
-    }' "$dir/$r/bench.log" >"$dir/$r/stats.tsv"
-    [[ -s $dir/$r/stats.tsv || $r == probe ]] || {
-      echo "cpu-cost: no stats lines in $dir/$r/bench.log" >&2
+# Sums each profile of DIR (one per phase) and prints the report for NAME (TRANSPORT in the CSV).
+analyze() { # TRANSPORT NAME DIR
+  local transport=$1 name=$2 dir=$3 f n args=()
+  [[ -s $dir/bench.log ]] || {
+    echo "cpu-cost: no bench output in $dir" >&2
+    return 1
+  }
+  grep '^script' "$dir/bench.log" >"$dir/script.txt" || true
+  grep -q '^script-phase ' "$dir/script.txt" || {
+    echo "cpu-cost: no script-phase lines in $dir/bench.log" >&2
+    return 1
+  }
+  for f in "$dir"/callgrind.*.out.*; do
+    [[ -e $f ]] || {
+      echo "cpu-cost: no callgrind profiles in $dir" >&2
       return 1
     }
+    n=${f##*.}
+    awk -v plugin='libnccl[-_]net[-_]erdma' -f scripts/perf/callgrind-sum.awk "$f" >"$dir/part.$n.tsv"
+    args+=("tag=$n" "$dir/part.$n.tsv")
   done
-  for f in n1/A n1/B n2/A n2/B probe/A probe/B; do
-    [[ -s $dir/$f.tsv ]] || {
-      echo "cpu-cost: missing profile $dir/$f (both sides must run under callgrind)" >&2
-      return 1
-    }
-  done
-  awk -v n1="$n1" -v n2="$n2" -v probe="$probe" -v name="$name" -v root="$root" -v csv="$csv" \
-    -f scripts/perf/cost-report.awk \
-    tag=A1 "$dir/n1/A.tsv" tag=A2 "$dir/n2/A.tsv" tag=B1 "$dir/n1/B.tsv" tag=B2 "$dir/n2/B.tsv" \
-    tag=PA "$dir/probe/A.tsv" tag=PB "$dir/probe/B.tsv" \
-    tag=S1 "$dir/n1/stats.tsv" tag=S2 "$dir/n2/stats.tsv" | tee -a "$report"
+  awk -v name="$name" -v transport="$transport" -v root="$root" -v csv="$csv" -f scripts/perf/cost-report.awk \
+    tag=S "$dir/script.txt" "${args[@]}" | tee -a "$report"
+  return "${PIPESTATUS[0]}"
 }
 
 status=0
@@ -119,8 +126,8 @@ for t in "${transports[@]}"; do
   dir=$out/$t
   if [[ ${CPU_COST_REPORT_ONLY:-0} == 1 ]]; then
     case $t in
-      tcp) analyze "tcp (host, loopback)" "$dir" || status=1 ;;
-      verbs) analyze "verbs (rxe0 in the Soft-RoCE VM)" "$dir" || status=1 ;;
+      tcp) analyze tcp "tcp (host, loopback)" "$dir" || status=1 ;;
+      verbs) analyze verbs "verbs (rxe0 in the Soft-RoCE VM)" "$dir" || status=1 ;;
     esac
     continue
   fi
@@ -129,13 +136,13 @@ for t in "${transports[@]}"; do
   t0=$SECONDS
   case $t in
     tcp)
-      echo "== cpu-cost: tcp on this host (loopback), $n1 and $n2 messages + idle probe under callgrind"
+      echo "== cpu-cost: tcp on this host (loopback), scripted run under callgrind"
       if ! NCCL_ERDMA_TRANSPORT=tcp NCCL_SOCKET_IFNAME=lo \
-        bash scripts/perf/cost-runs.sh "$bench" "$lib" "$dir" "$n1" "$n2" "$probe" "$window"; then
+        bash scripts/perf/cost-runs.sh "$bench" "$lib" "$dir" "$rounds" "$window" "$idle" "$wait_us"; then
         status=1
         continue
       fi
-      analyze "tcp (host, loopback)" "$dir" || status=1
+      analyze tcp "tcp (host, loopback)" "$dir" || status=1
       ;;
     verbs)
       echo "== cpu-cost: verbs on rxe0 in the Soft-RoCE VM, with this host's valgrind staged in"
@@ -157,7 +164,7 @@ for t in "${transports[@]}"; do
       cp "$vglib/callgrind-amd64-linux" "$vglib/vgpreload_core-amd64-linux.so" "$vglib/default.supp" "$stage/vg/lib/"
       # The inner command: the same runs as on the host, then the profiles back as base64.
       inner="export VALGRIND_LIB=/opt/work/vg/lib VALGRIND=/opt/work/vg/valgrind NCCL_ERDMA_TRANSPORT=verbs NCCL_IB_HCA==rxe0 COST_RUN_TIMEOUT=${COST_RUN_TIMEOUT:-900}
-bash cost-runs.sh ./nccl-net-bench ./libnccl-net-erdma.so /tmp/cost $n1 $n2 $probe $window || exit 1
+bash cost-runs.sh ./nccl-net-bench ./libnccl-net-erdma.so /tmp/cost $rounds $window $idle '$wait_us' || exit 1
 echo '--- cost-runs archive begin'
 tar -C /tmp/cost -czf - . | base64 -w 100
 echo '--- cost-runs archive end'"
@@ -174,7 +181,7 @@ echo '--- cost-runs archive end'"
       fi
       sed -n '/^--- cost-runs archive begin/,/^--- cost-runs archive end/p' "$vmlog" | sed '1d;$d' |
         base64 -d | tar -C "$dir" -xzf -
-      analyze "verbs (rxe0 in the Soft-RoCE VM)" "$dir" || status=1
+      analyze verbs "verbs (rxe0 in the Soft-RoCE VM)" "$dir" || status=1
       ;;
   esac
   echo "cpu-cost: $t took $((SECONDS - t0)) s"
@@ -184,11 +191,9 @@ done
   echo
   echo "== notes"
   echo "  Ir = instructions executed in user space (callgrind); the kernel (syscalls, rxe's soft"
-  echo "  RoCE in the VM) is not counted. 'work only' subtracts the measured idle calls (NULL"
-  echo "  isends, not-done tests) at the idle-probe cost per call; 'as measured' depends on how"
-  echo "  often a side polled while waiting for the other, which varies from run to run."
-  echo "  Target: verbs <= 1,500 Ir of the plugin's own code per message (isend + irecv + test,"
-  echo "  both sides): compare the 'both' column."
+  echo "  RoCE in the VM) is not counted. Targets (issue #18): an idle isend and an idle test at"
+  echo "  most 60 Ir of the plugin's own code each; WORK PER MESSAGE, both sides, at most 1,000;"
+  echo "  no allocations and no lock slow paths per message."
 } | tee -a "$report"
-echo "cpu-cost: report $report, csv $csv, profiles under $out/<transport>/{n1,n2,probe} ($((SECONDS - start)) s in all)"
+echo "cpu-cost: report $report, csv $csv, profiles under $out/<transport>/ ($((SECONDS - start)) s in all)"
 exit "$status"

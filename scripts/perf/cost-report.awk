@@ -1,41 +1,102 @@
-# The report of scripts/cpu-cost.sh: instructions per message from callgrind sums
-# (scripts/perf/callgrind-sum.awk) of two runs that differ only in their message count, and
-# the cost of idle calls from a third (the idle probe). Usage:
+# The report of scripts/cpu-cost.sh: instructions per call of each kind of plugin call, from
+# the profiles of one scripted run (scripts/perf/cost-runs.sh), one profile per phase and
+# each phase counting exactly one kind of call. Usage:
 #
-#   awk -v n1=2000 -v n2=4000 -v probe=4000 -v name=tcp -v root=/repo -v csv=FILE \
-#       -f cost-report.awk tag=A1 A1.tsv tag=A2 A2.tsv tag=B1 B1.tsv tag=B2 B2.tsv \
-#       tag=PA probeA.tsv tag=PB probeB.tsv tag=S1 stats1.tsv tag=S2 stats2.tsv
+#   awk -v name='tcp (host, loopback)' -v transport=tcp -v root=/repo -v csv=FILE \
+#       -f cost-report.awk \
+#       tag=S script.txt tag=1 part.1.tsv tag=2 part.2.tsv ...
 #
-# A is the sending side, B the receiving one; 1 and 2 the runs with n1 and n2 messages.
-# Every figure is (value at n2 - value at n1) / (n2 - n1): per message, with whatever the
-# runs share (setup, first-call costs, the bench's one-off work) cancelled.
+# script.txt: the bench's `script` lines (the run's settings, then per phase attempt
+# `script-phase n=N bin=B ... outcome_calls=C misses=M kept=yes|no`); part.N.tsv:
+# scripts/perf/callgrind-sum.awk's sums of profile N. Every figure is a phase's
+# instructions divided by the calls it counted: nothing is estimated or subtracted.
+#
+# Calls of other functions during the counted calls (allocations, lock slow paths, libc's
+# syscall wrappers) are the executions of each function's first instruction (entry:*), which
+# callgrind counts only while collecting, as it does instructions; its call counts (calls=)
+# also count calls made while not collecting, so they are not used.
 
-BEGIN { FS = "\t" }
+BEGIN {
+  FS = "\t"
+  nbins = split("isend irecv test_send test_recv isend_idle test_recv_idle", bins, " ")
+  label["isend"] = "isend, accepted (sender)"
+  label["irecv"] = "irecv, accepted (receiver)"
+  label["test_send"] = "test completing the send (sender)"
+  label["test_recv"] = "test completing the receive (receiver)"
+  label["isend_idle"] = "isend, idle: NULL (sender)"
+  label["test_recv_idle"] = "test, idle: not done (receiver)"
+  nwork = split("isend irecv test_send test_recv", workbins, " ")
+}
+
+# The bench's `script` lines: `word key=value ...`.
+tag == "S" {
+  nw = split($0, w, " ")
+  delete kv
+  for (i = 2; i <= nw; i++) {
+    eq = index(w[i], "=")
+    if (eq) kv[substr(w[i], 1, eq - 1)] = substr(w[i], eq + 1)
+  }
+  if (w[1] == "script") {
+    for (k in kv) hdr[k] = kv[k]
+  } else if (w[1] == "script-phase") {
+    b = kv["bin"]
+    attempts[b]++
+    if (kv["kept"] == "yes") {
+      part[b] = kv["n"]; calls[b] = kv["outcome_calls"] + 0; misses[b] = kv["misses"] + 0
+      other[b] = kv["other_misses"] + 0
+    } else {
+      rerun++
+    }
+  }
+  next
+}
 { v[tag, $1] = $2; keys[$1] = 1 }
 
-function per(side, key) { return (v[side "2", key] - v[side "1", key]) / (n2 - n1) }
-function both(key) { return per("A", key) + per("B", key) }
+# Per call of `bin`: the phase's count of `key` over the calls it counted.
+function pc(bin, key) { return calls[bin] ? v[part[bin], key] / calls[bin] : 0 }
+# Per message: the four calls of the work.
+function work(key,    i, s) {
+  s = 0
+  for (i = 1; i <= nwork; i++) s += pc(workbins[i], key)
+  return s
+}
 function short(path) {
   if (root != "" && index(path, root "/") == 1) path = substr(path, length(root) + 2)
   sub(/^\/rustc\/[0-9a-f]+\/library\//, "std:", path)
   sub(/^.*\/\.cargo\/registry\/src\/[^\/]+\//, "crate:", path)
   return path
 }
-function row(label, a, b) {
-  printf "  %-48s %9.0f %9.0f %9.0f\n", label, a, b, a + b
+function row(lbl, ncalls, nmiss, p, l, vb, d, al, sl) {
+  printf "  %-40s %5s %4s %7.0f %6.0f %6.0f %6.0f %6.2f %5.2f\n", lbl, ncalls, nmiss, p, l, vb, d, al, sl
 }
-# Work only: per message, less the idle calls at the probe's cost of `key` per idle call.
-function work(side, key) {
-  return per(side, key) - (side == "A" ? idle_a * v["PA", key] : idle_b * v["PB", key]) / probe
+function csvrow(fig, ncalls, nmiss, p, l, vb, d, al, sl) {
+  if (csv == "") return
+  printf "%s,%s,%s,%s,%s,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f\n", transport, hdr["window"], fig, ncalls, nmiss, p, l, vb, d, al, sl >> csv
 }
-# Prints the `n` largest per-message work-only values of keys starting with `prefix` (both
-# sides), with the as-measured value and each side's cost per idle call.
-function top(prefix, n, what,    k, i, j, cnt, key, val, t, lbl, fn) {
+# Every figure of one kind of call (or, for "work", per message) into the table and the CSV.
+function figure(b, lbl) {
+  if (b == "work") {
+    p = work("obj:plugin"); l = work("obj:libc"); vb = work("obj:verbs"); d = work("obj:bench")
+    al = work("entry-alloc:all"); sl = work("entry-slowlock:all"); nc = ""; nm = ""
+  } else {
+    p = pc(b, "obj:plugin"); l = pc(b, "obj:libc"); vb = pc(b, "obj:verbs"); d = pc(b, "obj:bench")
+    al = pc(b, "entry-alloc:all"); sl = pc(b, "entry-slowlock:all"); nc = calls[b]; nm = misses[b]
+  }
+  if (b != "work" && nc == 0) {
+    printf "  %-40s %5s %4s %7s %6s %6s %6s %6s %5s\n", lbl, 0, "-", "-", "-", "-", "-", "-", "-"
+    return
+  }
+  row(lbl, nc, nm, p, l, vb, d, al, sl)
+  csvrow(b == "work" ? "work_per_message" : b, nc, nm, p, l, vb, d, al, sl)
+}
+# The `n` functions or lines (keys starting with `prefix`) of the plugin with the most
+# self Ir, per call of each kind (work: per message), sorted by work + idle calls.
+function top(prefix, n, what,    k, i, j, cnt, key, t, val, lbl, fn) {
   cnt = 0
   for (k in keys) {
     if (index(k, prefix) != 1) continue
-    val = work("A", k) + work("B", k)
-    if (val < 0.5 && both(k) < 0.5) continue
+    val = work(k) + pc("isend_idle", k) + pc("test_recv_idle", k)
+    if (val < 0.5) continue
     cnt++; key[cnt] = k; t[cnt] = val
   }
   for (i = 2; i <= cnt; i++) {            # insertion sort, largest first
@@ -44,97 +105,68 @@ function top(prefix, n, what,    k, i, j, cnt, key, val, t, lbl, fn) {
       val = key[j]; key[j] = key[j - 1]; key[j - 1] = val
     }
   }
-  printf "  %8s %8s %7s %7s  %s\n", "work", "measured", "idleA", "idleB", (what == "line" ? "file:line  (function)" : "function")
+  if (what == "fn") {
+    printf "  %7s %7s %7s %7s %7s %7s %7s  %s\n", "work", "isend", "irecv", "test_s", "test_r", "isend0", "test0", "function"
+  } else {
+    printf "  %7s %7s %7s  %s\n", "work", "isend0", "test0", "file:line  (function)"
+  }
   for (i = 1; i <= cnt && i <= n; i++) {
-    lbl = substr(key[i], length(prefix) + 1)
-    printf "  %8.1f %8.1f %7.1f %7.1f  ", t[i], both(key[i]), v["PA", key[i]] / probe, v["PB", key[i]] / probe
-    if (what == "line") {
-      fn = v["A2", "pline_fn:" lbl]; if (fn == "") fn = v["B2", "pline_fn:" lbl]
-      printf "%s  (%s)\n", short(lbl), fn
+    k = key[i]
+    lbl = substr(k, length(prefix) + 1)
+    if (what == "fn") {
+      printf "  %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f %7.1f  %s\n", work(k), pc("isend", k), pc("irecv", k), pc("test_send", k), pc("test_recv", k), pc("isend_idle", k), pc("test_recv_idle", k), lbl
     } else {
-      printf "%s\n", lbl
+      fn = ""
+      for (j = 1; j <= nbins && fn == ""; j++) if (bins[j] in part) fn = v[part[bins[j]], "pline_fn:" lbl]
+      printf "  %7.1f %7.1f %7.1f  %s  (%s)\n", work(k), pc("isend_idle", k), pc("test_recv_idle", k), short(lbl), fn
     }
   }
 }
 
-function at2(side, key) { return v[side "2", key] / n2 }
-
 END {
-  d = n2 - n1
-  # Calls each side made per message (the bench's own counts): in the difference of the two
-  # runs, and in the N2 run alone.
-  postA = per("S", "A:post"); nullA = per("S", "A:post_null")
-  testA = per("S", "A:test"); idleA = per("S", "A:test_idle")
-  postB = per("S", "B:post"); nullB = per("S", "B:post_null")
-  testB = per("S", "B:test"); idleB = per("S", "B:test_idle")
-  # Cost of one idle call, the plugin's own code (and libc under it), from the probe.
-  c_isend = v["PA", "obj:plugin"] / probe; c_isend_libc = v["PA", "obj:libc"] / probe
-  c_test = v["PB", "obj:plugin"] / probe; c_test_libc = v["PB", "obj:libc"] / probe
-  c_isend_verbs = v["PA", "obj:verbs"] / probe; c_test_verbs = v["PB", "obj:verbs"] / probe
-
-  pa = per("A", "obj:plugin"); pb = per("B", "obj:plugin")
-  # Idle calls: A's NULL isends and idle tests at the idle-isend cost (both are a lock, a
-  # progress poll and a check); B's idle tests and NULL irecvs at the idle-test cost.
-  idle_a = nullA + idleA; idle_b = idleB + nullB
-  ia = (nullA + idleA) * c_isend; ib = (idleB + nullB) * c_test
-  ia_l = (nullA + idleA) * c_isend_libc; ib_l = (idleB + nullB) * c_test_libc
-  ia_v = (nullA + idleA) * c_isend_verbs; ib_v = (idleB + nullB) * c_test_verbs
-
-  printf "\n== %s: instructions per 8-byte message (callgrind Ir, user space)\n", name
-  printf "  per message = (Ir(%d messages) - Ir(%d messages)) / %d, unless marked 'N2 run'\n", n2, n1, d
-  printf "  %-48s %9s %9s %9s\n", "", "sender", "receiver", "both"
-  row("plugin's own code, as measured", pa, pb)
-  row("  of which idle polls (probe cost x calls)", ia, ib)
-  row("plugin's own code, WORK ONLY (no idle polls)", pa - ia, pb - ib)
-  row("plugin's own code, N2 run: Ir / N2", at2("A", "obj:plugin"), at2("B", "obj:plugin"))
-  row("libc under the plugin, as measured", per("A", "obj:libc"), per("B", "obj:libc"))
-  row("libc under the plugin, work only", per("A", "obj:libc") - ia_l, per("B", "obj:libc") - ib_l)
-  row("libibverbs + provider, as measured", per("A", "obj:verbs"), per("B", "obj:verbs"))
-  row("libibverbs + provider, work only", per("A", "obj:verbs") - ia_v, per("B", "obj:verbs") - ib_v)
-  row("benchmark's own loop (not the plugin)", per("A", "obj:bench"), per("B", "obj:bench"))
-  printf "  %-48s %9s %9s %9s %9s\n", "calls per message (the bench's counts)", "sender", "(N2 run)", "receiver", "(N2 run)"
-  printf "  %-48s %9.2f %9.2f %9.2f %9.2f\n", "  isend / irecv, accepted or NULL", postA, v["S2", "A:post"] / n2, postB, v["S2", "B:post"] / n2
-  printf "  %-48s %9.2f %9.2f %9.2f %9.2f\n", "    of which NULL (not now: idle)", nullA, v["S2", "A:post_null"] / n2, nullB, v["S2", "B:post_null"] / n2
-  printf "  %-48s %9.2f %9.2f %9.2f %9.2f\n", "  test", testA, v["S2", "A:test"] / n2, testB, v["S2", "B:test"] / n2
-  printf "  %-48s %9.2f %9.2f %9.2f %9.2f\n", "    of which not done (idle)", idleA, v["S2", "A:test_idle"] / n2, idleB, v["S2", "B:test_idle"] / n2
-  printf "  one idle call (probe, %d calls), Ir of plugin/libc/verbs: NULL isend %.0f/%.0f/%.0f, idle test %.0f/%.0f/%.0f\n", probe, c_isend, c_isend_libc, c_isend_verbs, c_test, c_test_libc, c_test_verbs
-  printf "  plugin entry points (per message: calls, inclusive Ir per call incl. libc/verbs):\n"
-  for (k in keys) {
-    if (k !~ /^ent:.*:calls$/) continue
-    base = substr(k, 1, length(k) - 6)
-    nm = substr(base, 5); sub(/^nccl_net_erdma::abi::tables::/, "", nm)
-    for (s = 0; s < 2; s++) {
-      side = s ? "B" : "A"
-      c = per(side, k)
-      if (c < 0.01) continue
-      printf "    %-8s %-12s %6.2f calls, %7.0f Ir/call\n", (side == "A" ? "sender" : "receiver"), nm, c, per(side, base ":ir") / c
+  for (i = 1; i <= nbins; i++) {
+    if (!(bins[i] in part)) {
+      printf "cost-report: no kept phase for %s in the bench's output\n", bins[i] > "/dev/stderr"
+      bad = 1
     }
   }
-  printf "  calls from the plugin into other libraries, per message (both sides):\n"
-  n = 0
-  for (k in keys) {
-    if (k !~ /^out:.*:calls$/) continue
-    c = both(k)
-    if (c < 0.01) continue
-    nm = substr(k, 5, length(k) - 10)
-    printf "    %-60s %6.2f\n", nm, c
+  if (bad) exit 1
+  printf "\n== %s: instructions per call, scripted run\n", name
+  printf "  %s-byte messages, %s per round, %s idle isend(s) and %s idle test(s) per message, %s rounds per\n", hdr["size"], hdr["window"], hdr["idle"], hdr["idle"], hdr["rounds"]
+  printf "  phase, one phase per kind of call, waits for the network %s us. Each figure: the phase's Ir\n", hdr["wait_us"] + 0
+  printf "  (callgrind, user space) or function entries / the calls it counted, all with the outcome named.\n"
+  printf "  %-40s %5s %4s %7s %6s %6s %6s %6s %5s\n", "kind of call", "calls", "miss", "plugin", "libc", "verbs", "driver", "allocs", "locks"
+  for (i = 1; i <= nbins; i++) {
+    b = bins[i]
+    figure(b, label[b])
+    if (b == "test_recv") figure("work", "WORK PER MESSAGE, both sides: the 4 above")
   }
-  alloc_p = both("alloc:plugin:calls"); alloc_all = 0; free_all = 0
-  for (k in keys) {
-    if (k ~ /^alloc:/) alloc_all += both(k)
-    if (k ~ /^free:/) free_all += both(k)
+  printf "  plugin: its own code (libnccl_net_erdma.so, with the std code compiled into it); libc, verbs\n"
+  printf "  (libibverbs + provider): called by it; driver: the bench's client code around the call;\n"
+  printf "  allocs: calls of malloc & co.; locks: lock slow paths (parking_lot *_slow, park, futex).\n"
+  for (i = 1; i <= nbins; i++) {
+    b = bins[i]
+    if (misses[b] > 0) printf "  WARNING: the %s phase kept %d miss(es): its figure includes %d call(s) that found the network not ready\n", b, misses[b], misses[b]
   }
-  slow = 0
-  for (k in keys) if (k ~ /^slowlock:/) slow += both(k)
-  printf "  allocations per message: %.4f by the plugin, %.4f in all (frees %.4f)\n", alloc_p, alloc_all, free_all
-  printf "  lock slow paths (parking_lot *_slow, park, futex) per message: %.4f; syscall() from the plugin: %.4f\n", slow, both("syscall:plugin:calls")
-  printf "  hot functions of the plugin: self Ir per message, both sides, work only and as measured;\n"
-  printf "  idleA/idleB: the function's Ir per idle call of the sender/receiver (probe)\n"
-  top("pfn:", 14, "fn")
+  printf "  phases rerun after a miss: %d; misses in calls not counted: %d\n", rerun + 0, othermiss()
+  printf "  functions of other libraries the plugin calls, calls per call (work: per message):\n"
+  printf "  %7s %7s %7s %7s %7s %7s %7s  %s\n", "work", "isend", "irecv", "test_s", "test_r", "isend0", "test0", "library:function"
+  for (k in keys) {
+    if (k !~ /^out:.*:ir$/) continue
+    nm = substr(k, 5, length(k) - 7)
+    e = "entry:" nm
+    if (work(e) + pc("isend_idle", e) + pc("test_recv_idle", e) < 0.005) continue
+    printf "  %7.2f %7.2f %7.2f %7.2f %7.2f %7.2f %7.2f  %s\n", work(e), pc("isend", e), pc("irecv", e), pc("test_send", e), pc("test_recv", e), pc("isend_idle", e), pc("test_recv_idle", e), nm
+  }
+  printf "  hot functions of the plugin, self Ir per call (work: per message, the four calls;\n"
+  printf "  isend0/test0: the idle isend and the idle test):\n"
+  top("pfn:", 16, "fn")
   printf "  hot source lines of the plugin (same columns):\n"
-  top("pline:", 22, "line")
-  if (csv != "") {
-    printf "%s,sender,%.0f,%.0f,%.0f,%.0f,%.2f,%.2f,%.2f,%.2f,%.4f\n", name, pa, pa - ia, per("A", "obj:libc"), per("A", "obj:verbs"), postA, nullA, testA, idleA, per("A", "alloc:plugin:calls") >> csv
-    printf "%s,receiver,%.0f,%.0f,%.0f,%.0f,%.2f,%.2f,%.2f,%.2f,%.4f\n", name, pb, pb - ib, per("B", "obj:libc"), per("B", "obj:verbs"), postB, nullB, testB, idleB, per("B", "alloc:plugin:calls") >> csv
-  }
+  top("pline:", 20, "line")
+}
+
+function othermiss(    i, s) {
+  s = 0
+  for (i = 1; i <= nbins; i++) s += other[bins[i]]
+  return s
 }

@@ -121,3 +121,57 @@ fn local_run_over_tcp_writes_table_csv_and_svg() {
         let _ = std::fs::remove_file(f);
     }
 }
+
+#[test]
+fn scripted_run_over_tcp_states_every_phase() {
+    // scripts/cpu-cost.sh's run, without callgrind: both ends in one process, one phase per
+    // kind of call after the warm-up, each with the calls it made and no misses (loopback
+    // delivers within the sending call).
+    let lib = nccl_net_erdma_tools::client::default_library();
+    let (code, out, _) = bench(&[
+        "--lib",
+        path(&lib),
+        "--script",
+        "4",
+        "--window",
+        "2",
+        "--script-idle",
+        "3",
+    ]);
+    assert_eq!(code, 0);
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(
+        lines[0].starts_with("script transport=tcp device=erdma-tcp-lo abi=11 size=8 window=2 idle=3 rounds=4 warmup=64 wait_us=0"),
+        "{out}"
+    );
+    assert_eq!(lines[1], "script-warmup n=1 rounds=64 misses=0");
+    let phases: Vec<&str> = lines
+        .iter()
+        .copied()
+        .filter(|l| l.starts_with("script-phase "))
+        .collect();
+    let want = [
+        ("isend", 8),
+        ("irecv", 8),
+        ("test_send", 8),
+        ("test_recv", 8),
+        ("isend_idle", 24),
+        ("test_recv_idle", 24),
+    ];
+    assert_eq!(phases.len(), want.len(), "{out}");
+    for (i, (line, (bin, calls))) in phases.iter().zip(want).enumerate() {
+        assert_eq!(
+            *line,
+            format!(
+                "script-phase n={} bin={bin} attempt=1 calls={calls} outcome_calls={calls} \
+                 misses=0 other_misses=0 kept=yes",
+                i + 2
+            )
+        );
+    }
+    assert_eq!(lines.last(), Some(&"script-done messages=176"));
+    // Not with the normal run's roles.
+    let (code, _, err) = bench(&["--script", "4", "--listen"]);
+    assert_eq!(code, 2);
+    assert!(err.contains("cannot be used with"), "{err}");
+}

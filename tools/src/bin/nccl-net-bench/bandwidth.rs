@@ -5,7 +5,7 @@
 //! in flight. Both count their plugin calls for `--stats`.
 //!
 //! The loops are always inlined into `crate::bw_send` / `crate::bw_recv`, the functions
-//! scripts/cpu-cost.sh counts instructions in (see main.rs).
+//! callgrind can count instructions in (see main.rs).
 
 use std::{ffi::c_int, time::Duration, time::Instant};
 
@@ -50,8 +50,8 @@ impl Calls {
         })
     }
 
-    /// One `stats` line: calls per message of `msgs` messages. scripts/cpu-cost.sh reads
-    /// its `key=value` words up to `per_message:`.
+    /// One `stats` line: calls per message of `msgs` messages; scripts may read its
+    /// `key=value` words up to `per_message:`.
     pub fn line(&self, size: usize, side: &str, post: &str, msgs: usize) -> String {
         let per = |n: u64| n as f64 / msgs.max(1) as f64;
         format!(

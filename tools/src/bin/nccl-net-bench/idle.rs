@@ -1,11 +1,12 @@
-//! `--idle-probe K`: the cost of the calls a poll loop makes while nothing can happen, for
-//! scripts/cpu-cost.sh, which splits the measured cost per message into idle polling and
-//! work. On connection 0, before the sizes: side A makes K `isend`s before the peer has
+//! `--idle-probe K`: the cost of the calls a poll loop makes while nothing can happen, to
+//! split the cost per message measured in the bandwidth loop into idle polling and work
+//! (scripts/cpu-cost.sh now counts each kind of call on its own: `--script`, [`crate::script`]).
+//! On connection 0, before the sizes: side A makes K `isend`s before the peer has
 //! posted a receive (each must return NULL), then side B posts one 8-byte receive and makes
 //! K `test`s of it before anything is sent; then the message goes through.
 //!
 //! The loops are always inlined into `crate::probe_idle_send` / `crate::probe_idle_recv`,
-//! the functions cpu-cost.sh counts instructions in (see main.rs).
+//! the functions callgrind can count instructions in (see main.rs).
 
 use std::ffi::c_int;
 

@@ -22,8 +22,11 @@
 //!
 //! The results go to a table on stdout, `--csv` and `--svg` ([`report`], [`plot`]).
 //!
+//! `--script R` is another mode: the scripted single-process run whose instructions
+//! scripts/cpu-cost.sh counts per kind of call ([`script`]).
+//!
 //! This file: the process roles (local, listening, connecting), `main`, and the functions
-//! scripts/cpu-cost.sh measures by name.
+//! of the bandwidth phase and the idle probe that callgrind can measure by name.
 
 mod args;
 mod bandwidth;
@@ -37,6 +40,7 @@ mod plot;
 mod plugin;
 mod poll;
 mod report;
+mod script;
 mod session;
 
 use std::{
@@ -62,10 +66,11 @@ use crate::{
 type Res<T> = Result<T, String>;
 
 // ---------------------------------------------------------------------------------------
-// The measured functions. scripts/perf/cost-runs.sh has callgrind count instructions only
-// while `nccl_net_bench::bw_send` / `bw_recv` / `probe_idle_send` / `probe_idle_recv` run
+// The measurable functions of the normal run: callgrind can count instructions only while
+// `nccl_net_bench::bw_send` / `bw_recv` / `probe_idle_send` / `probe_idle_recv` run
 // (`--toggle-collect` by symbol name), so these four keep those names at the crate root and
-// are never inlined; the loops, in their modules, are always inlined into them.
+// are never inlined; the loops, in their modules, are always inlined into them. (What
+// scripts/cpu-cost.sh counts are the scripted run's functions, in [`script`].)
 
 /// Side A of the bandwidth phase of `plan` ([`bandwidth::send`]).
 #[inline(never)]
@@ -187,7 +192,7 @@ fn run_local(o: &Options) -> Res<Report> {
         }
         _ => Command::new(&exe),
     };
-    // cpu-cost.sh tells the child's callgrind profile by `--connect` in its command line.
+    // A profile of the child is told by `--connect` in its command line.
     let child = cmd
         .arg("--connect")
         .arg(format!("127.0.0.1:{port}"))
@@ -268,6 +273,19 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let o = Options::from_env();
+    if o.script.is_some() {
+        let r = match o.cpus {
+            Some((a, _)) => pin_self(a),
+            None => Ok(()),
+        };
+        return match r.and_then(|()| script::run(&o)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("nccl-net-bench: error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let who = match o.role {
         Role::Connect(_) => "nccl-net-bench (connecting side)",
         _ => "nccl-net-bench",
