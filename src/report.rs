@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use crate::config::{AddrFamily, Config, SETTINGS};
 use crate::oob::iface;
 use crate::plugin::Plugin;
-use crate::transport::verbs::profile;
+use crate::transport::verbs::{self as verbs_transport, profile};
 use crate::verbs::device::{self, VerbsDevice};
 use crate::verbs::VerbsLib;
 
@@ -101,6 +101,15 @@ pub struct NcclDevice {
     pub ptr_support: i32,
 }
 
+/// Whether the plugin fuses NICs into one device, and why.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Fusion {
+    /// The NICs fused into one device (empty: each NIC is its own device).
+    pub members: Vec<String>,
+    /// Why (or why not).
+    pub reason: String,
+}
+
 /// The whole report.
 #[derive(Debug, Default)]
 pub struct Report {
@@ -118,6 +127,8 @@ pub struct Report {
     pub ports: Vec<Port>,
     /// GPUDirect RDMA readiness.
     pub gpudirect: GpuDirect,
+    /// NIC fusion (several NICs as one device whose connections use every rail).
+    pub fusion: Fusion,
     /// Every setting.
     pub settings: Vec<SettingEntry>,
     /// The transport `init` would pick, when it succeeds.
@@ -402,6 +413,44 @@ fn gpudirect(r: &mut Report, devices: &[VerbsDevice]) {
     }
 }
 
+fn fusion(r: &mut Report, devices: &[VerbsDevice], config: &Config) {
+    let usable: Vec<_> = devices
+        .iter()
+        .filter(|d| d.usable())
+        .map(verbs_transport::nic_info)
+        .collect();
+    if usable.is_empty() {
+        return;
+    }
+    let decided = verbs_transport::auto_fusion(config, &usable);
+    let members: Vec<String> = decided
+        .members
+        .iter()
+        .flatten()
+        .map(|&i| usable[i].name.clone())
+        .collect();
+    let mut lines = vec![decided.reason.clone()];
+    if !members.is_empty() {
+        lines.push(format!(
+            "NCCL sees one device {} over {} rails; large messages are striped over all of \
+             them",
+            members.join("+"),
+            members.len()
+        ));
+    } else if usable.len() > 1 {
+        lines.push(
+            "NCCL sees each NIC as its own device and may fuse them itself (makeVDevice, \
+             NCCL_NET_FORCE_MERGE)"
+                .into(),
+        );
+    }
+    r.section("NIC fusion", lines);
+    r.fusion = Fusion {
+        members,
+        reason: decided.reason,
+    };
+}
+
 /// Builds the report from this process's environment.
 pub fn collect() -> Report {
     let mut r = Report {
@@ -484,6 +533,7 @@ pub fn collect() -> Report {
             vec!["GIDs are chosen from IPv6 addresses (NCCL_IB_ADDR_FAMILY)".into()],
         );
     }
+    fusion(&mut r, &devices, &config);
     gpudirect(&mut r, &devices);
     r.settings = config
         .entries()

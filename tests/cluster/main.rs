@@ -124,8 +124,25 @@ fn each_rail_uses_a_gid_in_its_own_subnet() {
         assert_eq!(d["gid"], format!("198.18.{net}.{n}"), "{dev}'s GID: {d:#}");
         assert_eq!(d["used"], true);
     }
+    // Both rails fused when asked, and the report says so.
+    let out = std::process::Command::new(std::env::var("NCCL_ERDMA_INFO_BIN").unwrap())
+        .arg("--json")
+        .env("NCCL_ERDMA_FUSE_NICS", "1")
+        .output()
+        .expect("nccl-net-erdma-info");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    assert_eq!(
+        v["fusion"]["members"],
+        serde_json::json!(["rxe0", "rxe1"]),
+        "{v:#}"
+    );
+    assert_eq!(v["nccl"]["devices"][0]["name"], "rxe0+rxe1", "{v:#}");
     p.step("checked");
-    result(case, p.host, "outcome=rxe0 198.18.1.x, rxe1 198.18.2.x");
+    result(
+        case,
+        p.host,
+        "outcome=rxe0 198.18.1.x, rxe1 198.18.2.x; fused rxe0+rxe1 when asked",
+    );
 }
 
 #[test]

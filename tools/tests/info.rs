@@ -143,6 +143,9 @@ fn verbs_device_report() {
         &["NCCL_ERDMA_TRANSPORT"],
     );
     assert!(text.contains("clear-to-send batch 3,"), "{text}");
+    // One software device: no fusion, and the report says why.
+    assert!(text.contains("== NIC fusion"), "{text}");
+    assert!(text.contains("nothing to fuse"), "{text}");
     assert!(text.contains("transport: verbs"), "{text}");
     assert!(text.contains(&format!("device 0: {dev}")), "{text}");
     // A stale NCCL_IB_HCA is named, and the plugin cannot run with it.

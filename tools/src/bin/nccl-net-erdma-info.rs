@@ -55,6 +55,11 @@ fn to_json(r: &Report) -> Value {
         "bootstrap": r.bootstrap,
         "libibverbs": r.libibverbs,
         "devices": ports,
+        "fusion": {
+            "fused": !r.fusion.members.is_empty(),
+            "members": r.fusion.members,
+            "reason": r.fusion.reason,
+        },
         "gpudirect": {
             "nvidia_gpu": r.gpudirect.gpu,
             "peer_memory": r.gpudirect.peermem,
