@@ -228,10 +228,31 @@ pub(super) fn user_buffer(data: *mut c_void, size: usize) -> Result<UserBuffer> 
     Ok(unsafe { UserBuffer::new(data as *mut u8, size) })
 }
 
+/// A size as a version's C signature passes it: converted inside the boundary, and small, so
+/// the data path does not carry an error value into every call.
+#[derive(Clone, Copy)]
+pub(super) enum CSize {
+    /// `int` (v6-v8).
+    Int(c_int),
+    /// `size_t` (v9+).
+    SizeT(usize),
+}
+
+impl CSize {
+    #[inline(always)]
+    fn bytes(self) -> Result<usize> {
+        match self {
+            CSize::Int(s) => int_size(s),
+            CSize::SizeT(s) => Ok(s),
+        }
+    }
+}
+
+/// `isend` for any version.
 pub(super) fn isend(
     comm: *mut c_void,
     data: *mut c_void,
-    size: Result<usize>,
+    size: CSize,
     tag: c_int,
     mhandle: *mut c_void,
     phandle: *mut c_void,
@@ -243,7 +264,7 @@ pub(super) fn isend(
         unsafe { *request = std::ptr::null_mut() };
         // SAFETY: NCCL passes back a send comm we returned (checked by magic).
         let comm = unsafe { send_comm(comm)? };
-        let buf = user_buffer(data, size?)?;
+        let buf = user_buffer(data, size.bytes()?)?;
         if let Some(token) = comm.isend(buf, tag, mhandle as usize as u64)? {
             let event = NetEvent {
                 kind: 0,
@@ -270,7 +291,7 @@ pub(super) extern "C" fn isend_int(
     isend(
         comm,
         data,
-        int_size(size),
+        CSize::Int(size),
         tag,
         mhandle,
         std::ptr::null_mut(),
@@ -289,7 +310,7 @@ pub(super) extern "C" fn isend_size_t(
     isend(
         comm,
         data,
-        Ok(size),
+        CSize::SizeT(size),
         tag,
         mhandle,
         std::ptr::null_mut(),
@@ -306,7 +327,15 @@ pub(super) extern "C" fn isend_v10(
     phandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    isend(comm, data, Ok(size), tag, mhandle, phandle, request)
+    isend(
+        comm,
+        data,
+        CSize::SizeT(size),
+        tag,
+        mhandle,
+        phandle,
+        request,
+    )
 }
 
 /// `irecv` for any version; `size_at(i)` reads the i-th size in the version's integer type.

@@ -11,8 +11,8 @@ use std::sync::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    Completion, Listening, MemKeys, RecvEndpoint, SendEndpoint, MAX_P2P_BYTES, MAX_RECVS,
-    MAX_REQUESTS, MAX_SEND_REQUESTS,
+    Completion, Listening, RecvEndpoint, SendEndpoint, MAX_P2P_BYTES, MAX_REQUESTS,
+    MAX_SEND_REQUESTS,
 };
 
 use super::stats::{CommStats, Direction};
@@ -172,10 +172,9 @@ impl SendComm {
                 buf.len()
             )));
         }
-        let reg = self
-            .plugin
-            .registration(mhandle, self.dev, buf.addr(), buf.len())?;
-        let id = self.inner.isend(buf, tag, &reg.keys);
+        // Looked up only once the send is matched (see `BufferKeys`).
+        let keys = |_, out: &mut _| self.plugin.buffer_keys(mhandle, self.dev, buf, out);
+        let id = self.inner.isend(buf, tag, &keys);
         match id {
             Ok(None) => self.stats.waited(),
             Err(_) => self.stats.failed(),
@@ -231,19 +230,6 @@ impl RecvComm {
         (&self.plugin, self.dev)
     }
 
-    /// Looks up the registration of each buffer (up to `MAX_RECVS`).
-    #[inline(always)]
-    fn keys(&self, bufs: &[UserBuffer], mhandles: &[u64]) -> Result<[MemKeys; MAX_RECVS]> {
-        let mut keys = [MemKeys::default(); MAX_RECVS];
-        for ((buf, mh), k) in bufs.iter().zip(mhandles).zip(&mut keys) {
-            *k = self
-                .plugin
-                .registration(*mh, self.dev, buf.addr(), buf.len())?
-                .keys;
-        }
-        Ok(keys)
-    }
-
     /// `irecv` of `bufs.len()` (1..=8, checked by the boundary) buffers: `Ok(None)` when 32
     /// receives are in flight.
     #[inline(always)] // into the boundary: one call layer less per message
@@ -253,8 +239,9 @@ impl RecvComm {
         tags: &[i32],
         mhandles: &[u64],
     ) -> Result<Option<&RequestToken>> {
-        let keys = self.keys(bufs, mhandles)?;
-        let id = self.inner.irecv(bufs, tags, &keys[..bufs.len()]);
+        let keys =
+            |i: usize, out: &mut _| self.plugin.buffer_keys(mhandles[i], self.dev, bufs[i], out);
+        let id = self.inner.irecv(bufs, tags, &keys);
         if id.is_err() {
             self.stats.failed();
         }
@@ -267,8 +254,9 @@ impl RecvComm {
         bufs: &[UserBuffer],
         mhandles: &[u64],
     ) -> Result<Option<&RequestToken>> {
-        let keys = self.keys(bufs, mhandles)?;
-        let id = self.inner.iflush(bufs, &keys[..bufs.len()])?;
+        let keys =
+            |i: usize, out: &mut _| self.plugin.buffer_keys(mhandles[i], self.dev, bufs[i], out);
+        let id = self.inner.iflush(bufs, &keys)?;
         Ok(id.map(|id| &self.tokens[id]))
     }
 

@@ -26,11 +26,12 @@ use std::{
 
 use parking_lot::Mutex;
 
+use crate::buffer::UserBuffer;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::log::INIT;
 use crate::oob::{handle, iface, Handle, TransportKind, HANDLE_SIZE};
-use crate::transport::{self, Connecting, DeviceProps, Transport, PTR_CUDA, PTR_HOST};
+use crate::transport::{self, Connecting, DeviceProps, MemKeys, Transport, PTR_CUDA, PTR_HOST};
 use stages::Stages;
 
 pub(crate) use comm::{
@@ -311,39 +312,17 @@ impl Plugin {
         self.mrs.remove(handle).map(|_| ())
     }
 
-    /// The registration behind `mhandle`, checked to cover `addr..addr+len` on `dev`. The
-    /// data path calls it on every `isend`/`irecv`: inlined, with its errors out of line.
+    /// Fills `out` with the keys of `buf` on `dev`, registered as `mhandle` (checked to
+    /// cover it). The data path calls it once per buffer of an `isend`/`irecv`.
     #[inline(always)]
-    pub(crate) fn registration(
+    pub(crate) fn buffer_keys(
         &self,
         mhandle: u64,
         dev: usize,
-        addr: usize,
-        len: usize,
-    ) -> Result<Registration> {
-        let reg = self.mrs.get(mhandle)?;
-        if !reg.covers(addr, len) {
-            return Err(outside_registration(addr, len, &reg));
-        }
-        if reg.dev != dev && self.keys_per_device {
-            return Err(wrong_device(&reg, dev));
-        }
-        Ok(reg)
+        buf: UserBuffer,
+        out: &mut MemKeys,
+    ) -> Result<()> {
+        let dev = self.keys_per_device.then_some(dev);
+        self.mrs.keys(mhandle, buf.addr(), buf.len(), dev, out)
     }
-}
-
-#[cold]
-fn outside_registration(addr: usize, len: usize, reg: &Registration) -> Error {
-    Error::InvalidArgument(format!(
-        "buffer {addr:#x}+{len} lies outside its registration {:#x}+{}",
-        reg.addr, reg.len
-    ))
-}
-
-#[cold]
-fn wrong_device(reg: &Registration, dev: usize) -> Error {
-    Error::InvalidArgument(format!(
-        "buffer registered on device {} used on device {dev}",
-        reg.dev
-    ))
 }

@@ -47,10 +47,31 @@ impl Registration {
     }
 
     /// Whether `addr..addr+len` lies inside this registration.
-    #[inline]
+    #[cfg(test)]
     pub(crate) fn covers(&self, addr: usize, len: usize) -> bool {
-        len == 0 || (addr >= self.addr && addr.saturating_add(len) <= self.addr + self.len)
+        covers((self.addr, self.len, self.dev), addr, len)
     }
+}
+
+/// Whether `addr..addr+len` lies inside registration `(addr, len, device)`.
+#[inline(always)]
+fn covers(reg: (usize, usize, usize), addr: usize, len: usize) -> bool {
+    len == 0 || (addr >= reg.0 && addr.saturating_add(len) <= reg.0 + reg.1)
+}
+
+#[cold]
+fn outside_registration(addr: usize, len: usize, reg: (usize, usize, usize)) -> Error {
+    Error::InvalidArgument(format!(
+        "buffer {addr:#x}+{len} lies outside its registration {:#x}+{}",
+        reg.0, reg.1
+    ))
+}
+
+#[cold]
+fn wrong_device(registered: usize, dev: usize) -> Error {
+    Error::InvalidArgument(format!(
+        "buffer registered on device {registered} used on device {dev}"
+    ))
 }
 
 const CHUNK: usize = 1024;
@@ -68,6 +89,27 @@ struct Slot {
     kind: AtomicU64,
     /// `lkey` (low 32 bits) and `rkey` (high 32 bits) on each rail.
     keys: [AtomicU64; MAX_RAILS],
+}
+
+impl Slot {
+    /// The device registered on (the high 32 bits of `kind`).
+    #[inline(always)]
+    fn device(&self) -> usize {
+        (self.kind.load(Ordering::Relaxed) >> 32) as usize
+    }
+
+    /// Writes the keys into `out` (fresh): as many rails as were registered.
+    #[inline(always)]
+    fn keys_into(&self, out: &mut MemKeys) {
+        let kind = self.kind.load(Ordering::Relaxed);
+        let rails = ((kind >> 8) as u8).min(MAX_RAILS as u8);
+        out.rails = rails;
+        out.host = kind & 1 != 0;
+        for (to, from) in out.keys.iter_mut().zip(&self.keys[..usize::from(rails)]) {
+            let k = from.load(Ordering::Relaxed);
+            *to = (k as u32, (k >> 32) as u32);
+        }
+    }
 }
 
 #[derive(Default)]
@@ -152,38 +194,66 @@ impl MrTable {
         Ok(generation << 32 | (index as u64 + 1))
     }
 
-    /// Looks a handle up without taking a lock (inlined: the data path calls it per message).
+    /// Reads the slot of `handle` without taking a lock: `f` reads what it needs, which stands
+    /// only if the slot was live under this handle's generation before and after.
     #[inline(always)]
-    pub(crate) fn get(&self, handle: u64) -> Result<Registration> {
+    fn read<T>(&self, handle: u64, f: impl FnOnce(&Slot) -> T) -> Result<T> {
         let (index, generation) = split(handle).ok_or_else(|| unknown(handle))?;
         let slot = self.slot(index).ok_or_else(|| unknown(handle))?;
         let before = slot.state.load(Ordering::Acquire);
         if before != (generation << 2 | LIVE) {
             return Err(unknown(handle));
         }
-        let kind = slot.kind.load(Ordering::Relaxed);
-        let rails = ((kind >> 8) as u8).min(MAX_RAILS as u8);
-        let mut keys = MemKeys {
-            rails,
-            host: kind & 1 != 0,
-            ..MemKeys::default()
-        };
-        for (to, from) in keys.keys.iter_mut().zip(&slot.keys[..usize::from(rails)]) {
-            let k = from.load(Ordering::Relaxed);
-            *to = (k as u32, (k >> 32) as u32);
-        }
-        let reg = Registration {
-            addr: slot.addr.load(Ordering::Relaxed) as usize,
-            len: slot.len.load(Ordering::Relaxed) as usize,
-            dev: (kind >> 32) as usize,
-            keys,
-        };
+        let v = f(slot);
         fence(Ordering::Acquire);
         if slot.state.load(Ordering::Relaxed) != before {
             // Released (and perhaps reused) while we read it.
             return Err(unknown(handle));
         }
-        Ok(reg)
+        Ok(v)
+    }
+
+    /// Looks a handle up.
+    pub(crate) fn get(&self, handle: u64) -> Result<Registration> {
+        self.read(handle, |slot| Registration {
+            addr: slot.addr.load(Ordering::Relaxed) as usize,
+            len: slot.len.load(Ordering::Relaxed) as usize,
+            dev: slot.device(),
+            keys: {
+                let mut keys = MemKeys::default();
+                slot.keys_into(&mut keys);
+                keys
+            },
+        })
+    }
+
+    /// Fills `out` (fresh) with the keys of `addr..addr+len` registered as `handle`, on
+    /// device `dev` when given: the data path's lookup, once per buffer (inlined, its errors
+    /// out of line).
+    #[inline(always)]
+    pub(crate) fn keys(
+        &self,
+        handle: u64,
+        addr: usize,
+        len: usize,
+        dev: Option<usize>,
+        out: &mut MemKeys,
+    ) -> Result<()> {
+        let reg = self.read(handle, |slot| {
+            slot.keys_into(out);
+            (
+                slot.addr.load(Ordering::Relaxed) as usize,
+                slot.len.load(Ordering::Relaxed) as usize,
+                slot.device(),
+            )
+        })?;
+        if !covers(reg, addr, len) {
+            return Err(outside_registration(addr, len, reg));
+        }
+        if dev.is_some_and(|d| d != reg.2) {
+            return Err(wrong_device(reg.2, dev.unwrap_or(0)));
+        }
+        Ok(())
     }
 
     /// Releases a handle (dropping what held its MR).

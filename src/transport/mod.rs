@@ -95,6 +95,48 @@ impl MemKeys {
     }
 }
 
+/// Where a call finds the keys of its buffer `i`: looked up only when the transport needs
+/// them, once per buffer. NCCL retries `isend` until the receiver's clear-to-send has come,
+/// and a retry that finds none should cost no lookup; `irecv` looks up only the buffers it
+/// has. (The plugin passes a lookup of NCCL's handles; tests pass the keys themselves.)
+pub(crate) trait BufferKeys {
+    /// Fills `out` (a fresh `MemKeys`) with the keys of buffer `i`, or returns the error of
+    /// a handle that does not cover it. Filled in place: a 68-byte value returned through
+    /// the lookup's layers cost more than the lookup itself.
+    fn keys(&self, i: usize, out: &mut MemKeys) -> Result<()>;
+}
+
+impl<F: Fn(usize, &mut MemKeys) -> Result<()>> BufferKeys for F {
+    #[inline(always)]
+    fn keys(&self, i: usize, out: &mut MemKeys) -> Result<()> {
+        self(i, out)
+    }
+}
+
+#[cfg(test)]
+impl BufferKeys for MemKeys {
+    fn keys(&self, _: usize, out: &mut MemKeys) -> Result<()> {
+        *out = *self;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+impl<const N: usize> BufferKeys for [MemKeys; N] {
+    fn keys(&self, i: usize, out: &mut MemKeys) -> Result<()> {
+        *out = self[i];
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+impl BufferKeys for Vec<MemKeys> {
+    fn keys(&self, i: usize, out: &mut MemKeys) -> Result<()> {
+        *out = self[i];
+        Ok(())
+    }
+}
+
 /// What keeps a registration alive; dropped at deregistration.
 pub(crate) type Hold = Box<dyn Any + Send + Sync>;
 
@@ -193,9 +235,10 @@ pub(crate) trait Connecting: Send {
 pub(crate) trait SendEndpoint: Send + Sync {
     /// The peer, for messages.
     fn peer(&self) -> String;
-    /// Posts a send of `buf` (registered as `mem`); `Ok(None)` until the receiver has posted a
+    /// Posts a send of `buf` (its keys asked of `keys` once the send is matched: an error
+    /// there fails the call, not the comm); `Ok(None)` until the receiver has posted a
     /// matching receive. Returns a request id below `MAX_SEND_REQUESTS`.
-    fn isend(&self, buf: UserBuffer, tag: i32, mem: &MemKeys) -> Result<Option<usize>>;
+    fn isend(&self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>>;
     /// Tests send request `id`.
     fn test(&self, id: usize) -> Result<Option<Completion>>;
     /// What the comm's close summary adds (e.g. per-rail counters).
@@ -208,11 +251,18 @@ pub(crate) trait SendEndpoint: Send + Sync {
 pub(crate) trait RecvEndpoint: Send + Sync {
     /// The peer, for messages.
     fn peer(&self) -> String;
-    /// Posts a grouped receive of `bufs` (1..=8, registered as `mem`) with `tags`;
-    /// `Ok(None)` when 32 are in flight. Returns a request id below `2 * MAX_REQUESTS`.
-    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], mem: &[MemKeys]) -> Result<Option<usize>>;
-    /// Posts a flush of received GPU data; `Ok(None)` when nothing needs one.
-    fn iflush(&self, bufs: &[UserBuffer], mem: &[MemKeys]) -> Result<Option<usize>>;
+    /// Posts a grouped receive of `bufs` (1..=8, their keys asked of `keys`: an error there
+    /// fails the call, not the comm) with `tags`; `Ok(None)` when 32 are in flight. Returns a
+    /// request id below `2 * MAX_REQUESTS`.
+    fn irecv(
+        &self,
+        bufs: &[UserBuffer],
+        tags: &[i32],
+        keys: &dyn BufferKeys,
+    ) -> Result<Option<usize>>;
+    /// Posts a flush of received GPU data in `bufs` (keys as for `irecv`); `Ok(None)` when
+    /// nothing needs one.
+    fn iflush(&self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>>;
     /// Tests receive or flush request `id`.
     fn test(&self, id: usize) -> Result<Option<Completion>>;
     /// What the comm's close summary adds (e.g. clear-to-send batching, per-rail counters).
@@ -290,6 +340,12 @@ impl Failure {
     #[cold]
     pub(crate) fn note(&mut self, e: &Error) {
         self.set(e.to_string());
+    }
+
+    /// Whether the comm has failed.
+    #[inline(always)]
+    pub(crate) fn is_set(&self) -> bool {
+        self.0.is_some()
     }
 
     #[inline]

@@ -107,14 +107,16 @@ impl<T: Copy, R> DmaBuffer<T, R> {
         self.layout.size()
     }
 
-    /// Reads element `i` as the NIC last wrote it.
+    /// Reads element `i`, which the NIC has finished writing (a peer's write announced by the
+    /// sequence number [`Self::get_u64`] read, or one whose completion was polled).
+    #[inline(always)]
     pub(crate) fn get(&self, i: usize) -> T {
         assert!(i < self.len);
-        // SAFETY: i < len inside our allocation; volatile because the NIC writes it.
-        let v = unsafe { std::ptr::read_volatile(self.ptr.add(i)) };
-        // Later reads of the data this entry announces must not move before this one.
+        // Nothing here may move before the read that said the element has landed.
         atomic::fence(atomic::Ordering::Acquire);
-        v
+        // SAFETY: i < len inside our allocation. A plain read: nothing writes the element
+        // now, and it lets the compiler load only the fields the caller uses.
+        unsafe { std::ptr::read(self.ptr.add(i)) }
     }
 
     /// Reads the `u64` at byte `offset` of element `i` as the NIC last wrote it, before any
@@ -135,11 +137,13 @@ impl<T: Copy, R> DmaBuffer<T, R> {
         v
     }
 
-    /// Writes element `i`.
+    /// Writes element `i`, for the NIC to read once a work request naming it is posted.
+    #[inline(always)]
     pub(crate) fn set(&self, i: usize, v: T) {
         assert!(i < self.len);
-        // SAFETY: i < len inside our allocation; volatile because the NIC reads it.
-        unsafe { std::ptr::write_volatile(self.ptr.add(i), v) };
+        // SAFETY: i < len inside our allocation. A plain write: the NIC reads it only after
+        // the post, a call into the provider that no write can be moved across.
+        unsafe { std::ptr::write(self.ptr.add(i), v) };
     }
 
     /// Address of element `i`, for work requests.

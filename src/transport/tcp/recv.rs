@@ -18,7 +18,7 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, Completion, Failure, MemKeys, RecvEndpoint, MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, BufferKeys, Completion, Failure, MemKeys, RecvEndpoint, MAX_RECVS, MAX_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -107,18 +107,30 @@ impl RecvEndpoint for TcpRecvComm {
         self.inner.lock().peer.to_string()
     }
 
-    fn iflush(&self, _bufs: &[UserBuffer], _mem: &[MemKeys]) -> Result<Option<usize>> {
-        // Data is copied by the CPU: nothing to flush.
+    fn iflush(&self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>> {
+        // Data is copied by the CPU: nothing to flush (but NCCL's handles must be sound).
+        for i in 0..bufs.len() {
+            keys.keys(i, &mut MemKeys::default())?;
+        }
         Ok(None)
     }
 
     /// Posts a grouped receive; `Ok(None)` when 32 are already in flight.
-    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], _mem: &[MemKeys]) -> Result<Option<usize>> {
+    fn irecv(
+        &self,
+        bufs: &[UserBuffer],
+        tags: &[i32],
+        keys: &dyn BufferKeys,
+    ) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.failure.check()?;
         let slot = s.next_seq as usize % MAX_REQUESTS;
         if s.reqs[slot].state != RecvState::Free {
             return Ok(None);
+        }
+        // Sockets need no keys, but NCCL's handles must cover its buffers.
+        for i in 0..bufs.len() {
+            keys.keys(i, &mut MemKeys::default())?;
         }
         let seq = s.next_seq;
         let n = bufs.len();

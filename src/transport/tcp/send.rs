@@ -17,7 +17,7 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, Completion, Failure, MemKeys, SendEndpoint, MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, BufferKeys, Completion, Failure, MemKeys, SendEndpoint, MAX_RECVS, MAX_REQUESTS,
     MAX_SEND_REQUESTS,
 };
 
@@ -112,7 +112,7 @@ impl SendEndpoint for TcpSendComm {
     }
 
     /// Posts a send; `Ok(None)` until the receiver has posted a matching receive.
-    fn isend(&self, buf: UserBuffer, tag: i32, _mem: &MemKeys) -> Result<Option<usize>> {
+    fn isend(&self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.progress();
         s.failure.check()?;
@@ -127,6 +127,10 @@ impl SendEndpoint for TcpSendComm {
         else {
             return Ok(None);
         };
+        // Sockets need no keys, but a handle that does not cover the buffer is NCCL's error
+        // on every transport.
+        keys.keys(0, &mut MemKeys::default())?;
+        let group = &mut s.cts[g];
         group.matched |= 1 << entry;
         let (group_seq, posted) = (group.seq, group.sizes[entry]);
         if group.matched.count_ones() as usize == group.n {

@@ -20,7 +20,9 @@ use super::wire::{
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
-use crate::transport::{not_in_flight, Completion, Failure, MemKeys, RecvEndpoint, MAX_RECVS};
+use crate::transport::{
+    not_in_flight, BufferKeys, Completion, Failure, MemKeys, RecvEndpoint, MAX_RECVS,
+};
 use crate::verbs::dma::{DmaBuffer, SendChain, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
 
@@ -150,7 +152,7 @@ impl<N: Nic> RecvState<N> {
         &mut self,
         bufs: &[UserBuffer],
         tags: &[i32],
-        mem: &[MemKeys],
+        keys: &dyn BufferKeys,
     ) -> Result<Option<usize>> {
         self.failure.check()?;
         // No CQ poll here: `test` polls, and a free slot depends only on `test`.
@@ -162,7 +164,10 @@ impl<N: Nic> RecvState<N> {
         if self.slots[slot].busy {
             return Ok(None);
         }
-        let r = self.post_receive(slot, bufs, tags, mem);
+        // A handle that does not cover its buffer fails the call, not the comm: nothing is
+        // posted before every key is known.
+        self.announce(slot, bufs, tags, keys)?;
+        let r = self.post_receive(slot, bufs);
         self.polled = false;
         self.failure.record(r)?;
         Ok(Some(slot))
@@ -170,7 +175,7 @@ impl<N: Nic> RecvState<N> {
 
     /// `iflush` of the last non-empty buffer, on every rail; `Ok(None)` when there is nothing
     /// to flush.
-    fn iflush(&mut self, bufs: &[UserBuffer], mem: &[MemKeys]) -> Result<Option<usize>> {
+    fn iflush(&mut self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>> {
         self.failure.check()?;
         if self.rails[0].flush_qp.is_none() {
             return Ok(None);
@@ -178,6 +183,8 @@ impl<N: Nic> RecvState<N> {
         let Some(last) = (0..bufs.len()).rev().find(|&i| !bufs[i].is_empty()) else {
             return Ok(None);
         };
+        let mut mem = MemKeys::default();
+        keys.keys(last, &mut mem)?;
         // NULL would tell NCCL "no flush needed" and it would not retry, so a busy slot
         // (a flush of another sub still untested) means taking the next free one. NCCL keeps
         // at most 32 requests in flight per comm, so one is free unless the caller broke that.
@@ -197,7 +204,7 @@ impl<N: Nic> RecvState<N> {
                 1,
                 self.flush_target.lkey(r),
                 bufs[last].addr() as u64,
-                mem[last].rkey(r),
+                mem.rkey(r),
             );
             self.chain.finish(WrKind::Flush.id(fslot), 0);
             let posted = self.chain.post(&*rail.nic, flush_qp);
@@ -210,12 +217,10 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// `test` of receive or flush request `id`.
+    #[inline(always)]
     fn test(&mut self, id: usize) -> Result<Option<Completion>> {
-        if id >= FLUSH_ID_BASE {
-            return self.test_flush(id - FLUSH_ID_BASE);
-        }
         if !self.slots.get(id).is_some_and(|st| st.busy) {
-            return Err(not_in_flight("receive", id));
+            return self.test_flush(id);
         }
         self.polled = true;
         // As for sends, the CQ is polled only for a receive not yet known to be done.
@@ -224,29 +229,41 @@ impl<N: Nic> RecvState<N> {
             let _ = self.failure.record(r);
             // A receive still waiting needs its clear-to-send at the sender, and the sender
             // should keep holding a few.
-            if self.cts_held(id) || self.announced < CTS_HOLD_MIN {
+            if self.cts_posted != self.seq && (self.cts_held(id) || self.announced < CTS_HOLD_MIN) {
                 let r = self.post_pending_cts();
                 self.failure.record(r)?;
             }
-        }
-        if self.slots[id].imm_pending > 0 {
-            self.failure.check()?;
-            if !self.rails[0].cq.peer_gone {
-                return Ok(None);
-            }
-            // Completions the peer caused before it left are already in the CQ: look once
-            // more before calling the request lost.
-            let r = self.progress();
-            let _ = self.failure.record(r);
             if self.slots[id].imm_pending > 0 {
-                let e = self.rails[0].cq.gone_error(&self.peer);
-                return self.failure.record(Err(e));
+                if !self.failure.is_set() && !self.rails[0].cq.peer_gone {
+                    return Ok(None);
+                }
+                return self.receive_lost(id);
             }
         }
         self.finish_receive(id)
     }
 
-    fn test_flush(&mut self, f: usize) -> Result<Option<Completion>> {
+    /// Receive `id` has not finished and the comm failed or the peer is gone.
+    #[cold]
+    fn receive_lost(&mut self, id: usize) -> Result<Option<Completion>> {
+        self.failure.check()?;
+        // Completions the peer caused before it left are already in the CQ: look once more
+        // before calling the request lost.
+        let r = self.progress();
+        let _ = self.failure.record(r);
+        if self.slots[id].imm_pending > 0 {
+            let e = self.rails[0].cq.gone_error(&self.peer);
+            return self.failure.record(Err(e));
+        }
+        self.finish_receive(id)
+    }
+
+    /// `test` of flush request `id` (a receive not in flight is NCCL's error).
+    #[inline(never)] // flushes (GPUDirect only) stay off the receive's path
+    fn test_flush(&mut self, id: usize) -> Result<Option<Completion>> {
+        let Some(f) = id.checked_sub(FLUSH_ID_BASE) else {
+            return Err(not_in_flight("receive", id));
+        };
         if matches!(self.flush_slots.get(f), Some(FlushSlot::Pending(_))) {
             let r = self.progress();
             let _ = self.failure.record(r);
@@ -297,6 +314,14 @@ impl<N: Nic> RecvState<N> {
     /// (the sender cut them as `post_slot` does).
     fn count_rails(&mut self, (first, used, seq): QpSpan, c: &Completion) {
         let rails = self.rails.len();
+        if used == 1 {
+            // All of it on one QP (the common case: no piece arithmetic).
+            let bytes = c.bytes();
+            let stats = &mut self.rails[first % rails].stats;
+            stats.bytes += bytes;
+            stats.messages += u64::from(bytes > 0);
+            return;
+        }
         for k in 0..used {
             let q = self.plan.qp_of_piece(seq, first, used, k);
             let bytes: u64 = c.sizes[..c.n]
@@ -309,13 +334,32 @@ impl<N: Nic> RecvState<N> {
         }
     }
 
-    fn post_receive(
+    /// Writes free `slot`'s clear-to-send entries, one per buffer (into local memory: the
+    /// sender sees them once posted).
+    fn announce(
         &mut self,
         slot: usize,
         bufs: &[UserBuffer],
         tags: &[i32],
-        mem: &[MemKeys],
+        keys: &dyn BufferKeys,
     ) -> Result<()> {
+        let n = bufs.len();
+        for (i, b) in bufs.iter().enumerate() {
+            let mut mem = MemKeys::default();
+            keys.keys(i, &mut mem)?;
+            let mut rkeys = [0; MAX_RAILS];
+            for (r, k) in rkeys.iter_mut().enumerate().take(self.rails.len()) {
+                *k = mem.rkey(r);
+            }
+            let entry = CtsEntry::new(b.addr() as u64, b.len(), rkeys, tags[i], n, self.seq);
+            self.cts_local.set(cts_index(slot, i), entry);
+        }
+        Ok(())
+    }
+
+    /// Posts receive `slot` (announced) on the QPs it uses, then its clear-to-send unless
+    /// held back.
+    fn post_receive(&mut self, slot: usize, bufs: &[UserBuffer]) -> Result<()> {
         let n = bufs.len();
         let rails = self.rails.len();
         // The sender decides from the first entry's size, saturated as the entry holds it.
@@ -325,14 +369,6 @@ impl<N: Nic> RecvState<N> {
             let (r, i) = locate(q, rails);
             let rail = &self.rails[r];
             rail.nic.post_recv(&rail.qps[i], WrKind::Recv.id(slot))?;
-        }
-        for (i, b) in bufs.iter().enumerate() {
-            let mut rkeys = [0; MAX_RAILS];
-            for (r, k) in rkeys.iter_mut().enumerate().take(rails) {
-                *k = mem[i].rkey(r);
-            }
-            let entry = CtsEntry::new(b.addr() as u64, b.len(), rkeys, tags[i], n, self.seq);
-            self.cts_local.set(cts_index(slot, i), entry);
         }
         self.slots[slot] = RecvSlot {
             busy: true,
@@ -516,12 +552,17 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         self.inner.lock().peer.clone()
     }
 
-    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], mem: &[MemKeys]) -> Result<Option<usize>> {
-        self.inner.lock().irecv(bufs, tags, mem)
+    fn irecv(
+        &self,
+        bufs: &[UserBuffer],
+        tags: &[i32],
+        keys: &dyn BufferKeys,
+    ) -> Result<Option<usize>> {
+        self.inner.lock().irecv(bufs, tags, keys)
     }
 
-    fn iflush(&self, bufs: &[UserBuffer], mem: &[MemKeys]) -> Result<Option<usize>> {
-        self.inner.lock().iflush(bufs, mem)
+    fn iflush(&self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>> {
+        self.inner.lock().iflush(bufs, keys)
     }
 
     fn test(&self, id: usize) -> Result<Option<Completion>> {

@@ -19,7 +19,9 @@ use super::wire::{
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
-use crate::transport::{not_in_flight, Completion, Failure, MemKeys, SendEndpoint, MAX_RECVS};
+use crate::transport::{
+    not_in_flight, BufferKeys, Completion, Failure, MemKeys, SendEndpoint, MAX_RECVS,
+};
 use crate::verbs::dma::{DmaBuffer, SendChain};
 use crate::verbs::nic::{Nic, QueuePair};
 
@@ -146,21 +148,24 @@ impl<N: Nic> SendState<N> {
         }
     }
 
-    /// `isend` (see the module doc); returns the request id `slot * 8 + entry`.
+    /// Whether the next slot's previous use is tested and the receiver's clear-to-send for
+    /// it has landed: one load of the FIFO decides "not yet", as in NCCL's IB transport.
+    /// An entry's sequence number is read first and alone, the rest only once it matches.
     #[inline(always)]
-    fn isend(&mut self, buf: UserBuffer, tag: i32, mem: &MemKeys) -> Result<Option<usize>> {
+    fn clear_to_send(&self) -> bool {
+        let slot = (self.seq % SLOTS as u64) as usize;
+        let st = &self.slots[slot];
+        !(st.busy && st.posted) && cts_landed(&self.fifo, cts_index(slot, 0)) == self.seq + 1
+    }
+
+    /// `isend` once [`Self::clear_to_send`] (see the module doc); returns the request id
+    /// `slot * 8 + entry`.
+    #[inline(never)] // keeps the idle path, which does not get here, small
+    fn isend(&mut self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>> {
         self.failure.check()?;
         let slot = (self.seq % SLOTS as u64) as usize;
         let want = self.seq + 1;
         let base = cts_index(slot, 0);
-        // The previous use of this slot must be tested, and the receiver's clear-to-send for
-        // this one must have landed: one load decides, as in NCCL's IB transport. An entry's
-        // sequence number is read first and alone, the rest only once it matches.
-        if (self.slots[slot].busy && self.slots[slot].posted)
-            || cts_landed(&self.fifo, base) != want
-        {
-            return self.nothing_to_post();
-        }
         let first = self.fifo.get(base);
         let n = first.nreqs as usize;
         if n == 0 || n > MAX_RECVS {
@@ -194,6 +199,8 @@ impl<N: Nic> SendState<N> {
         let Some((e, room)) = found else {
             return self.nothing_to_post();
         };
+        let mut mem = MemKeys::default();
+        keys.keys(0, &mut mem)?;
         let st = &mut self.slots[slot];
         st.matched |= 1 << e;
         st.sizes[e] = buf.len();
@@ -255,15 +262,23 @@ impl<N: Nic> SendState<N> {
         Ok(None)
     }
 
-    /// `isend` found nothing to post. Keeps completions, the peer watch and the watchdog
-    /// moving now and then, without paying for a CQ poll on every "not yet".
-    #[inline(never)]
+    /// `isend` found nothing to post. Every 16th such call keeps completions, the peer
+    /// watch and the watchdog moving, without a CQ poll on every "not yet"; a failed comm
+    /// returns its error.
+    #[inline(always)]
     fn nothing_to_post(&mut self) -> Result<Option<usize>> {
         self.idle_calls = self.idle_calls.wrapping_add(1);
-        if self.idle_calls % 16 == 0 {
-            let r = self.progress(true);
-            self.failure.record(r)?;
+        if self.idle_calls % 16 == 0 || self.failure.is_set() {
+            return self.look_around();
         }
+        Ok(None)
+    }
+
+    #[inline(never)]
+    fn look_around(&mut self) -> Result<Option<usize>> {
+        let r = self.progress(true);
+        self.failure.record(r)?;
+        self.failure.check()?;
         if self.rails[0].cq.peer_gone {
             let e = self.rails[0].cq.gone_error(&self.peer);
             return self.failure.record(Err(e));
@@ -331,7 +346,7 @@ impl<N: Nic> SendState<N> {
         let (first_qp, used) = plan.qps(self.seq, self.slots[slot].room);
         let base = cts_index(slot, 0);
         let st = &self.slots[slot];
-        let (_, remote_rkeys, remote_rails) = self.remote_sizes;
+        let remote_rails = self.remote_sizes.2;
         if n == 1 && used == 1 && st.trunc == 0 {
             // The common case: one WRITE_WITH_IMM carrying the data and its size.
             let e = self.fifo.get(base);
@@ -408,7 +423,7 @@ impl<N: Nic> SendState<N> {
                     (4 * n) as u32,
                     self.sizes_local.lkey(r),
                     self.remote_sizes.0 + (base * 4) as u64,
-                    remote_rkeys[remote_rail],
+                    self.remote_sizes.1[remote_rail],
                     slot as u32,
                 );
             }
@@ -492,8 +507,13 @@ impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
         self.inner.lock().peer.clone()
     }
 
-    fn isend(&self, buf: UserBuffer, tag: i32, mem: &MemKeys) -> Result<Option<usize>> {
-        self.inner.lock().isend(buf, tag, mem)
+    fn isend(&self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>> {
+        let mut s = self.inner.lock();
+        if s.clear_to_send() {
+            s.isend(buf, tag, keys)
+        } else {
+            s.nothing_to_post()
+        }
     }
 
     fn test(&self, id: usize) -> Result<Option<Completion>> {

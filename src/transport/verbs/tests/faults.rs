@@ -229,3 +229,26 @@ fn a_connect_to_a_device_of_another_link_layer_is_refused_with_both_names() {
     assert!(msg.contains("link layer mismatch"), "{msg}");
     assert!(msg.contains("NCCL_IB_HCA"), "{msg}");
 }
+
+#[test]
+fn a_bad_handle_fails_only_its_call_and_a_send_meets_it_once_matched() {
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 5);
+    let bad = |_: usize, _: &mut MemKeys| -> Result<()> { Err(Error::Misuse("bad handle".into())) };
+    // A receive with a bad handle posts nothing.
+    let e = c.recv.irecv(&[dst.whole()], &[2], &bad).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Internal);
+    // A send looks its handle up once a receive matches it (as NCCL's IB transport uses it):
+    // before, it waits; after, the error, and the receive is left for the next send.
+    assert_eq!(c.send.isend(src.whole(), 2, &bad).unwrap(), None);
+    let r = c.irecv(&mut [&mut dst], &[2]);
+    let e = (0..POLLS)
+        .find_map(|_| c.send.isend(src.whole(), 2, &bad).err())
+        .expect("an error once the send is matched");
+    assert_eq!(e.kind(), ErrorKind::Internal);
+    let s = c.send_buf(&mut src, 2);
+    assert_eq!(wait(|| c.send.test(s)).unwrap(), Completion::single(64));
+    assert_eq!(wait(|| c.recv.test(r)).unwrap(), Completion::single(64));
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 5));
+}
