@@ -1319,6 +1319,14 @@ fn child_stats_lines() {
             "{}",
             rate.text
         );
+        if std::env::var("NCCL_ERDMA_TRANSPORT").as_deref() == Ok("verbs") {
+            // Each rail's counters ride along, as in the close summary.
+            assert!(
+                rate.text.contains("(rails ") && rate.text.contains(" errors)"),
+                "{}",
+                rate.text
+            );
+        }
     }
 }
 

@@ -187,7 +187,8 @@ impl SendComm {
     #[inline(always)] // into the boundary: one call layer less per message
     pub(crate) fn test(&self, id: usize) -> Result<Option<Completion>> {
         let r = self.inner.test(id);
-        self.stats.record(&r, || self.plugin.totals(self.dev));
+        self.stats
+            .record(&r, || self.plugin.totals(self.dev), || self.inner.summary());
         r
     }
 
@@ -264,7 +265,8 @@ impl RecvComm {
     #[inline(always)] // into the boundary: one call layer less per message
     pub(crate) fn test(&self, id: usize) -> Result<Option<Completion>> {
         let r = self.inner.test(id);
-        self.stats.record(&r, || self.plugin.totals(self.dev));
+        self.stats
+            .record(&r, || self.plugin.totals(self.dev), || self.inner.summary());
         r
     }
 

@@ -77,12 +77,14 @@ impl CommStats {
         self.bytes.fetch_add(bytes, Relaxed);
     }
 
-    /// Counts the outcome of one `test` and logs a rate line when one is due.
+    /// Counts the outcome of one `test` and logs a rate line when one is due, with
+    /// `detail` from the comm's transport (e.g. per-rail counters).
     #[inline]
     pub(crate) fn record<'d>(
         &self,
         r: &crate::error::Result<Option<crate::transport::Completion>>,
         device: impl FnOnce() -> &'d DeviceTotals,
+        detail: impl Fn() -> String,
     ) {
         match r {
             Ok(Some(c)) if c.n > 0 => self.completed(c.n as u64, c.bytes()),
@@ -90,7 +92,7 @@ impl CommStats {
             _ => {}
         }
         if let Some(interval) = self.interval {
-            self.tick_every(interval, device());
+            self.tick_every(interval, device(), &detail);
         }
     }
 
@@ -113,7 +115,7 @@ impl CommStats {
 
     /// Logs a rate line when the interval has passed (checked every 64 calls).
     #[inline(never)]
-    fn tick_every(&self, interval: Duration, device: &DeviceTotals) {
+    fn tick_every(&self, interval: Duration, device: &DeviceTotals, detail: &dyn Fn() -> String) {
         if self.calls.fetch_add(1, Relaxed) % 64 != 0 {
             return;
         }
@@ -128,7 +130,7 @@ impl CommStats {
         let secs = elapsed.as_secs_f64();
         tracing::info!(
             "stats {} {}: {:.3} MB/s {:.0} msg/s (total {} bytes in {} messages, {} clear-to-send \
-             waits, {} errors)",
+             waits{}, {} errors)",
             self.name(),
             self.label,
             (bytes - last.2) as f64 / secs / 1e6,
@@ -136,6 +138,7 @@ impl CommStats {
             bytes,
             msgs,
             self.waits.load(Relaxed),
+            detail(),
             self.errors.load(Relaxed)
         );
         *last = (Instant::now(), msgs, bytes);
