@@ -1,5 +1,5 @@
 /*
- * nccl_net.h - the NCCL external network plugin ABI (ncclNet v6 .. v11), as nccl-net-erdma
+ * nccl_net.h - the NCCL external network plugin ABI (ncclNet v6 .. v12), as nccl-net-erdma
  * implements it.
  *
  * Written for this project from the published facts of NCCL's plugin interface (result codes,

@@ -1,4 +1,4 @@
-//! nccl-net-erdma: an NCCL network plugin (`ncclNet` v6 to v11) for Alibaba Cloud eRDMA and
+//! nccl-net-erdma: an NCCL network plugin (`ncclNet` v6 to v12) for Alibaba Cloud eRDMA and
 //! any RoCE/IB verbs device, with a TCP transport for hosts without RDMA.
 //!
 //! Layers, top to bottom; imports only point down (`tests/layers.rs` checks it):

@@ -455,7 +455,7 @@ fn fusion(r: &mut Report, devices: &[VerbsDevice], config: &Config) {
 pub fn collect() -> Report {
     let mut r = Report {
         version: env!("CARGO_PKG_VERSION").to_string(),
-        abi: "ncclNetPlugin_v6 .. v11 (NCCL 2.19 - 2.30)".to_string(),
+        abi: "ncclNetPlugin_v6 .. v12 (NCCL 2.19 - 2.30)".to_string(),
         ..Report::default()
     };
     r.section(
