@@ -274,6 +274,8 @@ impl<N: Nic> SendState<N> {
         Ok(None)
     }
 
+    /// The idle isend's every-16th look: drains the CQs (the watchdog and peer watch ride
+    /// along) and returns the comm's failure or a vanished peer as the error.
     #[inline(never)]
     fn look_around(&mut self) -> Result<Option<usize>> {
         let r = self.progress(true);
