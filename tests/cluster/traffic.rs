@@ -7,25 +7,13 @@
 use std::time::{Duration, Instant};
 
 use nccl_net_erdma::ffi::ncclResult_t;
+pub use nccl_net_erdma_tools::client::pattern;
 use nccl_net_erdma_tools::client::{self, handle_from_hex, handle_to_hex, Net, Opaque};
 
 use super::peer::Peer;
 
 /// `NCCL_PTR_HOST`.
 const HOST: i32 = 1;
-
-/// Deterministic bytes for message `seed` (the same on both hosts).
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
-}
 
 /// The plugin under test: `NCCL_ERDMA_PLUGIN_LIB` (the staged library), its v12 table.
 pub fn open() -> Net {

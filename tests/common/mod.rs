@@ -13,7 +13,7 @@ use std::{
 };
 
 pub use nccl_net_erdma::ffi::ncclResult_t;
-pub use nccl_net_erdma_tools::client::{self, Net, Opaque, VERSIONS};
+pub use nccl_net_erdma_tools::client::{self, pattern, Net, Opaque, VERSIONS};
 
 /// `NCCL_PTR_HOST`.
 pub const HOST: i32 = 1;
@@ -119,19 +119,6 @@ pub fn close_pair(net: &mut Net, s: Opaque, r: Opaque) {
     net.close_send(s).expect("closeSend");
     net.close_recv(r).expect("closeRecv");
     net.finalize().expect("finalize");
-}
-
-/// Deterministic bytes for message `seed`.
-pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 /// A buffer registered on `comm`.

@@ -982,6 +982,20 @@ pub fn handle_from_hex(text: &str) -> Result<[u8; 128], String> {
     Ok(out)
 }
 
+/// Deterministic bytes for message `seed` (the same in every process and on every host), for
+/// transfers whose every byte is checked.
+pub fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
