@@ -11,7 +11,7 @@ use std::sync::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    Completion, Listening, RecvEndpoint, SendEndpoint, MAX_P2P_BYTES, MAX_REQUESTS,
+    Completion, Listening, MemKeys, RecvEndpoint, SendEndpoint, MAX_P2P_BYTES, MAX_REQUESTS,
     MAX_SEND_REQUESTS,
 };
 
@@ -231,6 +231,17 @@ impl RecvComm {
         (&self.plugin, self.dev)
     }
 
+    /// The lookup of the keys of `bufs`, registered as `mhandles`, which the transport calls
+    /// per buffer it needs (see `BufferKeys`).
+    #[inline(always)]
+    fn keys<'a>(
+        &'a self,
+        bufs: &'a [UserBuffer],
+        mhandles: &'a [u64],
+    ) -> impl Fn(usize, &mut MemKeys) -> Result<()> + 'a {
+        move |i, out| self.plugin.buffer_keys(mhandles[i], self.dev, bufs[i], out)
+    }
+
     /// `irecv` of `bufs.len()` (1..=8, checked by the boundary) buffers: `Ok(None)` when 32
     /// receives are in flight.
     #[inline(always)] // into the boundary: one call layer less per message
@@ -240,8 +251,7 @@ impl RecvComm {
         tags: &[i32],
         mhandles: &[u64],
     ) -> Result<Option<&RequestToken>> {
-        let keys =
-            |i: usize, out: &mut _| self.plugin.buffer_keys(mhandles[i], self.dev, bufs[i], out);
+        let keys = self.keys(bufs, mhandles);
         let id = self.inner.irecv(bufs, tags, &keys);
         if id.is_err() {
             self.stats.failed();
@@ -255,8 +265,7 @@ impl RecvComm {
         bufs: &[UserBuffer],
         mhandles: &[u64],
     ) -> Result<Option<&RequestToken>> {
-        let keys =
-            |i: usize, out: &mut _| self.plugin.buffer_keys(mhandles[i], self.dev, bufs[i], out);
+        let keys = self.keys(bufs, mhandles);
         let id = self.inner.iflush(bufs, &keys)?;
         Ok(id.map(|id| &self.tokens[id]))
     }
