@@ -1,5 +1,6 @@
 //! Connections over several rails on the fake fabric: large receives striped over every
-//! rail, small ones taking turns, grouped receives, ends with different rail counts, flushes
+//! rail, small ones taking turns, grouped receives, a send too large for a striped receive,
+//! ends with different rail counts, flushes
 //! on every rail, and a rail that fails while the others work.
 
 use super::*;
@@ -218,4 +219,26 @@ fn a_rail_that_never_answers_is_found_by_its_own_watchdog() {
     assert!(t0.elapsed() >= Duration::from_millis(300));
     let msg = e.to_string();
     assert!(msg.contains("on tx1 has not completed"), "{msg}");
+}
+
+#[test]
+fn a_send_larger_than_its_striped_receive_fails_both_sides_and_sends_nothing() {
+    // A receive large enough to be striped, and a send one byte too large: the sender posts
+    // no piece on either rail (the receiver's buffer stays untouched) and both ends fail.
+    let c = connect_rails(2, 2, two_rails(), two_rails());
+    let posted = 4 * STRIPE_MIN;
+    stream(&c, 2, posted, posted);
+    let mut dst = c.buf(false, posted, 0);
+    let mut big = c.buf(true, posted + 1, 9);
+    let (before, untouched) = (c.send.rail_stats(), dst.mem.bytes());
+    let r = c.irecv(&mut [&mut dst], &[1]);
+    let e = c.isend(big.whole(), big.keys(), 1).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
+    assert_eq!(dst.mem.bytes(), untouched, "no data written");
+    let after = c.send.rail_stats();
+    let sent =
+        |s: &[crate::transport::verbs::rail::RailStats]| -> u64 { s.iter().map(|r| r.bytes).sum() };
+    assert_eq!(sent(&after), sent(&before), "no bytes counted on any rail");
 }
