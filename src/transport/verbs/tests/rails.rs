@@ -1,7 +1,7 @@
 //! Connections over several rails on the fake fabric: large receives striped over every
 //! rail, small ones taking turns, grouped receives, a send too large for a striped receive,
-//! ends with different rail counts, flushes
-//! on every rail, and a rail that fails while the others work.
+//! ends with different rail counts, flushes on every rail, and a rail that fails while the
+//! others work.
 
 use super::*;
 use crate::transport::verbs::wire::STRIPE_MIN;
