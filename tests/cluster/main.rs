@@ -539,12 +539,16 @@ fn rail_flapping_inside_the_retry_window_loses_nothing() {
     let c = connect(&net, &mut p);
     p.step("go");
     if p.host == Host::Two {
-        // Down for 1.5 s while the stream runs, then up.
+        // The path down for 1.5 s while the stream runs, then back. Every packet is dropped
+        // (netem) rather than the netdev taken down: after `ip link set down/up` Soft-RoCE
+        // sometimes never retransmits again (its QP stalls: one run in five here), a fault of
+        // rxe's that the plugin can only turn into the watchdog's error, which the
+        // link-down case already covers.
         std::thread::spawn(|| {
             std::thread::sleep(Duration::from_millis(300));
-            sh("ip link set raila down");
+            sh("tc qdisc add dev raila root netem loss 100%");
             std::thread::sleep(Duration::from_millis(1500));
-            sh("ip link set raila up");
+            sh("tc qdisc del dev raila root");
         });
     }
     let s = Stream {
