@@ -29,8 +29,8 @@ use crate::oob::{
 };
 use crate::sysfs;
 use crate::transport::{
-    device, Connecting, DeviceProps, Failure, Hold, Listening, MemKeys, RecvEndpoint, SendEndpoint,
-    Transport, MAX_RECVS, PTR_HOST,
+    device, BufferKeys, Connecting, DeviceProps, Failure, Hold, Listening, MemKeys, RecvEndpoint,
+    SendEndpoint, Transport, MAX_RECVS, PTR_HOST,
 };
 use recv::TcpRecvComm;
 use send::TcpSendComm;
@@ -47,6 +47,15 @@ pub(super) fn send_nosignal(sock: &Socket, bufs: &[IoSlice<'_>]) -> io::Result<u
     // MSG_NOSIGNAL: a peer that closed must be an error code, not a SIGPIPE that kills the
     // training process.
     sock.send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
+}
+
+/// Checks that NCCL's handles cover the call's first `n` buffers. Sockets need no keys, but a
+/// handle that does not cover its buffer is NCCL's error on every transport.
+pub(super) fn check_handles(keys: &dyn BufferKeys, n: usize) -> Result<()> {
+    for i in 0..n {
+        keys.keys(i, &mut MemKeys::default())?;
+    }
+    Ok(())
 }
 
 fn into_data_socket(stream: std::net::TcpStream) -> Result<Socket> {

@@ -11,14 +11,14 @@ use parking_lot::Mutex;
 use socket2::Socket;
 
 use super::{
-    note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER, FLAG_TRUNC, FRAME_CTS,
-    FRAME_DATA,
+    check_handles, note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER,
+    FLAG_TRUNC, FRAME_CTS, FRAME_DATA,
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Completion, Failure, MemKeys, RecvEndpoint, MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, BufferKeys, Completion, Failure, RecvEndpoint, MAX_RECVS, MAX_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,10 +108,8 @@ impl RecvEndpoint for TcpRecvComm {
     }
 
     fn iflush(&self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>> {
-        // Data is copied by the CPU: nothing to flush (but NCCL's handles must be sound).
-        for i in 0..bufs.len() {
-            keys.keys(i, &mut MemKeys::default())?;
-        }
+        // Data is copied by the CPU: nothing to flush.
+        check_handles(keys, bufs.len())?;
         Ok(None)
     }
 
@@ -128,10 +126,7 @@ impl RecvEndpoint for TcpRecvComm {
         if s.reqs[slot].state != RecvState::Free {
             return Ok(None);
         }
-        // Sockets need no keys, but NCCL's handles must cover its buffers.
-        for i in 0..bufs.len() {
-            keys.keys(i, &mut MemKeys::default())?;
-        }
+        check_handles(keys, bufs.len())?;
         let seq = s.next_seq;
         let n = bufs.len();
         let req = &mut s.reqs[slot];
@@ -196,7 +191,7 @@ impl RecvInner {
     /// Sends pending CTS frames and reads whatever data has arrived. Failures are recorded,
     /// not returned, so requests that already completed can still be collected.
     fn progress(&mut self) {
-        if self.failure.0.is_none() {
+        if !self.failure.is_set() {
             let r = self.flush_cts().and_then(|()| self.read_data());
             note_broken(&mut self.failure, r, "from", self.peer);
         }

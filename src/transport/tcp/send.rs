@@ -10,14 +10,14 @@ use parking_lot::Mutex;
 use socket2::Socket;
 
 use super::{
-    note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER, FLAG_TRUNC, FRAME_CTS,
-    FRAME_DATA,
+    check_handles, note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER,
+    FLAG_TRUNC, FRAME_CTS, FRAME_DATA,
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Completion, Failure, MemKeys, SendEndpoint, MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, BufferKeys, Completion, Failure, SendEndpoint, MAX_RECVS, MAX_REQUESTS,
     MAX_SEND_REQUESTS,
 };
 
@@ -127,9 +127,7 @@ impl SendEndpoint for TcpSendComm {
         else {
             return Ok(None);
         };
-        // Sockets need no keys, but a handle that does not cover the buffer is NCCL's error
-        // on every transport.
-        keys.keys(0, &mut MemKeys::default())?;
+        check_handles(keys, 1)?;
         let group = &mut s.cts[g];
         group.matched |= 1 << entry;
         let (group_seq, posted) = (group.seq, group.sizes[entry]);
@@ -188,7 +186,7 @@ impl SendEndpoint for TcpSendComm {
 
 impl SendInner {
     fn progress(&mut self) {
-        if self.failure.0.is_none() {
+        if !self.failure.is_set() {
             let r = self.read_cts().and_then(|()| self.write_data());
             note_broken(&mut self.failure, r, "to", self.peer);
         }
