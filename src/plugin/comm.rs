@@ -158,7 +158,18 @@ impl SendComm {
         (&self.plugin, self.dev)
     }
 
-    /// `isend`: `Ok(None)` when it cannot be posted yet.
+    /// Whether an `isend` now has anything to do (see `SendEndpoint::may_send`); a "no" is
+    /// counted as a clear-to-send wait.
+    #[inline(always)]
+    pub(crate) fn may_send(&self) -> bool {
+        let yes = self.inner.may_send();
+        if !yes {
+            self.stats.waited();
+        }
+        yes
+    }
+
+    /// `isend`, after [`Self::may_send`]: `Ok(None)` when it cannot be posted yet.
     #[inline(always)] // into the boundary: one call layer less per message
     pub(crate) fn isend(
         &self,

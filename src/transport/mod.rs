@@ -235,6 +235,13 @@ pub(crate) trait Connecting: Send {
 pub(crate) trait SendEndpoint: Send + Sync {
     /// The peer, for messages.
     fn peer(&self) -> String;
+    /// Whether an `isend` now has anything to do. False: it would return `Ok(None)`, so the
+    /// caller answers "not yet" without converting its arguments (NCCL retries `isend`
+    /// until the receiver's clear-to-send has come, and most calls are such retries).
+    /// Callers ask before every `isend`.
+    fn may_send(&self) -> bool {
+        true
+    }
     /// Posts a send of `buf` (its keys asked of `keys` once the send is matched: an error
     /// there fails the call, not the comm); `Ok(None)` until the receiver has posted a
     /// matching receive. Returns a request id below `MAX_SEND_REQUESTS`.

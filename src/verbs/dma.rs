@@ -409,6 +409,11 @@ impl WcBatch {
         Ok(self.n)
     }
 
+    /// How many completions the last poll returned.
+    pub(crate) fn polled(&self) -> usize {
+        self.n
+    }
+
     /// Completion `i` of the last poll.
     pub(crate) fn get(&self, i: usize) -> Completion {
         let wc = &self.wcs[i.min(self.n.saturating_sub(1))];

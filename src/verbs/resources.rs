@@ -468,21 +468,35 @@ impl Cq {
         }))
     }
 
-    /// Polls up to `wcs.len()` completions; returns how many were written.
+    /// Polls up to `wcs.len()` completions; returns how many were written. Inlined: it is
+    /// the whole of an idle poll, its errors out of line.
+    #[inline(always)]
     pub(crate) fn poll(&self, wcs: &mut [ibv_wc]) -> Result<usize> {
         // SAFETY: raw is live; the provider's ops table belongs to its context.
         let op = unsafe { (*(*self.raw).context).ops.poll_cq };
-        let poll = op.ok_or_else(|| Error::Misuse("provider has no poll_cq".into()))?;
+        let Some(poll) = op else {
+            return Err(no_op("poll_cq"));
+        };
         // SAFETY: raw is live; wcs has room for len entries.
         let n = unsafe { poll(self.raw, wcs.len() as i32, wcs.as_mut_ptr()) };
         if n < 0 {
-            return Err(Error::io(
-                format!("ibv_poll_cq({})", self.ctx.name),
-                std::io::Error::from_raw_os_error(-n),
-            ));
+            return Err(self.poll_error(n));
         }
         Ok(n as usize)
     }
+
+    #[cold]
+    fn poll_error(&self, n: i32) -> Error {
+        Error::io(
+            format!("ibv_poll_cq({})", self.ctx.name),
+            std::io::Error::from_raw_os_error(-n),
+        )
+    }
+}
+
+#[cold]
+fn no_op(op: &str) -> Error {
+    Error::Misuse(format!("provider has no {op}"))
 }
 
 impl Drop for Cq {
@@ -691,7 +705,9 @@ impl Qp {
     pub(crate) fn post_send(&self, wr: &mut ibv_send_wr) -> Result<()> {
         // SAFETY: raw is live; the ops table belongs to its context.
         let op = unsafe { (*(*self.raw).context).ops.post_send };
-        let post = op.ok_or_else(|| Error::Misuse("provider has no post_send".into()))?;
+        let Some(post) = op else {
+            return Err(no_op("post_send"));
+        };
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
         // SAFETY: raw is live; wr heads a valid chain whose SGEs point at registered memory
         // that the caller keeps alive until completion. Inline data is copied by the CPU at
@@ -706,7 +722,9 @@ impl Qp {
     pub(crate) fn post_recv(&self, wr_id: u64) -> Result<()> {
         // SAFETY: raw is live; the ops table belongs to its context.
         let op = unsafe { (*(*self.raw).context).ops.post_recv };
-        let post = op.ok_or_else(|| Error::Misuse("provider has no post_recv".into()))?;
+        let Some(post) = op else {
+            return Err(no_op("post_recv"));
+        };
         // SAFETY: all-zero is a valid receive WR (no SGE, no next).
         let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = wr_id;

@@ -170,10 +170,21 @@ impl<N: Nic> CqPoller<N> {
         ))
     }
 
-    /// Hands every successful completion to `on`; a failed one, a fatal event on the device
-    /// or one of `qps`, or a stall is the comm's error. `work`/`waiting` say whether the
-    /// comm has posted work in flight and whether it waits for the peer; the result says
-    /// whether to post a probe.
+    /// Polls the CQ once into the batch; returns whether there is anything for
+    /// [`Self::drain`] to do: completions arrived, or the slow checks are due. The proxy's
+    /// idle `test` is this poll and nothing else.
+    #[inline(always)]
+    pub(crate) fn poll(&mut self, nic: &N) -> Result<bool> {
+        self.calls = self.calls.wrapping_add(1);
+        let n = self.wc.poll(nic, &self.cq)?;
+        Ok(n > 0 || self.calls % CHECK_EVERY == 0)
+    }
+
+    /// After [`Self::poll`] found something: hands every successful completion to `on`
+    /// (polling again while batches come full); a failed one, a fatal event on the device or
+    /// one of `qps`, or a stall is the comm's error. `work`/`waiting` say whether the comm
+    /// has posted work in flight and whether it waits for the peer; the result says whether
+    /// to post a probe.
     pub(crate) fn drain(
         &mut self,
         nic: &N,
@@ -182,13 +193,8 @@ impl<N: Nic> CqPoller<N> {
         (work, waiting): (bool, bool),
         mut on: impl FnMut(&Completion),
     ) -> Result<bool> {
-        self.calls = self.calls.wrapping_add(1);
-        let mut probe = false;
-        if self.calls % CHECK_EVERY == 0 {
-            probe = self.slow_checks(nic, qps, peer, work, waiting)?;
-        }
+        let mut n = self.wc.polled();
         loop {
-            let n = self.wc.poll(nic, &self.cq)?;
             for i in 0..n {
                 let c = self.wc.get(i);
                 if c.status != WC_SUCCESS {
@@ -198,9 +204,15 @@ impl<N: Nic> CqPoller<N> {
             }
             self.completions += n as u64;
             if n < WcBatch::CAPACITY {
-                return Ok(probe);
+                break;
             }
+            n = self.wc.poll(nic, &self.cq)?;
         }
+        // After the completions, so the watchdog counts those of this poll.
+        if self.calls % CHECK_EVERY == 0 {
+            return self.slow_checks(nic, qps, peer, work, waiting);
+        }
+        Ok(false)
     }
 
     #[cold]

@@ -56,9 +56,20 @@ impl<N: Nic> Rail<N> {
         &self.nic.local().name
     }
 
-    /// Drains this rail's CQ into `on` (see [`CqPoller::drain`]); `waiting`: the comm waits
-    /// for its peer. Returns whether this rail should post a probe. A failure counts as the
-    /// rail's error.
+    /// Polls this rail's CQ once (see [`CqPoller::poll`]): whether [`Self::drain`] has
+    /// anything to do. A failure counts as the rail's error.
+    #[inline(always)]
+    pub(crate) fn poll(&mut self) -> Result<bool> {
+        let r = self.cq.poll(&self.nic);
+        if r.is_err() {
+            self.stats.errors += 1;
+        }
+        r
+    }
+
+    /// Hands what the last [`Self::poll`] found to `on` (see [`CqPoller::drain`]);
+    /// `waiting`: the comm waits for its peer. Returns whether this rail should post a
+    /// probe. A failure counts as the rail's error.
     pub(crate) fn drain(
         &mut self,
         peer: &str,

@@ -262,20 +262,34 @@ impl<N: Nic> SendState<N> {
         Ok(None)
     }
 
-    /// `isend` found nothing to post. Every 16th such call keeps completions, the peer
-    /// watch and the watchdog moving, without a CQ poll on every "not yet"; a failed comm
-    /// returns its error.
+    /// Counts an `isend` that finds nothing to post: whether it should look around (see
+    /// [`Self::look_around`]), as every 16th such call does and every call on a failed comm,
+    /// which keeps completions, the peer watch and the watchdog moving without a CQ poll on
+    /// every "not yet".
+    #[inline(always)]
+    fn idle_call_looks(&mut self) -> bool {
+        self.idle_calls = self.idle_calls.wrapping_add(1);
+        self.idle_calls % 16 == 0 || self.failure.is_set()
+    }
+
+    /// Whether an `isend` has anything to do: the clear-to-send has landed, or this idle
+    /// call looks around.
+    #[inline(always)]
+    fn may_send(&mut self) -> bool {
+        self.clear_to_send() || self.idle_call_looks()
+    }
+
+    /// `isend` found nothing to post (after [`Self::clear_to_send`]).
     #[inline(always)]
     fn nothing_to_post(&mut self) -> Result<Option<usize>> {
-        self.idle_calls = self.idle_calls.wrapping_add(1);
-        if self.idle_calls % 16 == 0 || self.failure.is_set() {
+        if self.idle_call_looks() {
             return self.look_around();
         }
         Ok(None)
     }
 
-    /// The idle isend's every-16th look: drains the CQs (the watchdog and peer watch ride
-    /// along) and returns the comm's failure or a vanished peer as the error.
+    /// An idle isend's look around: drains the CQs (the watchdog and peer watch ride along)
+    /// and returns the comm's failure or a vanished peer as the error.
     #[inline(never)]
     fn look_around(&mut self) -> Result<Option<usize>> {
         let r = self.progress(true);
@@ -297,25 +311,36 @@ impl<N: Nic> SendState<N> {
         self.failure.record(Err(e))
     }
 
-    /// Drains every rail's CQ; `waiting`: a send waits for its clear-to-send.
+    /// Polls every rail's CQ once, what arrived handled out of line; `waiting`: a send
+    /// waits for its clear-to-send.
+    #[inline(always)] // into `test`: an idle test is one poll per rail
     fn progress(&mut self, waiting: bool) -> Result<()> {
         for r in 0..self.rails.len() {
-            let (rails, slots) = (&mut self.rails, &mut self.slots);
-            let rail = &mut rails[r];
-            let mut done = 0;
-            let probe = rail.drain(&self.peer, waiting, |c| match WrKind::of(c.wr_id) {
-                Some(WrKind::Send) => {
-                    let st = &mut slots[WrKind::slot(c.wr_id)];
-                    st.cqe_pending = st.cqe_pending.saturating_sub(1);
-                    done += 1;
-                }
-                Some(WrKind::Probe) => done += 1,
-                _ => {}
-            })?;
-            rail.in_flight = rail.in_flight.saturating_sub(done);
-            if probe {
-                self.post_probe(r)?;
+            if self.rails[r].poll()? {
+                self.drain_rail(r, waiting)?;
             }
+        }
+        Ok(())
+    }
+
+    /// Hands what rail `r`'s last poll found to the slots and probes it completes.
+    #[inline(never)]
+    fn drain_rail(&mut self, r: usize, waiting: bool) -> Result<()> {
+        let (rails, slots) = (&mut self.rails, &mut self.slots);
+        let rail = &mut rails[r];
+        let mut done = 0;
+        let probe = rail.drain(&self.peer, waiting, |c| match WrKind::of(c.wr_id) {
+            Some(WrKind::Send) => {
+                let st = &mut slots[WrKind::slot(c.wr_id)];
+                st.cqe_pending = st.cqe_pending.saturating_sub(1);
+                done += 1;
+            }
+            Some(WrKind::Probe) => done += 1,
+            _ => {}
+        })?;
+        rail.in_flight = rail.in_flight.saturating_sub(done);
+        if probe {
+            self.post_probe(r)?;
         }
         Ok(())
     }
@@ -509,12 +534,17 @@ impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
         self.inner.lock().peer.clone()
     }
 
+    fn may_send(&self) -> bool {
+        self.inner.lock().may_send()
+    }
+
     fn isend(&self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         if s.clear_to_send() {
             s.isend(buf, tag, keys)
         } else {
-            s.nothing_to_post()
+            // `may_send` counted this call and said it should look around.
+            s.look_around()
         }
     }
 

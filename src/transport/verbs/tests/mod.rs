@@ -167,9 +167,13 @@ impl Conn {
             .expect("a free receive slot")
     }
 
-    /// Polls `isend` until it posts (the clear-to-send must arrive within `POLLS`).
+    /// Polls `isend` until it posts (the clear-to-send must arrive within `POLLS`), asking
+    /// `may_send` first as the plugin does.
     fn isend(&self, buf: UserBuffer, keys: MemKeys, tag: i32) -> Result<usize> {
         for _ in 0..POLLS {
+            if !self.send.may_send() {
+                continue;
+            }
             if let Some(id) = self.send.isend(buf, tag, &keys)? {
                 return Ok(id);
             }
