@@ -51,9 +51,8 @@ pub(crate) fn to_nccl(e: &Error) -> ncclResult_t {
     }
 }
 
-/// Runs one export: panics and errors become result codes, each logged once. Inlined, so
-/// an export's arguments stay in registers.
-#[inline(always)]
+/// Runs one export: panics and errors become result codes, each logged once.
+#[inline]
 pub(crate) fn boundary(call: &'static str, f: impl FnOnce() -> Result<()>) -> ncclResult_t {
     match catch_unwind(AssertUnwindSafe(f)) {
         Ok(Ok(())) => ncclResult_t::ncclSuccess,

@@ -248,10 +248,8 @@ impl CSize {
     }
 }
 
-/// `isend` for any version. Out of line and outside the boundary, which each export wraps
-/// around it: a small closure lets `catch_unwind` inline, so the arguments pass in registers.
-#[inline(never)]
-fn isend(
+/// `isend` for any version.
+pub(super) fn isend(
     comm: *mut c_void,
     data: *mut c_void,
     size: CSize,
@@ -259,30 +257,32 @@ fn isend(
     mhandle: *mut c_void,
     phandle: *mut c_void,
     request: *mut *mut c_void,
-) -> Result<()> {
-    non_null(request, "request")?;
-    // SAFETY: checked non-NULL; writable pointer slot. NULL means "not now".
-    unsafe { *request = std::ptr::null_mut() };
-    // SAFETY: NCCL passes back a send comm we returned (checked by magic).
-    let comm = unsafe { send_comm(comm)? };
-    // Most calls are NCCL's retries before the receiver's clear-to-send has come: they
-    // return NULL before anything else is converted or checked.
-    if !comm.may_send() {
-        return Ok(());
-    }
-    let buf = user_buffer(data, size.bytes()?)?;
-    if let Some(token) = comm.isend(buf, tag, mhandle as usize as u64)? {
-        let event = NetEvent {
-            kind: 0,
-            n: 1,
-            size: buf.len() as u64,
-            tag,
-        };
-        profiler::start(token, phandle, event);
-        // SAFETY: as above.
-        unsafe { *request = token as *const _ as *mut c_void };
-    }
-    Ok(())
+) -> ncclResult_t {
+    boundary("isend", || {
+        non_null(request, "request")?;
+        // SAFETY: checked non-NULL; writable pointer slot. NULL means "not now".
+        unsafe { *request = std::ptr::null_mut() };
+        // SAFETY: NCCL passes back a send comm we returned (checked by magic).
+        let comm = unsafe { send_comm(comm)? };
+        // Most calls are NCCL's retries before the receiver's clear-to-send has come: they
+        // return NULL before anything else is converted or checked.
+        if !comm.may_send() {
+            return Ok(());
+        }
+        let buf = user_buffer(data, size.bytes()?)?;
+        if let Some(token) = comm.isend(buf, tag, mhandle as usize as u64)? {
+            let event = NetEvent {
+                kind: 0,
+                n: 1,
+                size: buf.len() as u64,
+                tag,
+            };
+            profiler::start(token, phandle, event);
+            // SAFETY: as above.
+            unsafe { *request = token as *const _ as *mut c_void };
+        }
+        Ok(())
+    })
 }
 
 pub(super) extern "C" fn isend_int(
@@ -293,17 +293,15 @@ pub(super) extern "C" fn isend_int(
     mhandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    boundary("isend", || {
-        isend(
-            comm,
-            data,
-            CSize::Int(size),
-            tag,
-            mhandle,
-            std::ptr::null_mut(),
-            request,
-        )
-    })
+    isend(
+        comm,
+        data,
+        CSize::Int(size),
+        tag,
+        mhandle,
+        std::ptr::null_mut(),
+        request,
+    )
 }
 
 pub(super) extern "C" fn isend_size_t(
@@ -314,17 +312,15 @@ pub(super) extern "C" fn isend_size_t(
     mhandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    boundary("isend", || {
-        isend(
-            comm,
-            data,
-            CSize::SizeT(size),
-            tag,
-            mhandle,
-            std::ptr::null_mut(),
-            request,
-        )
-    })
+    isend(
+        comm,
+        data,
+        CSize::SizeT(size),
+        tag,
+        mhandle,
+        std::ptr::null_mut(),
+        request,
+    )
 }
 
 pub(super) extern "C" fn isend_v10(
@@ -336,17 +332,15 @@ pub(super) extern "C" fn isend_v10(
     phandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    boundary("isend", || {
-        isend(
-            comm,
-            data,
-            CSize::SizeT(size),
-            tag,
-            mhandle,
-            phandle,
-            request,
-        )
-    })
+    isend(
+        comm,
+        data,
+        CSize::SizeT(size),
+        tag,
+        mhandle,
+        phandle,
+        request,
+    )
 }
 
 /// `irecv` for any version; `size_at(i)` reads the i-th size in the version's integer type.

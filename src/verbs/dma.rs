@@ -414,24 +414,25 @@ impl WcBatch {
         self.n
     }
 
-    /// Completion `i` of the last poll.
-    pub(crate) fn get(&self, i: usize) -> Completion {
-        let wc = &self.wcs[i.min(self.n.saturating_sub(1))];
-        let with_imm = wc.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
-        Completion {
-            wr_id: wc.wr_id,
-            status: wc.status,
-            opcode: wc.opcode,
-            vendor_err: wc.vendor_err,
-            imm: if with_imm {
-                // SAFETY: the union holds imm_data when IBV_WC_WITH_IMM is set; any u32 is
-                // a valid value.
-                u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })
-            } else {
-                0
-            },
-            qp_num: wc.qp_num,
-        }
+    /// The completions of the last poll.
+    pub(crate) fn completions(&self) -> impl Iterator<Item = Completion> + '_ {
+        self.wcs[..self.n].iter().map(|wc| {
+            let with_imm = wc.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
+            Completion {
+                wr_id: wc.wr_id,
+                status: wc.status,
+                opcode: wc.opcode,
+                vendor_err: wc.vendor_err,
+                imm: if with_imm {
+                    // SAFETY: the union holds imm_data when IBV_WC_WITH_IMM is set; any u32
+                    // is a valid value.
+                    u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })
+                } else {
+                    0
+                },
+                qp_num: wc.qp_num,
+            }
+        })
     }
 }
 

@@ -134,7 +134,7 @@ fn bad_arguments(v: u32) {
     reg_mr_dmabuf_dereg(&mut b);
     requests::isend(&mut b);
     let rmh = b.net.reg_mr(b.r, b.p, 4096, HOST).unwrap();
-    requests::isend_handles(&mut b, rmh);
+    requests::isend_matched(&mut b, rmh);
     let data = [b.p; 16];
     let sizes = [64i64; 16];
     let tags = [0i32; 16];

@@ -195,8 +195,7 @@ impl<N: Nic> CqPoller<N> {
     ) -> Result<bool> {
         let mut n = self.wc.polled();
         loop {
-            for i in 0..n {
-                let c = self.wc.get(i);
+            for c in self.wc.completions() {
                 if c.status != WC_SUCCESS {
                     return Err(cqe_error(nic, peer, &c));
                 }

@@ -284,29 +284,25 @@ impl<N: Nic> RecvState<N> {
         // Data arrived, so its clear-to-send had been posted.
         self.announced = self.announced.saturating_sub(1);
         self.waiting = self.waiting.saturating_sub(1);
-        let mut c = Completion {
-            n: st.n,
-            sizes: [0; MAX_RECVS],
-        };
-        let mut truncated = false;
-        for i in 0..st.n {
-            let v = if st.n == 1 {
-                st.size0
-            } else {
-                self.sizes_record.get(cts_index(id, i))
+        let c = if st.n == 1 {
+            Completion::single(st.size0 as usize)
+        } else {
+            let mut c = Completion {
+                n: st.n,
+                sizes: [0; MAX_RECVS],
             };
-            truncated |= v == TRUNCATED;
-            c.sizes[i] = v;
-        }
-        if !truncated {
-            self.count_rails(st.span, &c);
-        }
-        if truncated {
+            for (i, size) in c.sizes[..st.n].iter_mut().enumerate() {
+                *size = self.sizes_record.get(cts_index(id, i));
+            }
+            c
+        };
+        if c.sizes[..c.n].contains(&TRUNCATED) {
             return Err(Error::Truncated(format!(
                 "{} sent more bytes than the receive posted for them",
                 self.peer
             )));
         }
+        self.count_rails(st.span, &c);
         Ok(Some(c))
     }
 
@@ -317,7 +313,7 @@ impl<N: Nic> RecvState<N> {
         if used == 1 {
             // All of it on one QP (the common case: no piece arithmetic).
             let bytes = c.bytes();
-            let stats = &mut self.rails[first % rails].stats;
+            let stats = &mut self.rails[locate(first, rails).0].stats;
             stats.bytes += bytes;
             stats.messages += u64::from(bytes > 0);
             return;

@@ -7,8 +7,8 @@ use super::Bench;
 use crate::common::*;
 use crate::support::*;
 
-/// isend: NULL request slots, comms and buffers, sizes out of range, comms of the wrong kind
-/// (handles: [`isend_handles`]).
+/// isend: NULL request slots and comms, comms of the wrong kind (buffers, sizes and
+/// handles: [`isend_matched`]).
 pub(super) fn isend(b: &mut Bench) {
     let (v, s, r, p, mh) = (b.v, b.s, b.r, b.p, b.mh);
     let (net, e) = (&b.net, &mut b.e);
@@ -31,40 +31,14 @@ pub(super) fn isend(b: &mut Bench) {
         raw_isend(net, r, p, 8, mh, &mut req),
         INTERNAL,
     );
-    e.code(
-        "isend of a NULL buffer",
-        "isend",
-        raw_isend(net, s, null(), 8, mh, &mut req),
-        INVAL,
-    );
-    if v <= 8 {
-        e.code(
-            "isend of size -1 (int)",
-            "isend",
-            raw_isend(net, s, p, -1, mh, &mut req),
-            INVAL,
-        );
-        e.code(
-            "isend of size INT_MIN (int)",
-            "isend",
-            raw_isend(net, s, p, i64::from(i32::MIN), mh, &mut req),
-            INVAL,
-        );
-    } else {
-        e.code(
-            "isend beyond maxP2pBytes",
-            "isend",
-            raw_isend(net, s, p, (1 << 30) + 1, mh, &mut req),
-            INVAL,
-        );
-    }
     assert!(req.is_null(), "v{v}: no request from a failed isend");
 }
 
-/// isend with unknown and released handles. A send's handle is looked up once the send is
-/// matched to a receive (NCCL's IB transport uses it no sooner), so a receive into `rmh`'s
+/// isend with NULL buffers, sizes out of range, unknown and released handles. An isend
+/// looks at its buffer, size and handle once the receiver's clear-to-send has come (NCCL
+/// retries it until then, and the retries must cost nothing), so a receive into `rmh`'s
 /// buffer is posted first; each failed isend leaves it to the good one that ends the check.
-pub(super) fn isend_handles(b: &mut Bench, rmh: Opaque) {
+pub(super) fn isend_matched(b: &mut Bench, rmh: Opaque) {
     let (v, s, r, p, mh, released, unknown) = (b.v, b.s, b.r, b.p, b.mh, b.released, b.unknown);
     let (net, e) = (&b.net, &mut b.e);
     let rreq = poll_until("irecv", || {
@@ -73,15 +47,42 @@ pub(super) fn isend_handles(b: &mut Bench, rmh: Opaque) {
     });
     let mut req: *mut c_void = null();
     e.code(
+        "isend of a NULL buffer",
+        "isend",
+        isend_answer(net, s, null(), 8, mh, &mut req),
+        INVAL,
+    );
+    if v <= 8 {
+        e.code(
+            "isend of size -1 (int)",
+            "isend",
+            isend_answer(net, s, p, -1, mh, &mut req),
+            INVAL,
+        );
+        e.code(
+            "isend of size INT_MIN (int)",
+            "isend",
+            isend_answer(net, s, p, i64::from(i32::MIN), mh, &mut req),
+            INVAL,
+        );
+    } else {
+        e.code(
+            "isend beyond maxP2pBytes",
+            "isend",
+            isend_answer(net, s, p, (1 << 30) + 1, mh, &mut req),
+            INVAL,
+        );
+    }
+    e.code(
         "isend with an unknown mhandle",
         "isend",
-        isend_answer(net, s, p, unknown, &mut req),
+        isend_answer(net, s, p, 8, unknown, &mut req),
         INTERNAL,
     );
     e.code(
         "isend with a released mhandle",
         "isend",
-        isend_answer(net, s, b.other.as_mut_ptr(), released, &mut req),
+        isend_answer(net, s, b.other.as_mut_ptr(), 8, released, &mut req),
         INTERNAL,
     );
     assert!(req.is_null(), "v{v}: no request from a failed isend");
@@ -94,18 +95,19 @@ pub(super) fn isend_handles(b: &mut Bench, rmh: Opaque) {
     );
 }
 
-/// Retries an 8-byte raw isend until it returns an error or a request (on verbs the
+/// Retries a raw isend of `len` bytes until it returns an error or a request (on verbs the
 /// receiver's clear-to-send takes a moment to land).
 fn isend_answer(
     net: &Net,
     s: Opaque,
     p: *mut u8,
+    len: i64,
     mh: Opaque,
     req: &mut *mut c_void,
 ) -> ncclResult_t {
     let start = std::time::Instant::now();
     loop {
-        let code = raw_isend(net, s, p, 8, mh, req);
+        let code = raw_isend(net, s, p, len, mh, req);
         if code != ncclResult_t::ncclSuccess || !req.is_null() {
             return code;
         }
