@@ -67,19 +67,24 @@ impl<N: Nic> Rail<N> {
         r
     }
 
-    /// Hands what the last [`Self::poll`] found to `on` (see [`CqPoller::drain`]);
-    /// `waiting`: the comm waits for its peer. Returns whether this rail should post a
-    /// probe. A failure counts as the rail's error.
+    /// Hands what the last [`Self::poll`] found to `on` (see [`CqPoller::drain`]), which
+    /// says whether a completion retires signaled work of this side (then it leaves
+    /// `in_flight`); `waiting`: the comm waits for its peer. Returns whether this rail should
+    /// post a probe. A failure counts as the rail's error.
     pub(crate) fn drain(
         &mut self,
         peer: &str,
         waiting: bool,
-        on: impl FnMut(&Completion),
+        mut on: impl FnMut(&Completion) -> bool,
     ) -> Result<bool> {
         let work = self.in_flight > 0;
+        let mut done = 0;
         let r = self
             .cq
-            .drain(&self.nic, &self.qps, peer, (work, waiting), on);
+            .drain(&self.nic, &self.qps, peer, (work, waiting), |c| {
+                done += u32::from(on(c));
+            });
+        self.in_flight = self.in_flight.saturating_sub(done);
         if r.is_err() {
             self.stats.errors += 1;
         }

@@ -453,31 +453,30 @@ impl<N: Nic> RecvState<N> {
     #[inline(never)]
     fn drain_rail(&mut self, r: usize) -> Result<()> {
         let waiting = self.waiting > 0;
-        let (rails, slots, flush_slots) = (&mut self.rails, &mut self.slots, &mut self.flush_slots);
-        let rail = &mut rails[r];
-        let mut done = 0;
-        let probe = rail.drain(&self.peer, waiting, |c| {
+        let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);
+        let probe = self.rails[r].drain(&self.peer, waiting, |c| {
             let slot = WrKind::slot(c.wr_id);
             match WrKind::of(c.wr_id) {
+                // Receives are not counted in flight: the sender's work completes them.
                 Some(WrKind::Recv) if c.opcode == WC_RECV_RDMA_WITH_IMM => {
                     let st = &mut slots[slot];
                     if st.n == 1 {
                         st.size0 = c.imm;
                     }
                     st.imm_pending = st.imm_pending.saturating_sub(1);
+                    false
                 }
                 Some(WrKind::Flush) => {
-                    done += 1;
                     flush_slots[slot] = match flush_slots[slot] {
                         FlushSlot::Pending(n) if n > 1 => FlushSlot::Pending(n - 1),
                         _ => FlushSlot::Done,
                     };
+                    true
                 }
-                Some(WrKind::Cts | WrKind::Probe) => done += 1,
-                _ => {}
+                Some(WrKind::Cts | WrKind::Probe) => true,
+                _ => false,
             }
         })?;
-        rail.in_flight = rail.in_flight.saturating_sub(done);
         if probe {
             self.post_probe(r)?;
         }

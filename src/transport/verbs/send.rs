@@ -326,19 +326,16 @@ impl<N: Nic> SendState<N> {
     /// Hands what rail `r`'s last poll found to the slots and probes it completes.
     #[inline(never)]
     fn drain_rail(&mut self, r: usize, waiting: bool) -> Result<()> {
-        let (rails, slots) = (&mut self.rails, &mut self.slots);
-        let rail = &mut rails[r];
-        let mut done = 0;
-        let probe = rail.drain(&self.peer, waiting, |c| match WrKind::of(c.wr_id) {
+        let slots = &mut self.slots;
+        let probe = self.rails[r].drain(&self.peer, waiting, |c| match WrKind::of(c.wr_id) {
             Some(WrKind::Send) => {
                 let st = &mut slots[WrKind::slot(c.wr_id)];
                 st.cqe_pending = st.cqe_pending.saturating_sub(1);
-                done += 1;
+                true
             }
-            Some(WrKind::Probe) => done += 1,
-            _ => {}
+            Some(WrKind::Probe) => true,
+            _ => false,
         })?;
-        rail.in_flight = rail.in_flight.saturating_sub(done);
         if probe {
             self.post_probe(r)?;
         }
