@@ -18,7 +18,7 @@ use crate::oob::{Channel, Handle, Hello, Listener, Message, MsgKind, Timeouts, T
 use crate::transport::{Connecting, Listening, RecvEndpoint, SendEndpoint, MAX_RECVS};
 use crate::verbs::device::{mtu_bytes, LINK_LAYER_ETHERNET};
 use crate::verbs::dma::DmaBuffer;
-use crate::verbs::nic::{MemoryRegion, Nic, QueuePair};
+use crate::verbs::nic::{LocalPort, MemoryRegion, Nic, QueuePair};
 use crate::verbs::resources::{QpPath, RemoteQp};
 
 /// What a connection is set up with (settings, resolved per device).
@@ -56,6 +56,20 @@ fn dma<T: Copy, N: Nic>(nics: &[Arc<N>], len: usize) -> Result<DmaBuffer<T, N::M
     })
 }
 
+/// The NIC behind `port` as the other end needs it, with `rkey` for the connection's memory.
+fn rail_info(port: &LocalPort, rkey: u32) -> RailInfo {
+    RailInfo {
+        link_layer: port.link_layer,
+        mtu: port.active_mtu as u8,
+        port: port.port,
+        gid_index: port.gid_index,
+        lid: port.lid,
+        gid: port.gid,
+        rkey,
+        device: port.name.clone(),
+    }
+}
+
 /// This end of a connection as the other end needs it: `addr` and its key on each rail.
 fn local_info<N: Nic>(
     rails: &[Rail<N>],
@@ -66,19 +80,7 @@ fn local_info<N: Nic>(
     let info = rails
         .iter()
         .enumerate()
-        .map(|(i, r)| {
-            let l = r.nic.local();
-            RailInfo {
-                link_layer: l.link_layer,
-                mtu: l.active_mtu as u8,
-                port: l.port,
-                gid_index: l.gid_index,
-                lid: l.lid,
-                gid: l.gid,
-                rkey: rkey(i),
-                device: l.name.clone(),
-            }
-        })
+        .map(|(i, r)| rail_info(r.nic.local(), rkey(i)))
         .collect();
     let nqps: usize = rails.iter().map(|r| r.qps.len()).sum();
     let qps = (0..nqps)
@@ -203,16 +205,7 @@ fn make_rails<N: Nic>(
                     gid: l.gid,
                     lid: l.lid,
                 };
-                let me = RailInfo {
-                    link_layer: l.link_layer,
-                    mtu: l.active_mtu as u8,
-                    port: l.port,
-                    gid_index: l.gid_index,
-                    lid: l.lid,
-                    gid: l.gid,
-                    rkey: 0,
-                    device: l.name.clone(),
-                };
+                let me = rail_info(l, 0);
                 nic.connect_qp(&qp, &path(&**nic, &me, p, 0, 0), &own)?;
                 Some(qp)
             } else {
