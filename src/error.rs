@@ -43,16 +43,21 @@ pub struct OsError {
     pub source: io::Error,
 }
 
-/// A plugin failure, with enough context for one useful WARN line. Every variant is at most
-/// one `String` wide (bigger payloads are boxed), so `Result`s stay small on the data path.
+/// A plugin failure: one pointer wide, so the `Result`s of the data path come back in
+/// registers; what went wrong is in its [`ErrorDetail`].
 #[derive(Debug, thiserror::Error)]
-pub enum Error {
+#[error(transparent)]
+pub struct Error(Box<ErrorDetail>);
+
+/// What went wrong, with enough context for one useful WARN line.
+#[derive(Debug, thiserror::Error)]
+pub enum ErrorDetail {
     /// A setting has a value the plugin cannot use.
     #[error(transparent)]
-    Config(Box<ConfigError>),
+    Config(ConfigError),
     /// A system call or library call failed.
     #[error(transparent)]
-    Os(Box<OsError>),
+    Os(OsError),
     /// No usable network device for the selected transport.
     #[error("{0}")]
     NoDevice(String),
@@ -77,38 +82,103 @@ pub enum Error {
     Remote(String),
 }
 
+impl From<ErrorDetail> for Error {
+    #[cold]
+    fn from(detail: ErrorDetail) -> Self {
+        Error(Box::new(detail))
+    }
+}
+
 impl Error {
-    /// Builds an [`Error::Config`].
+    /// A setting has a value the plugin cannot use.
+    #[cold]
     pub fn config(var: &'static str, value: &str, accepted: impl Into<String>) -> Self {
-        Error::Config(Box::new(ConfigError {
+        ErrorDetail::Config(ConfigError {
             var,
             value: value.to_string(),
             accepted: accepted.into(),
-        }))
+        })
+        .into()
     }
 
-    /// Builds an [`Error::Os`] from the last OS error.
+    /// A failed system or library call, from the last OS error.
+    #[cold]
     pub fn last_os(context: impl Into<String>) -> Self {
         Self::io(context, io::Error::last_os_error())
     }
 
-    /// Builds an [`Error::Os`] from an I/O error.
+    /// A failed system or library call, from an I/O error.
+    #[cold]
     pub fn io(context: impl Into<String>, source: io::Error) -> Self {
-        Error::Os(Box::new(OsError {
+        ErrorDetail::Os(OsError {
             context: context.into(),
             source,
-        }))
+        })
+        .into()
+    }
+
+    /// No usable network device.
+    #[cold]
+    pub fn no_device(msg: String) -> Self {
+        ErrorDetail::NoDevice(msg).into()
+    }
+
+    /// The caller passed something the API does not allow.
+    #[cold]
+    pub fn invalid_argument(msg: String) -> Self {
+        ErrorDetail::InvalidArgument(msg).into()
+    }
+
+    /// The caller misused the plugin.
+    #[cold]
+    pub fn misuse(msg: String) -> Self {
+        ErrorDetail::Misuse(msg).into()
+    }
+
+    /// The user's setup cannot work as configured.
+    #[cold]
+    pub fn usage(msg: String) -> Self {
+        ErrorDetail::Usage(msg).into()
+    }
+
+    /// The device or a queue pair failed.
+    #[cold]
+    pub fn device(msg: String) -> Self {
+        ErrorDetail::Device(msg).into()
+    }
+
+    /// A message was larger than the receive posted for it.
+    #[cold]
+    pub fn truncated(msg: String) -> Self {
+        ErrorDetail::Truncated(msg).into()
+    }
+
+    /// The peer sent something invalid, or the connection to it failed.
+    #[cold]
+    pub fn remote(msg: String) -> Self {
+        ErrorDetail::Remote(msg).into()
+    }
+
+    /// What went wrong.
+    pub fn detail(&self) -> &ErrorDetail {
+        &self.0
+    }
+
+    /// What went wrong, to be changed (e.g. a hint added to an OS error's context).
+    pub fn detail_mut(&mut self) -> &mut ErrorDetail {
+        &mut self.0
     }
 
     /// The class NCCL is told about.
     pub fn kind(&self) -> ErrorKind {
-        match self {
-            Error::Config(_) | Error::Usage(_) | Error::Truncated(_) => ErrorKind::InvalidUsage,
-            Error::Os(e) if is_peer_loss(&e.source) => ErrorKind::Remote,
-            Error::Os(_) | Error::NoDevice(_) | Error::Device(_) => ErrorKind::System,
-            Error::InvalidArgument(_) => ErrorKind::InvalidArgument,
-            Error::Misuse(_) => ErrorKind::Internal,
-            Error::Remote(_) => ErrorKind::Remote,
+        use ErrorDetail as D;
+        match self.detail() {
+            D::Config(_) | D::Usage(_) | D::Truncated(_) => ErrorKind::InvalidUsage,
+            D::Os(e) if is_peer_loss(&e.source) => ErrorKind::Remote,
+            D::Os(_) | D::NoDevice(_) | D::Device(_) => ErrorKind::System,
+            D::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            D::Misuse(_) => ErrorKind::Internal,
+            D::Remote(_) => ErrorKind::Remote,
         }
     }
 }
@@ -148,8 +218,11 @@ mod tests {
         assert_eq!(reset.kind(), ErrorKind::Remote);
         let perm = Error::io("bind", io::Error::from(io::ErrorKind::PermissionDenied));
         assert_eq!(perm.kind(), ErrorKind::System);
-        assert_eq!(Error::Misuse("x".into()).kind(), ErrorKind::Internal);
-        // Results stay small on the data path: no variant is wider than a String.
-        assert!(std::mem::size_of::<Error>() <= 32);
+        assert_eq!(Error::misuse("x".into()).kind(), ErrorKind::Internal);
+        // Results stay small on the data path: an error is one pointer, and a result of a
+        // word comes back in two registers.
+        assert_eq!(std::mem::size_of::<Error>(), 8);
+        assert_eq!(std::mem::size_of::<Result<()>>(), 8);
+        assert_eq!(std::mem::size_of::<Result<Option<usize>>>(), 16);
     }
 }

@@ -130,7 +130,7 @@ pub(crate) fn non_null<T>(p: *const T, what: &str) -> Result<()> {
 
 #[cold]
 fn null_argument(what: &str) -> Error {
-    Error::InvalidArgument(format!("{what} is NULL"))
+    Error::invalid_argument(format!("{what} is NULL"))
 }
 
 /// Reads the magic number every comm starts with.
@@ -184,7 +184,7 @@ pub(crate) unsafe fn data_comm_owner(comm: *mut c_void) -> Result<(Arc<Plugin>, 
             let (p, d) = c.owner();
             (Arc::clone(p), d)
         }),
-        _ => Err(Error::Misuse(
+        _ => Err(Error::misuse(
             "the pointer passed as a comm is neither a send nor a receive comm".into(),
         )),
     }
@@ -244,16 +244,16 @@ mod tests {
                 Error::config("NCCL_IB_TIMEOUT", "99", "1 to 31"),
                 ncclInvalidUsage,
             ),
-            (Error::Usage("x".into()), ncclInvalidUsage),
-            (Error::Truncated("x".into()), ncclInvalidUsage),
-            (Error::InvalidArgument("x".into()), ncclInvalidArgument),
-            (Error::Misuse("x".into()), ncclInternalError),
-            (Error::NoDevice("x".into()), ncclSystemError),
-            (Error::Device("x".into()), ncclSystemError),
+            (Error::usage("x".into()), ncclInvalidUsage),
+            (Error::truncated("x".into()), ncclInvalidUsage),
+            (Error::invalid_argument("x".into()), ncclInvalidArgument),
+            (Error::misuse("x".into()), ncclInternalError),
+            (Error::no_device("x".into()), ncclSystemError),
+            (Error::device("x".into()), ncclSystemError),
             (os(io::ErrorKind::PermissionDenied), ncclSystemError),
             (os(io::ErrorKind::ConnectionReset), ncclRemoteError),
             (os(io::ErrorKind::TimedOut), ncclRemoteError),
-            (Error::Remote("x".into()), ncclRemoteError),
+            (Error::remote("x".into()), ncclRemoteError),
         ] {
             assert_eq!(to_nccl(&e), want, "{e:?}");
             assert_ne!(to_nccl(&e), ncclInProgress);

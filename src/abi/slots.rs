@@ -158,14 +158,14 @@ pub(super) fn buffer_count(n: c_int, call: &str) -> Result<usize> {
         .ok()
         .filter(|n| (1..=MAX_RECVS).contains(n))
         .ok_or_else(|| {
-            Error::InvalidArgument(format!(
+            Error::invalid_argument(format!(
                 "{call} of {n} buffers; 1 to {MAX_RECVS} are allowed"
             ))
         })
 }
 
 pub(super) fn int_size(size: c_int) -> Result<usize> {
-    usize::try_from(size).map_err(|_| Error::InvalidArgument(format!("negative size {size}")))
+    usize::try_from(size).map_err(|_| Error::invalid_argument(format!("negative size {size}")))
 }
 
 pub(super) extern "C" fn reg_mr_int(
@@ -219,7 +219,7 @@ pub(super) extern "C" fn dereg_mr(comm: *mut c_void, mhandle: *mut c_void) -> nc
 /// Wraps NCCL's pointer and size as a buffer.
 pub(super) fn user_buffer(data: *mut c_void, size: usize) -> Result<UserBuffer> {
     if data.is_null() && size > 0 {
-        return Err(Error::InvalidArgument(format!(
+        return Err(Error::invalid_argument(format!(
             "NULL data pointer for {size} bytes"
         )));
     }

@@ -154,7 +154,7 @@ fn make_vdevice(d: *mut c_int, ndevs: c_int, devs: &[c_int], max: usize) -> nccl
             .unwrap_or(usize::MAX)
             .min(devs.len() + 1);
         let picked = devs.get(..n).ok_or_else(|| {
-            Error::Usage(format!(
+            Error::usage(format!(
                 "makeVDevice of {ndevs} devices; 1 to {max} can be fused"
             ))
         })?;
@@ -210,7 +210,7 @@ pub(super) fn context(ctx: *mut c_void) -> Result<Arc<Plugin>> {
         .as_ref()
         .is_some_and(|set| set.contains(&(ctx as usize)));
     if !live {
-        return Err(Error::Misuse("unknown net context".into()));
+        return Err(Error::misuse("unknown net context".into()));
     }
     // SAFETY: registered contexts are live boxed NetContexts (removed before being freed).
     Ok(Arc::clone(&unsafe { &*(ctx as *const NetContext) }.plugin))
@@ -267,7 +267,7 @@ pub(super) extern "C" fn finalize_v11(ctx: *mut c_void) -> ncclResult_t {
             .as_mut()
             .is_some_and(|set| set.remove(&(ctx as usize)));
         if !removed {
-            return Err(Error::Misuse("finalize of an unknown net context".into()));
+            return Err(Error::misuse("finalize of an unknown net context".into()));
         }
         // SAFETY: it was registered, so it is a NetContext we boxed in init; it is now
         // unregistered, so nothing else can reach it.

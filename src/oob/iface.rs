@@ -62,7 +62,7 @@ pub(crate) fn pick_from(
         })
         .ok_or_else(|| {
             let names: Vec<&str> = candidates.iter().map(|(n, _)| n.as_str()).collect();
-            Error::NoDevice(format!(
+            Error::no_device(format!(
                 "no network interface matches NCCL_SOCKET_IFNAME/NCCL_SOCKET_FAMILY \
                  (interfaces here: {})",
                 names.join(", ")

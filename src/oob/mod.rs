@@ -20,7 +20,7 @@ use socket2::{Domain, Protocol, SockAddr, SockRef, Socket, TcpKeepalive, Type};
 
 pub use handle::{Handle, TransportKind, HANDLE_SIZE};
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorDetail, Result};
 
 /// How long the bootstrap waits on a peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,7 +64,7 @@ pub const PEER_SILENT: &str = " (no answer to keepalive probes within \
 /// transport waits for it as long as it takes. A peer whose process exits closes the
 /// connection, and one whose host falls silent trips `NCCL_ERDMA_PEER_TIMEOUT_S`.
 fn unreachable_listener(peer: SocketAddr, timeout: Duration) -> Error {
-    Error::Remote(format!(
+    Error::remote(format!(
         "could not reach the listener at {peer} within {} ms (NCCL_ERDMA_CONNECT_TIMEOUT_MS)",
         timeout.as_millis()
     ))
@@ -72,8 +72,8 @@ fn unreachable_listener(peer: SocketAddr, timeout: Duration) -> Error {
 
 /// What to add to a connection error that `keep_alive` caused, so the WARN says why.
 pub fn peer_timeout_hint(e: &Error) -> &'static str {
-    match e {
-        Error::Os(os) if os.source.kind() == io::ErrorKind::TimedOut => PEER_SILENT,
+    match e.detail() {
+        ErrorDetail::Os(os) if os.source.kind() == io::ErrorKind::TimedOut => PEER_SILENT,
         _ => "",
     }
 }
@@ -126,23 +126,23 @@ pub fn encode_header(kind: MsgKind, len: usize) -> [u8; MSG_HEADER] {
 pub fn decode_header(h: &[u8; MSG_HEADER]) -> Result<(MsgKind, usize)> {
     let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
     if magic != MSG_MAGIC {
-        return Err(Error::Remote(format!(
+        return Err(Error::remote(format!(
             "handshake message has magic {magic:#010x}, expected {MSG_MAGIC:#010x}"
         )));
     }
     let version = u16::from_le_bytes([h[4], h[5]]);
     if version != handle::PROTOCOL_VERSION {
-        return Err(Error::Remote(format!(
+        return Err(Error::remote(format!(
             "handshake protocol version {version}, this plugin speaks {}",
             handle::PROTOCOL_VERSION
         )));
     }
     let kind_raw = u16::from_le_bytes([h[6], h[7]]);
     let kind = MsgKind::from_u16(kind_raw)
-        .ok_or_else(|| Error::Remote(format!("unknown handshake message type {kind_raw}")))?;
+        .ok_or_else(|| Error::remote(format!("unknown handshake message type {kind_raw}")))?;
     let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
     if len > MAX_PAYLOAD {
-        return Err(Error::Remote(format!(
+        return Err(Error::remote(format!(
             "handshake message of {len} bytes exceeds the {MAX_PAYLOAD}-byte limit"
         )));
     }
@@ -291,7 +291,7 @@ impl Channel {
     }
 
     fn closed(&self) -> Error {
-        Error::Remote(format!(
+        Error::remote(format!(
             "{} closed the connection during the handshake",
             self.peer
         ))
@@ -385,7 +385,7 @@ impl Hello {
     /// Parses a hello payload.
     pub fn decode(p: &[u8]) -> Result<Self> {
         if p.len() < 9 {
-            return Err(Error::Remote(format!(
+            return Err(Error::remote(format!(
                 "hello of {} bytes is too short",
                 p.len()
             )));
@@ -395,7 +395,7 @@ impl Hello {
         let transport = match p[8] {
             1 => TransportKind::Tcp,
             2 => TransportKind::Verbs,
-            t => return Err(Error::Remote(format!("hello names unknown transport {t}"))),
+            t => return Err(Error::remote(format!("hello names unknown transport {t}"))),
         };
         Ok(Hello {
             nonce: u64::from_le_bytes(nonce),
@@ -497,7 +497,7 @@ impl Listener {
         while i < self.pending.len() {
             let p = &mut self.pending[i];
             let outcome = match p.chan.poll_recv() {
-                Ok(None) if p.since.elapsed() > self.timeouts.connect => Err(Error::Remote(
+                Ok(None) if p.since.elapsed() > self.timeouts.connect => Err(Error::remote(
                     format!("no hello within {} ms", self.timeouts.connect.as_millis()),
                 )),
                 Ok(None) => {
@@ -505,7 +505,7 @@ impl Listener {
                     continue;
                 }
                 Ok(Some(m)) if m.kind == MsgKind::Hello => Hello::decode(&m.payload),
-                Ok(Some(m)) => Err(Error::Remote(format!(
+                Ok(Some(m)) => Err(Error::remote(format!(
                     "expected a hello, got message type {:?}",
                     m.kind
                 ))),
@@ -526,7 +526,7 @@ impl Listener {
                     );
                     p.chan.queue(MsgKind::Reject, reason.as_bytes());
                     let _ = p.chan.flush();
-                    return Err(Error::Remote(format!(
+                    return Err(Error::remote(format!(
                         "peer {} refused: {reason}",
                         p.chan.peer()
                     )));

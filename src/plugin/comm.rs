@@ -39,7 +39,7 @@ pub(crate) fn check_magic(have: u64, want: u64, what: &str) -> Result<()> {
 
 #[cold]
 fn not_a(what: &str) -> Error {
-    Error::Misuse(format!("the pointer passed as a {what} is not one"))
+    Error::misuse(format!("the pointer passed as a {what} is not one"))
 }
 
 /// The listening side of one future connection.
@@ -178,7 +178,7 @@ impl SendComm {
         mhandle: u64,
     ) -> Result<Option<&RequestToken>> {
         if buf.len() > MAX_P2P_BYTES {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "send of {} bytes exceeds maxP2pBytes ({MAX_P2P_BYTES})",
                 buf.len()
             )));

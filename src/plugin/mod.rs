@@ -98,7 +98,7 @@ pub(crate) fn get() -> Result<Arc<Plugin>> {
         .lock()
         .as_ref()
         .map(Arc::clone)
-        .ok_or_else(|| Error::Misuse("the plugin is used before a successful init".into()))
+        .ok_or_else(|| Error::misuse("the plugin is used before a successful init".into()))
 }
 
 impl Plugin {
@@ -158,7 +158,7 @@ impl Plugin {
     pub(crate) fn device(&self, dev: i32) -> Result<Arc<DeviceProps>> {
         let index = usize::try_from(dev).unwrap_or(usize::MAX);
         self.transport.device(index).map_err(|_| {
-            Error::InvalidArgument(format!(
+            Error::invalid_argument(format!(
                 "device {dev} does not exist ({} devices)",
                 self.device_count()
             ))
@@ -170,7 +170,7 @@ impl Plugin {
     pub(crate) fn make_vdevice(&self, devs: &[i32], max: usize) -> Result<usize> {
         let d = self.transport.make_vdevice(devs, max)?;
         if d >= MAX_DEVICES {
-            return Err(Error::Usage(format!(
+            return Err(Error::usage(format!(
                 "makeVDevice: more than {MAX_DEVICES} devices"
             )));
         }
@@ -216,7 +216,7 @@ impl Plugin {
         let handle = Handle::decode(buf)?;
         let ours = self.transport.kind();
         if handle.transport != ours {
-            return Err(Error::Usage(format!(
+            return Err(Error::usage(format!(
                 "the peer listens with transport {}, this process uses {}: set the same \
                  NCCL_ERDMA_TRANSPORT on every node",
                 handle.transport.name(),
@@ -243,7 +243,7 @@ impl Plugin {
             }
         };
         let stage = connecting.poll(id, Instant::now()).ok_or_else(|| {
-            Error::Misuse(format!(
+            Error::misuse(format!(
                 "connect called again with a handle whose connection {id} already finished, \
                  failed, or went unpolled for {} s",
                 stages::ABANDONED_AFTER.as_secs()
@@ -271,13 +271,13 @@ impl Plugin {
     /// `regMr` on device `dev`.
     pub(crate) fn reg_mr(&self, dev: usize, addr: usize, len: usize, ptr_type: i32) -> Result<u64> {
         if addr == 0 && len > 0 {
-            return Err(Error::InvalidArgument(
+            return Err(Error::invalid_argument(
                 "regMr of a NULL address".to_string(),
             ));
         }
         let supported = self.device(dev as i32).map_or(0, |d| d.ptr_support);
         if ptr_type != PTR_HOST && (ptr_type != PTR_CUDA || supported & PTR_CUDA == 0) {
-            return Err(Error::InvalidArgument(format!(
+            return Err(Error::invalid_argument(format!(
                 "memory type {ptr_type} is not supported by the {} transport on this host \
                  (ptrSupport {supported:#x})",
                 self.transport.kind().name()

@@ -61,7 +61,7 @@ fn covers(reg: (usize, usize, usize), addr: usize, len: usize) -> bool {
 
 #[cold]
 fn outside_registration(addr: usize, len: usize, reg: (usize, usize, usize)) -> Error {
-    Error::InvalidArgument(format!(
+    Error::invalid_argument(format!(
         "buffer {addr:#x}+{len} lies outside its registration {:#x}+{}",
         reg.0, reg.1
     ))
@@ -69,7 +69,7 @@ fn outside_registration(addr: usize, len: usize, reg: (usize, usize, usize)) -> 
 
 #[cold]
 fn wrong_device(registered: usize, dev: usize) -> Error {
-    Error::InvalidArgument(format!(
+    Error::invalid_argument(format!(
         "buffer registered on device {registered} used on device {dev}"
     ))
 }
@@ -142,7 +142,7 @@ fn split(handle: u64) -> Option<(usize, u64)> {
 
 #[cold]
 fn unknown(handle: u64) -> Error {
-    Error::Misuse(format!(
+    Error::misuse(format!(
         "unknown or already released memory handle {handle:#x}"
     ))
 }
@@ -166,7 +166,7 @@ impl MrTable {
                 w.next - 1
             }
             None => {
-                return Err(Error::Usage(format!(
+                return Err(Error::usage(format!(
                     "more than {} memory registrations at once",
                     CHUNK * CHUNKS
                 )))

@@ -182,7 +182,7 @@ pub(crate) trait Transport: Send + Sync {
     /// at most `max` of them; returns its index. Transports that cannot fuse refuse.
     fn make_vdevice(&self, devs: &[i32], max: usize) -> Result<usize> {
         let _ = max;
-        Err(Error::Usage(format!(
+        Err(Error::usage(format!(
             "makeVDevice of devices {devs:?}: this transport has one device and cannot fuse"
         )))
     }
@@ -285,7 +285,7 @@ pub(crate) fn open(config: &Config, bootstrap: &LocalAddr) -> Result<Box<dyn Tra
         TransportChoice::Tcp => Ok(Box::new(tcp::TcpTransport::new(config, bootstrap))),
         TransportChoice::Verbs => {
             let t = verbs::VerbsTransport::open(config).map_err(|e| {
-                Error::NoDevice(format!(
+                Error::no_device(format!(
                     "verbs transport unavailable: {e}. NCCL falls back to its own \
                      transports; set NCCL_ERDMA_TRANSPORT=tcp (or auto) to use this plugin \
                      over TCP"
@@ -306,7 +306,7 @@ pub(crate) fn open(config: &Config, bootstrap: &LocalAddr) -> Result<Box<dyn Tra
 /// The device `dev` of `devices`, or an error naming how many there are.
 pub(crate) fn device<T>(devices: &[T], dev: usize) -> Result<&T> {
     devices.get(dev).ok_or_else(|| {
-        Error::InvalidArgument(format!(
+        Error::invalid_argument(format!(
             "device {dev} does not exist ({} devices)",
             devices.len()
         ))
@@ -317,7 +317,7 @@ pub(crate) fn device<T>(devices: &[T], dev: usize) -> Result<&T> {
 /// flight: never posted, or already reported done.
 #[cold]
 pub(crate) fn not_in_flight(what: &str, id: usize) -> Error {
-    Error::Misuse(format!(
+    Error::misuse(format!(
         "test on {what} request {id}, which is not in flight"
     ))
 }
@@ -365,6 +365,6 @@ impl Failure {
 
     #[cold]
     fn error(m: &str) -> Error {
-        Error::Remote(m.to_string())
+        Error::remote(m.to_string())
     }
 }

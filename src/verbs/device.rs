@@ -283,7 +283,7 @@ fn roce_version(dev: &str, port: u8, index: usize) -> Option<u32> {
 pub(crate) fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice>> {
     let list = lib.device_list()?;
     if list.is_empty() {
-        return Err(Error::NoDevice("no RDMA devices found".into()));
+        return Err(Error::no_device("no RDMA devices found".into()));
     }
     let hca = config.ib_hca.value.as_ref();
     let range = match &config.ib_addr_range.value {
@@ -413,7 +413,7 @@ pub(crate) fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<Ve
             ),
             None => format!("no active port on RDMA devices {}", seen.join(", ")),
         };
-        return Err(Error::NoDevice(why));
+        return Err(Error::no_device(why));
     }
     found.sort_by(|a, b| (&a.pci_path, a.name()).cmp(&(&b.pci_path, b.name())));
     Ok(found)

@@ -75,7 +75,7 @@ impl<T: Copy, R> DmaBuffer<T, R> {
         assert!((1..=MAX_REGISTRATIONS).contains(&regs));
         let layout = page_layout::<T>(len)
             .filter(|l| l.align() >= std::mem::align_of::<T>())
-            .ok_or_else(|| Error::InvalidArgument(format!("buffer of {len} elements")))?;
+            .ok_or_else(|| Error::invalid_argument(format!("buffer of {len} elements")))?;
         // SAFETY: the layout has non-zero size; T: Copy is plain data for which all-zero
         // bytes are the initial value the protocol expects.
         let ptr = unsafe { alloc::alloc_zeroed(layout) } as *mut T;

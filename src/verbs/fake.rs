@@ -496,7 +496,7 @@ impl Nic for FakeNic {
             .get(&remote.qpn)
             .is_some_and(|r| w.nics[r.nic].gid == remote.gid);
         if !gid_ok {
-            return Err(Error::Remote(format!(
+            return Err(Error::remote(format!(
                 "fake fabric: no QP {} behind the GID given",
                 remote.qpn
             )));

@@ -95,7 +95,7 @@ unsafe fn fn_ptr<F: Copy>(p: *mut c_void) -> F {
 macro_rules! required {
     ($lib:expr, $name:literal) => {{
         let p = lookup($lib, $name, c"IBVERBS_1.1").ok_or_else(|| {
-            Error::NoDevice(format!(
+            Error::no_device(format!(
                 "libibverbs lacks {}@IBVERBS_1.1: {}",
                 $name,
                 dl_error()
@@ -123,7 +123,7 @@ impl VerbsLib {
         let mut errors = Vec::new();
         for name in candidates {
             let c = CString::new(name).map_err(|_| {
-                Error::InvalidArgument(format!("library name {name:?} contains a NUL byte"))
+                Error::invalid_argument(format!("library name {name:?} contains a NUL byte"))
             })?;
             // SAFETY: c is NUL-terminated; RTLD_NOW surfaces missing dependencies here. The
             // handle is never closed: provider libraries keep references into libibverbs.
@@ -162,7 +162,7 @@ impl VerbsLib {
                 reg_dmabuf_mr,
             });
         }
-        Err(Error::NoDevice(format!(
+        Err(Error::no_device(format!(
             "cannot load libibverbs ({}); install rdma-core (libibverbs1 and the provider \
              for your NIC) or set NCCL_IBVERBS_LIB",
             errors.join("; ")
@@ -182,7 +182,7 @@ impl VerbsLib {
             } else {
                 err.to_string()
             };
-            return Err(Error::NoDevice(format!(
+            return Err(Error::no_device(format!(
                 "ibv_get_device_list failed: {why}"
             )));
         }
@@ -257,7 +257,7 @@ impl DeviceList {
     /// Opens device `i`.
     pub(crate) fn open(&self, i: usize) -> Result<resources::Context> {
         if i >= self.len {
-            return Err(Error::InvalidArgument(format!("no device {i}")));
+            return Err(Error::invalid_argument(format!("no device {i}")));
         }
         let name = self.name(i);
         // SAFETY: i < len, so the entry is a live device of the list.

@@ -13,7 +13,7 @@ use std::{
 use rdma_sys::*;
 
 use super::VerbsLib;
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorDetail, Result};
 
 /// An open device context.
 pub(crate) struct Context {
@@ -349,7 +349,7 @@ impl Pd {
         access: u32,
     ) -> Result<Mr> {
         let f = self.ctx.lib.reg_dmabuf_mr.ok_or_else(|| {
-            Error::Usage("this libibverbs has no ibv_reg_dmabuf_mr (rdma-core >= 34 needed)".into())
+            Error::usage("this libibverbs has no ibv_reg_dmabuf_mr (rdma-core >= 34 needed)".into())
         })?;
         // SAFETY: pd is live; the kernel validates fd, offset and length.
         let raw = unsafe { f(self.raw, offset, len, iova, fd, access as i32) };
@@ -496,7 +496,7 @@ impl Cq {
 
 #[cold]
 fn no_op(op: &str) -> Error {
-    Error::Misuse(format!("provider has no {op}"))
+    Error::misuse(format!("provider has no {op}"))
 }
 
 impl Drop for Cq {
@@ -670,15 +670,16 @@ impl Qp {
             | ibv_qp_attr_mask::IBV_QP_RQ_PSN
             | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC
             | ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER;
-        self.modify(&mut a, mask, "RTR").map_err(|e| match e {
-            Error::Os(mut os) if os.source.raw_os_error() == Some(libc::EINVAL) => {
-                os.context.push_str(
-                    " (EINVAL usually means an unusable GID index: check NCCL_IB_GID_INDEX / \
-                     NCCL_IB_ADDR_FAMILY)",
-                );
-                Error::Os(os)
+        self.modify(&mut a, mask, "RTR").map_err(|mut e| {
+            if let ErrorDetail::Os(os) = e.detail_mut() {
+                if os.source.raw_os_error() == Some(libc::EINVAL) {
+                    os.context.push_str(
+                        " (EINVAL usually means an unusable GID index: check NCCL_IB_GID_INDEX \
+                         / NCCL_IB_ADDR_FAMILY)",
+                    );
+                }
             }
-            e => e,
+            e
         })
     }
 

@@ -165,7 +165,7 @@ impl Transport for TcpTransport {
         _offset: u64,
         _fd: i32,
     ) -> Result<(MemKeys, Hold)> {
-        Err(Error::Usage(
+        Err(Error::usage(
             "DMA-BUF registration is not supported here (transport tcp); NCCL should not have \
              asked"
                 .into(),
@@ -259,7 +259,7 @@ impl Connecting for TcpConnecting {
         let chan = self
             .chan
             .as_mut()
-            .ok_or_else(|| Error::Misuse("connect polled again after it finished".into()))?;
+            .ok_or_else(|| Error::misuse("connect polled again after it finished".into()))?;
         if !chan.flush()? {
             return Ok(None);
         }
@@ -273,12 +273,12 @@ impl Connecting for TcpConnecting {
                 let sock = into_data_socket(chan.into_stream())?;
                 Ok(Some(Box::new(TcpSendComm::new(sock, peer))))
             }
-            Some(m) if m.kind == MsgKind::Reject => Err(Error::Remote(format!(
+            Some(m) if m.kind == MsgKind::Reject => Err(Error::remote(format!(
                 "{} refused the connection: {}",
                 chan.peer(),
                 String::from_utf8_lossy(&m.payload)
             ))),
-            Some(m) => Err(Error::Remote(format!(
+            Some(m) => Err(Error::remote(format!(
                 "{} answered the hello with message type {:?}",
                 chan.peer(),
                 m.kind

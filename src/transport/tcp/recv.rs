@@ -160,12 +160,12 @@ impl RecvEndpoint for TcpRecvComm {
         let req = s
             .reqs
             .get_mut(slot)
-            .ok_or_else(|| Error::Misuse(format!("unknown receive request {slot}")))?;
+            .ok_or_else(|| Error::misuse(format!("unknown receive request {slot}")))?;
         match req.state {
             RecvState::Done => {
                 req.state = RecvState::Free;
                 if let Some((sent, posted)) = req.truncated {
-                    return Err(Error::Truncated(format!(
+                    return Err(Error::truncated(format!(
                         "the peer sent {sent} bytes to a receive of {posted} bytes"
                     )));
                 }
@@ -234,7 +234,7 @@ impl RecvInner {
                 Ok(0) => {
                     let busy = self.reqs.iter().any(|r| r.state == RecvState::Active);
                     return if busy {
-                        Err(Error::Remote("the peer closed the connection".into()))
+                        Err(Error::remote("the peer closed the connection".into()))
                     } else {
                         // A peer that finished and closed is not an error until we need it.
                         self.failure
@@ -291,7 +291,7 @@ impl RecvInner {
             && entry < req.n
             && req.arrived & (1 << entry) == 0;
         if !valid {
-            return Err(Error::Remote(format!(
+            return Err(Error::remote(format!(
                 "protocol error: unexpected data frame (type {}, receive {seq}, entry {entry}; \
                  expected receive {})",
                 h[0], self.fill_seq
@@ -304,7 +304,7 @@ impl RecvInner {
             return Ok(());
         }
         if size > capacity {
-            return Err(Error::Remote(format!(
+            return Err(Error::remote(format!(
                 "protocol error: {size} bytes sent to a {capacity}-byte receive"
             )));
         }

@@ -152,7 +152,7 @@ impl SendEndpoint for TcpSendComm {
         s.next_seq = s.next_seq.wrapping_add(1);
         s.progress();
         if truncated {
-            return Err(Error::Truncated(format!(
+            return Err(Error::truncated(format!(
                 "send of {} bytes (tag {tag}) to {} is larger than the {posted}-byte receive \
                  posted for it",
                 buf.len(),
@@ -169,7 +169,7 @@ impl SendEndpoint for TcpSendComm {
         let req = s
             .reqs
             .get_mut(slot)
-            .ok_or_else(|| Error::Misuse(format!("unknown send request {slot}")))?;
+            .ok_or_else(|| Error::misuse(format!("unknown send request {slot}")))?;
         match req.state {
             SendState::Written => {
                 req.state = SendState::Free;
@@ -200,7 +200,7 @@ impl SendInner {
                     let busy = self.tx_seq != self.next_seq
                         || self.reqs.iter().any(|r| r.state == SendState::Queued);
                     if busy {
-                        return Err(Error::Remote("the peer closed the connection".into()));
+                        return Err(Error::remote("the peer closed the connection".into()));
                     }
                     self.failure
                         .0
@@ -223,7 +223,7 @@ impl SendInner {
                     || seq != self.cts_received
                     || self.cts_received.wrapping_sub(self.cts_matched) as usize >= MAX_REQUESTS
                 {
-                    return Err(Error::Remote(format!(
+                    return Err(Error::remote(format!(
                         "protocol error: bad clear-to-send frame (type {}, n {count}, \
                          receive {seq}, expected {})",
                         f[0], self.cts_received

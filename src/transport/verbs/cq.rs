@@ -159,12 +159,12 @@ impl<N: Nic> CqPoller<N> {
     #[cold]
     pub(crate) fn gone_error(&self, peer: &str) -> Error {
         if self.peer_silent {
-            return Error::Remote(format!(
+            return Error::remote(format!(
                 "peer {peer} stopped answering with requests still in flight{}",
                 oob::PEER_SILENT
             ));
         }
-        Error::Remote(format!(
+        Error::remote(format!(
             "peer {peer} closed its connection (its process exited or closed the comm) with \
              requests still in flight"
         ))
@@ -230,7 +230,7 @@ impl<N: Nic> CqPoller<N> {
             self.epoch = now;
             let qpns: Vec<u32> = qps.iter().map(|q| q.qpn()).collect();
             if let Some(why) = nic.fatal_for(&self.cq, &qpns) {
-                return Err(Error::Device(format!("fatal asynchronous event: {why}")));
+                return Err(Error::device(format!("fatal asynchronous event: {why}")));
             }
         }
         match self
@@ -246,7 +246,7 @@ impl<N: Nic> CqPoller<N> {
 
 #[cold]
 fn stalled_error<N: Nic>(nic: &N, peer: &str, idle: Duration) -> Error {
-    Error::Remote(format!(
+    Error::remote(format!(
         "work posted to peer {peer} on {} has not completed in {:.1} s \
          (NCCL_ERDMA_WORK_TIMEOUT_S): the RDMA path to the peer is down (link, switch, or the \
          peer's NIC) while the device keeps retrying",
@@ -271,7 +271,7 @@ fn cqe_error<N: Nic>(nic: &N, peer: &str, c: &Completion) -> Error {
         13 => " (receiver not ready)",
         _ => "",
     };
-    Error::Remote(format!(
+    Error::remote(format!(
         "{} to peer {peer} on {} failed: {} (status {}, vendor error {:#x}, QP {}){hint}",
         WrKind::describe(c.wr_id),
         nic.local().name,

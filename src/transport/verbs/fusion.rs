@@ -106,7 +106,7 @@ pub(crate) fn check_vdevice(
     merge_allowed: bool,
 ) -> Result<Vec<usize>> {
     let refuse = |why: String| {
-        Err(Error::Usage(format!(
+        Err(Error::usage(format!(
             "makeVDevice of devices {devs:?}: {why}; NCCL falls back to the devices one by one \
              (NCCL_NET_MERGE_LEVEL=LOC stops it from asking)"
         )))

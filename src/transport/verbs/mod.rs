@@ -305,7 +305,7 @@ impl Transport for VerbsTransport {
         let mut held = Vec::with_capacity(rails.len());
         for (r, d) in rails.iter().enumerate() {
             if !d.dmabuf {
-                return Err(Error::Usage(format!(
+                return Err(Error::usage(format!(
                     "DMA-BUF registration is not supported on {}; NCCL should not have asked",
                     d.name()
                 )));

@@ -297,7 +297,7 @@ impl<N: Nic> RecvState<N> {
             c
         };
         if c.sizes[..c.n].contains(&TRUNCATED) {
-            return Err(Error::Truncated(format!(
+            return Err(Error::truncated(format!(
                 "{} sent more bytes than the receive posted for them",
                 self.peer
             )));
@@ -513,7 +513,7 @@ impl<N: Nic> RecvState<N> {
 
 #[cold]
 fn too_many_flushes() -> Error {
-    Error::Usage(format!(
+    Error::usage(format!(
         "iflush: {SLOTS} flushes already in flight on this comm (NCCL allows {SLOTS} requests)"
     ))
 }

@@ -304,7 +304,7 @@ impl<N: Nic> SendState<N> {
 
     #[cold]
     fn protocol_error(&mut self, n: usize) -> Result<Option<usize>> {
-        let e = Error::Remote(format!(
+        let e = Error::remote(format!(
             "protocol error: clear-to-send from {} announces {n} buffers",
             self.peer
         ));
@@ -473,7 +473,7 @@ impl<N: Nic> SendState<N> {
 
 #[cold]
 fn truncation_error(len: usize, tag: i32, peer: &str, room: u32) -> Error {
-    Error::Truncated(format!(
+    Error::truncated(format!(
         "send of {len} bytes (tag {tag}) to {peer} is larger than the {room}-byte receive \
          posted for it"
     ))

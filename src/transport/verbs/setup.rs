@@ -130,7 +130,7 @@ fn check_links<N: Nic>(rails: &[Rail<N>], remote: &ConnInfo, peer: SocketAddr) -
         let l = rails[q % rails.len()].nic.local();
         let r = &remote.rails[q % remote.rails.len()];
         if r.link_layer != l.link_layer {
-            return Err(Error::Usage(format!(
+            return Err(Error::usage(format!(
                 "link layer mismatch: local device {} is {}, peer {peer} device {} is {}; pick \
                  devices of one kind on every node with NCCL_IB_HCA",
                 l.name,
@@ -305,25 +305,25 @@ impl<N: Nic> VerbsConnecting<N> {
         match m.kind {
             MsgKind::Accept => {}
             MsgKind::Reject => {
-                return Err(Error::Remote(format!(
+                return Err(Error::remote(format!(
                     "{peer} refused the connection: {}",
                     String::from_utf8_lossy(&m.payload)
                 )))
             }
             k => {
-                return Err(Error::Remote(format!(
+                return Err(Error::remote(format!(
                     "{peer} answered the hello with message type {k:?}"
                 )))
             }
         }
         let remote = ConnInfo::decode(&m.payload)?;
         let made = self.made.take().ok_or_else(|| {
-            Error::Misuse(format!("connect to {peer} polled again after it failed"))
+            Error::misuse(format!("connect to {peer} polled again after it failed"))
         })?;
         check_links(&made.rails, &remote, peer)?;
         let nqps: usize = made.rails.iter().map(|r| r.qps.len()).sum();
         if remote.qps.len() != nqps {
-            return Err(Error::Remote(format!(
+            return Err(Error::remote(format!(
                 "{peer} answered with {} QPs for our {nqps}",
                 remote.qps.len(),
             )));
@@ -422,7 +422,7 @@ impl<N: Nic> VerbsListen<N> {
                 state.rails[0].cq.watch(chan.into_stream());
                 Ok(Some(VerbsRecvComm::new(state)))
             }
-            Some(m) => Err(Error::Remote(format!(
+            Some(m) => Err(Error::remote(format!(
                 "{} sent message type {:?} instead of ready",
                 chan.peer(),
                 m.kind

@@ -258,7 +258,7 @@ impl ConnInfo {
     }
 
     pub(crate) fn decode(p: &[u8]) -> Result<Self> {
-        let bad = |why: &str| Error::Remote(format!("invalid connection info: {why}"));
+        let bad = |why: &str| Error::remote(format!("invalid connection info: {why}"));
         if p.len() < CONN_FIXED {
             return Err(bad("too short"));
         }

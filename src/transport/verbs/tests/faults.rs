@@ -235,7 +235,7 @@ fn a_bad_handle_fails_only_its_call_and_a_send_meets_it_once_matched() {
     let c = connect(params());
     let mut dst = c.buf(false, 64, 0);
     let mut src = c.buf(true, 64, 5);
-    let bad = |_: usize, _: &mut MemKeys| -> Result<()> { Err(Error::Misuse("bad handle".into())) };
+    let bad = |_: usize, _: &mut MemKeys| -> Result<()> { Err(Error::misuse("bad handle".into())) };
     // A receive with a bad handle posts nothing.
     let e = c.recv.irecv(&[dst.whole()], &[2], &bad).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Internal);
