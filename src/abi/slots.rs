@@ -228,31 +228,15 @@ pub(super) fn user_buffer(data: *mut c_void, size: usize) -> Result<UserBuffer> 
     Ok(unsafe { UserBuffer::new(data as *mut u8, size) })
 }
 
-/// A size as a version's C signature passes it: converted inside the boundary, and small, so
-/// the data path does not carry an error value into every call.
-#[derive(Clone, Copy)]
-pub(super) enum CSize {
-    /// `int` (v6-v8).
-    Int(c_int),
-    /// `size_t` (v9+).
-    SizeT(usize),
-}
-
-impl CSize {
-    #[inline(always)]
-    fn bytes(self) -> Result<usize> {
-        match self {
-            CSize::Int(s) => int_size(s),
-            CSize::SizeT(s) => Ok(s),
-        }
-    }
-}
-
-/// `isend` for any version.
-pub(super) fn isend(
+/// `isend` for any version. `size` is the version's C type widened: an `int` sign-extended
+/// (negative stays negative and is refused), a `size_t` as is (one beyond `i64::MAX` reads
+/// negative, and is refused too: no send is that large). One word, so the exports pass it
+/// on in a register.
+#[inline(never)]
+fn isend(
     comm: *mut c_void,
     data: *mut c_void,
-    size: CSize,
+    size: i64,
     tag: c_int,
     mhandle: *mut c_void,
     phandle: *mut c_void,
@@ -269,7 +253,8 @@ pub(super) fn isend(
         if !comm.may_send() {
             return Ok(());
         }
-        let buf = user_buffer(data, size.bytes()?)?;
+        let size = usize::try_from(size).map_err(|_| bad_send_size(size))?;
+        let buf = user_buffer(data, size)?;
         if let Some(token) = comm.isend(buf, tag, mhandle as usize as u64)? {
             let event = NetEvent {
                 kind: 0,
@@ -285,6 +270,13 @@ pub(super) fn isend(
     })
 }
 
+#[cold]
+fn bad_send_size(size: i64) -> Error {
+    Error::invalid_argument(format!(
+        "send size {size} (as a signed 64-bit number) is negative or too large"
+    ))
+}
+
 pub(super) extern "C" fn isend_int(
     comm: *mut c_void,
     data: *mut c_void,
@@ -296,7 +288,7 @@ pub(super) extern "C" fn isend_int(
     isend(
         comm,
         data,
-        CSize::Int(size),
+        i64::from(size),
         tag,
         mhandle,
         std::ptr::null_mut(),
@@ -315,7 +307,7 @@ pub(super) extern "C" fn isend_size_t(
     isend(
         comm,
         data,
-        CSize::SizeT(size),
+        size as i64,
         tag,
         mhandle,
         std::ptr::null_mut(),
@@ -332,15 +324,7 @@ pub(super) extern "C" fn isend_v10(
     phandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    isend(
-        comm,
-        data,
-        CSize::SizeT(size),
-        tag,
-        mhandle,
-        phandle,
-        request,
-    )
+    isend(comm, data, size as i64, tag, mhandle, phandle, request)
 }
 
 /// `irecv` for any version; `size_at(i)` reads the i-th size in the version's integer type.

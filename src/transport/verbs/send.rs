@@ -11,6 +11,11 @@
 //! slot that never came, so the receiver learns of it whichever send was too large), the
 //! slot is posted at once and the comm fails from then on.
 
+use std::sync::{
+    atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed},
+    Arc,
+};
+
 use parking_lot::Mutex;
 
 use super::rail::{self, locate, Rail};
@@ -108,7 +113,8 @@ pub(crate) type RemoteRecords = (u64, [u32; MAX_RAILS], usize);
 pub(crate) struct SendState<N: Nic> {
     // Field order is teardown order: QPs (in the rails) before the memory they use.
     pub(crate) rails: Vec<Rail<N>>,
-    fifo: DmaBuffer<CtsEntry, N::Mr>,
+    /// Shared with the comm's [`SendGate`], which outlives this state (and so the QPs).
+    fifo: Arc<DmaBuffer<CtsEntry, N::Mr>>,
     /// Size records of grouped receives as sent, and the probe's landing byte.
     sizes_local: DmaBuffer<u32, N::Mr>,
     remote_sizes: RemoteRecords,
@@ -119,15 +125,13 @@ pub(crate) struct SendState<N: Nic> {
     chain: SendChain,
     failure: Failure,
     pub(crate) peer: String,
-    /// `isend` calls that found nothing to post.
-    idle_calls: u32,
 }
 
 impl<N: Nic> SendState<N> {
     /// A comm over connected `rails`, once the listener's answer gave its size records.
     pub(crate) fn new(
         rails: Vec<Rail<N>>,
-        fifo: DmaBuffer<CtsEntry, N::Mr>,
+        fifo: Arc<DmaBuffer<CtsEntry, N::Mr>>,
         sizes_local: DmaBuffer<u32, N::Mr>,
         remote_sizes: RemoteRecords,
         plan: QpPlan,
@@ -144,18 +148,26 @@ impl<N: Nic> SendState<N> {
             chain: SendChain::new(),
             failure: Failure::default(),
             peer,
-            idle_calls: 0,
+        }
+    }
+
+    /// What the next slot's first clear-to-send entry holds once it has landed (its
+    /// receive's sequence number + 1), or 0 while the slot's previous use is not tested.
+    #[inline(always)]
+    fn awaited(&self) -> u64 {
+        let st = &self.slots[(self.seq % SLOTS as u64) as usize];
+        if st.busy && st.posted {
+            0
+        } else {
+            self.seq + 1
         }
     }
 
     /// Whether the next slot's previous use is tested and the receiver's clear-to-send for
-    /// it has landed: one load of the FIFO decides "not yet", as in NCCL's IB transport.
-    /// An entry's sequence number is read first and alone, the rest only once it matches.
+    /// it has landed.
     #[inline(always)]
     fn clear_to_send(&self) -> bool {
-        let slot = (self.seq % SLOTS as u64) as usize;
-        let st = &self.slots[slot];
-        !(st.busy && st.posted) && cts_landed(&self.fifo, cts_index(slot, 0)) == self.seq + 1
+        cts_awaited_landed(&self.fifo, self.awaited())
     }
 
     /// `isend` once [`Self::clear_to_send`] (see the module doc); returns the request id
@@ -184,7 +196,7 @@ impl<N: Nic> SendState<N> {
                 continue;
             }
             if i != 0 && cts_landed(&self.fifo, base + i) != want {
-                return self.nothing_to_post();
+                return Ok(None);
             }
             let entry = if i == 0 {
                 first
@@ -197,7 +209,7 @@ impl<N: Nic> SendState<N> {
             }
         }
         let Some((e, room)) = found else {
-            return self.nothing_to_post();
+            return Ok(None);
         };
         let mut mem = MemKeys::default();
         keys.keys(0, &mut mem)?;
@@ -258,32 +270,6 @@ impl<N: Nic> SendState<N> {
         if self.rails[0].cq.peer_gone {
             let e = self.rails[0].cq.gone_error(&self.peer);
             return self.failure.record(Err(e));
-        }
-        Ok(None)
-    }
-
-    /// Counts an `isend` that finds nothing to post: whether it should look around (see
-    /// [`Self::look_around`]), as every 16th such call does and every call on a failed comm,
-    /// which keeps completions, the peer watch and the watchdog moving without a CQ poll on
-    /// every "not yet".
-    #[inline(always)]
-    fn idle_call_looks(&mut self) -> bool {
-        self.idle_calls = self.idle_calls.wrapping_add(1);
-        self.idle_calls % 16 == 0 || self.failure.is_set()
-    }
-
-    /// Whether an `isend` has anything to do: the clear-to-send has landed, or this idle
-    /// call looks around.
-    #[inline(always)]
-    fn may_send(&mut self) -> bool {
-        self.clear_to_send() || self.idle_call_looks()
-    }
-
-    /// `isend` found nothing to post (after [`Self::clear_to_send`]).
-    #[inline(always)]
-    fn nothing_to_post(&mut self) -> Result<Option<usize>> {
-        if self.idle_call_looks() {
-            return self.look_around();
         }
         Ok(None)
     }
@@ -486,15 +472,73 @@ fn cts_landed<R>(fifo: &DmaBuffer<CtsEntry, R>, i: usize) -> u64 {
     fifo.get_u64(i, CTS_SEQ_OFFSET)
 }
 
+/// Whether the clear-to-send `awaited` (see `SendState::awaited`) has landed: one load of
+/// the FIFO decides "not yet", as in NCCL's IB transport. An entry's sequence number is read
+/// first and alone, the rest only once it matches.
+#[inline(always)]
+fn cts_awaited_landed<R>(fifo: &DmaBuffer<CtsEntry, R>, awaited: u64) -> bool {
+    let slot = (awaited.wrapping_sub(1) % SLOTS as u64) as usize;
+    awaited != 0 && cts_landed(fifo, cts_index(slot, 0)) == awaited
+}
+
+/// What `may_send` reads without taking the comm's lock: the FIFO, and what the last locked
+/// call left. One progress thread drives a comm, so these are its own writes; were they
+/// stale, `isend` decides again under the lock.
+struct SendGate<R> {
+    fifo: Arc<DmaBuffer<CtsEntry, R>>,
+    /// `SendState::awaited` as the last locked call left it.
+    awaited: AtomicU64,
+    /// `isend` calls that found nothing to post.
+    idle_calls: AtomicU32,
+    /// The comm has failed: every `isend` goes on to return the error.
+    failed: AtomicBool,
+}
+
+impl<R> SendGate<R> {
+    /// Whether an `isend` has anything to do: the clear-to-send has landed, or this idle
+    /// call looks around (see [`Self::idle_call_looks`]).
+    #[inline(always)]
+    fn may_send(&self) -> bool {
+        cts_awaited_landed(&self.fifo, self.awaited.load(Relaxed)) || self.idle_call_looks()
+    }
+
+    /// Counts an `isend` that finds nothing to post: whether it should look around, as every
+    /// 16th such call does and every call on a failed comm. That keeps completions, the peer
+    /// watch and the watchdog moving without a CQ poll on every "not yet".
+    #[inline(always)]
+    fn idle_call_looks(&self) -> bool {
+        // Load and store, not an atomic add: one thread counts, and a lost count is harmless.
+        let n = self.idle_calls.load(Relaxed).wrapping_add(1);
+        self.idle_calls.store(n, Relaxed);
+        n % 16 == 0 || self.failed.load(Relaxed)
+    }
+
+    /// Records what a locked call left.
+    #[inline(always)]
+    fn publish<N: Nic<Mr = R>>(&self, s: &SendState<N>) {
+        self.awaited.store(s.awaited(), Relaxed);
+        self.failed.store(s.failure.is_set(), Relaxed);
+    }
+}
+
 /// A send comm over verbs.
 pub(crate) struct VerbsSendComm<N: Nic> {
+    // Field order is teardown order: the QPs (in the state) before the FIFO.
     inner: Mutex<SendState<N>>,
+    gate: SendGate<N::Mr>,
 }
 
 impl<N: Nic> VerbsSendComm<N> {
     pub(crate) fn new(state: SendState<N>) -> Self {
+        let gate = SendGate {
+            fifo: Arc::clone(&state.fifo),
+            awaited: AtomicU64::new(state.awaited()),
+            idle_calls: AtomicU32::new(0),
+            failed: AtomicBool::new(false),
+        };
         VerbsSendComm {
             inner: Mutex::new(state),
+            gate,
         }
     }
 
@@ -505,6 +549,7 @@ impl<N: Nic> VerbsSendComm<N> {
         let mut s = self.inner.lock();
         assert!(s.slots.iter().all(|st| !st.busy) && s.rails.iter().all(|r| r.in_flight == 0));
         s.seq = seq;
+        self.gate.publish(&s);
     }
 
     /// The QP numbers of the connection, in connection order.
@@ -532,21 +577,31 @@ impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
     }
 
     fn may_send(&self) -> bool {
-        self.inner.lock().may_send()
+        self.gate.may_send()
     }
 
     fn isend(&self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
-        if s.clear_to_send() {
-            s.isend(buf, tag, keys)
+        let r = if s.clear_to_send() {
+            match s.isend(buf, tag, keys) {
+                // A slot of several buffers whose entries have not all landed, or none
+                // with this tag yet.
+                Ok(None) if self.gate.idle_call_looks() => s.look_around(),
+                r => r,
+            }
         } else {
             // `may_send` counted this call and said it should look around.
             s.look_around()
-        }
+        };
+        self.gate.publish(&s);
+        r
     }
 
     fn test(&self, id: usize) -> Result<Option<Completion>> {
-        self.inner.lock().test(id)
+        let mut s = self.inner.lock();
+        let r = s.test(id);
+        self.gate.publish(&s);
+        r
     }
 
     fn summary(&self) -> String {

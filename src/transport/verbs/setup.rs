@@ -345,7 +345,7 @@ impl<N: Nic> VerbsConnecting<N> {
         };
         Ok(SendState::new(
             made.rails,
-            made.fifo,
+            Arc::new(made.fifo),
             made.sizes_local,
             (remote.addr, rkeys(&remote), remote.rails.len()),
             plan,
