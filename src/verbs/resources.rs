@@ -431,10 +431,15 @@ impl Drop for Mr {
 pub(crate) struct Cq {
     ctx: Arc<Context>,
     raw: *mut ibv_cq,
+    /// The provider's `poll_cq`, read once: an idle poll is this one call.
+    poll_fn: PollCqFn,
     /// Fatal events recorded on the context before this CQ existed: none of them can be
     /// about this CQ or the QPs created on it.
     events_before: u64,
 }
+
+/// The type of a provider's `poll_cq`.
+type PollCqFn = unsafe extern "C" fn(*mut ibv_cq, i32, *mut ibv_wc) -> i32;
 
 // SAFETY: CQs are libibverbs objects usable from any thread; each comm polls its own.
 unsafe impl Send for Cq {}
@@ -461,9 +466,16 @@ impl Cq {
                 ctx.name
             )));
         }
+        // SAFETY: raw is live; the provider's ops table belongs to its context.
+        let Some(poll_fn) = (unsafe { (*(*raw).context).ops.poll_cq }) else {
+            // SAFETY: raw was just created, and is destroyed once.
+            unsafe { (ctx.lib.destroy_cq)(raw) };
+            return Err(no_op("poll_cq"));
+        };
         Ok(Arc::new(Cq {
             ctx: Arc::clone(ctx),
             raw,
+            poll_fn,
             events_before,
         }))
     }
@@ -472,13 +484,8 @@ impl Cq {
     /// the whole of an idle poll, its errors out of line.
     #[inline(always)]
     pub(crate) fn poll(&self, wcs: &mut [ibv_wc]) -> Result<usize> {
-        // SAFETY: raw is live; the provider's ops table belongs to its context.
-        let op = unsafe { (*(*self.raw).context).ops.poll_cq };
-        let Some(poll) = op else {
-            return Err(no_op("poll_cq"));
-        };
-        // SAFETY: raw is live; wcs has room for len entries.
-        let n = unsafe { poll(self.raw, wcs.len() as i32, wcs.as_mut_ptr()) };
+        // SAFETY: raw is live, poll_fn its provider's; wcs has room for len entries.
+        let n = unsafe { (self.poll_fn)(self.raw, wcs.len() as i32, wcs.as_mut_ptr()) };
         if n < 0 {
             return Err(self.poll_error(n));
         }
