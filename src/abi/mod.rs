@@ -23,6 +23,7 @@ use crate::plugin::{
     comm::check_magic, Plugin, RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC,
     SEND_MAGIC,
 };
+use crate::transport::{Sizes, MAX_RECVS};
 
 /// The one mapping from our errors to NCCL's result codes, following NCCL's plugin README
 /// (`ncclSystemError` for kernel, library or hardware failures, `ncclInternalError` when NCCL
@@ -207,19 +208,29 @@ pub(crate) unsafe fn test_request(
     token.check()?;
     // A token lives in its comm's token table, so a live token's comm is live: its magic
     // needs no second check.
-    let completion = match token.owner {
-        // SAFETY: as above; the address is the SendComm whose table holds the token.
-        RequestOwner::Send(addr) => unsafe { &*(addr as *const SendComm) }.test(token.slot)?,
-        // SAFETY: as above, for a RecvComm.
-        RequestOwner::Recv(addr) => unsafe { &*(addr as *const RecvComm) }.test(token.slot)?,
+    let mut sizes_v: Sizes = [0; MAX_RECVS];
+    let finished = match token.owner {
+        RequestOwner::Send(addr) => {
+            // SAFETY: as above; the address is the SendComm whose table holds the token.
+            let comm = unsafe { &*(addr as *const SendComm) };
+            comm.test(token.slot)?.map(|size| {
+                sizes_v[0] = size as u32;
+                1
+            })
+        }
+        RequestOwner::Recv(addr) => {
+            // SAFETY: as above, for a RecvComm.
+            let comm = unsafe { &*(addr as *const RecvComm) };
+            comm.test(token.slot, &mut sizes_v)?
+        }
     };
-    let Some(c) = completion else {
+    let Some(n) = finished else {
         // SAFETY: checked non-NULL; writable by contract.
         unsafe { *done = 0 };
         return Ok(());
     };
     if !sizes.is_null() {
-        for (i, size) in c.sizes[..c.n].iter().enumerate() {
+        for (i, size) in sizes_v[..n].iter().enumerate() {
             // SAFETY: NCCL provides one int per message of the request.
             unsafe { *sizes.add(i) = i32::try_from(*size).unwrap_or(i32::MAX) };
         }

@@ -11,7 +11,7 @@ use std::sync::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    Completion, Listening, MemKeys, RecvEndpoint, SendEndpoint, MAX_P2P_BYTES, MAX_REQUESTS,
+    Listening, MemKeys, RecvEndpoint, SendEndpoint, Sizes, MAX_P2P_BYTES, MAX_REQUESTS,
     MAX_SEND_REQUESTS,
 };
 
@@ -194,12 +194,17 @@ impl SendComm {
         Ok(id?.map(|id| &self.tokens[id]))
     }
 
-    /// `test` of one of this comm's requests.
+    /// `test` of one of this comm's requests: once done, the bytes it sent.
     #[inline(always)] // into the boundary: one call layer less per message
-    pub(crate) fn test(&self, id: usize) -> Result<Option<Completion>> {
+    pub(crate) fn test(&self, id: usize) -> Result<Option<usize>> {
         let r = self.inner.test(id);
+        match r {
+            Ok(Some(size)) => self.stats.completed(1, size as u64),
+            Ok(None) => {}
+            Err(_) => self.stats.failed(),
+        }
         self.stats
-            .record(&r, || self.plugin.totals(self.dev), || self.inner.summary());
+            .tick(|| self.plugin.totals(self.dev), || self.inner.summary());
         r
     }
 
@@ -281,12 +286,21 @@ impl RecvComm {
         Ok(id.map(|id| &self.tokens[id]))
     }
 
-    /// `test` of one of this comm's requests.
+    /// `test` of one of this comm's requests: once done, how many messages it had (0 for a
+    /// flush), their sizes written into `sizes`.
     #[inline(always)] // into the boundary: one call layer less per message
-    pub(crate) fn test(&self, id: usize) -> Result<Option<Completion>> {
-        let r = self.inner.test(id);
+    pub(crate) fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
+        let r = self.inner.test(id, sizes);
+        match r {
+            Ok(Some(n)) if n > 0 => {
+                let bytes = sizes[..n].iter().map(|s| u64::from(*s)).sum();
+                self.stats.completed(n as u64, bytes);
+            }
+            Ok(_) => {}
+            Err(_) => self.stats.failed(),
+        }
         self.stats
-            .record(&r, || self.plugin.totals(self.dev), || self.inner.summary());
+            .tick(|| self.plugin.totals(self.dev), || self.inner.summary());
         r
     }
 

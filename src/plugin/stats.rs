@@ -77,20 +77,14 @@ impl CommStats {
         self.bytes.fetch_add(bytes, Relaxed);
     }
 
-    /// Counts the outcome of one `test` and logs a rate line when one is due, with
-    /// `detail` from the comm's transport (e.g. per-rail counters).
+    /// After one `test`: logs a rate line when one is due, with `detail` from the comm's
+    /// transport (e.g. per-rail counters).
     #[inline]
-    pub(crate) fn record<'d>(
+    pub(crate) fn tick<'d>(
         &self,
-        r: &crate::error::Result<Option<crate::transport::Completion>>,
         device: impl FnOnce() -> &'d DeviceTotals,
         detail: impl Fn() -> String,
     ) {
-        match r {
-            Ok(Some(c)) if c.n > 0 => self.completed(c.n as u64, c.bytes()),
-            Err(_) => self.failed(),
-            _ => {}
-        }
         if let Some(interval) = self.interval {
             self.tick_every(interval, device(), &detail);
         }

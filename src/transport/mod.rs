@@ -140,35 +140,10 @@ impl BufferKeys for Vec<MemKeys> {
 /// What keeps a registration alive; dropped at deregistration.
 pub(crate) type Hold = Box<dyn Any + Send + Sync>;
 
-/// What `test` reports for a finished request: the size of each of its `n` messages. Sizes
-/// fit in 32 bits (`maxP2pBytes` is 1 GiB), which keeps the data path's results small.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Completion {
-    /// Number of messages (1 for a send, `n` for a grouped receive, 0 for a flush).
-    pub(crate) n: usize,
-    /// Received (or sent) size of each message.
-    pub(crate) sizes: [u32; MAX_RECVS],
-}
-
-impl Completion {
-    /// A completion of one message of `size` bytes.
-    pub(crate) fn single(size: usize) -> Self {
-        let mut sizes = [0; MAX_RECVS];
-        sizes[0] = size as u32;
-        Completion { n: 1, sizes }
-    }
-
-    /// A completion with no message (a flush).
-    pub(crate) const EMPTY: Completion = Completion {
-        n: 0,
-        sizes: [0; MAX_RECVS],
-    };
-
-    /// Total bytes of the messages.
-    pub(crate) fn bytes(&self) -> u64 {
-        self.sizes[..self.n].iter().map(|s| u64::from(*s)).sum()
-    }
-}
+/// Where a receive's `test` writes the size of each message once it is done. Sizes fit in
+/// 32 bits (`maxP2pBytes` is 1 GiB). Written in place, so what `test` returns stays two
+/// registers wide.
+pub(crate) type Sizes = [u32; MAX_RECVS];
 
 /// The per-process backend of a transport.
 pub(crate) trait Transport: Send + Sync {
@@ -246,8 +221,8 @@ pub(crate) trait SendEndpoint: Send + Sync {
     /// there fails the call, not the comm); `Ok(None)` until the receiver has posted a
     /// matching receive. Returns a request id below `MAX_SEND_REQUESTS`.
     fn isend(&self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>>;
-    /// Tests send request `id`.
-    fn test(&self, id: usize) -> Result<Option<Completion>>;
+    /// Tests send request `id`: once done, the bytes it sent.
+    fn test(&self, id: usize) -> Result<Option<usize>>;
     /// What the comm's close summary adds (e.g. per-rail counters).
     fn summary(&self) -> String {
         String::new()
@@ -270,8 +245,9 @@ pub(crate) trait RecvEndpoint: Send + Sync {
     /// Posts a flush of received GPU data in `bufs` (keys as for `irecv`); `Ok(None)` when
     /// nothing needs one.
     fn iflush(&self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>>;
-    /// Tests receive or flush request `id`.
-    fn test(&self, id: usize) -> Result<Option<Completion>>;
+    /// Tests receive or flush request `id`: once done, how many messages it had (0 for a
+    /// flush), their sizes written into `sizes`.
+    fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>>;
     /// What the comm's close summary adds (e.g. clear-to-send batching, per-rail counters).
     fn summary(&self) -> String {
         String::new()

@@ -18,7 +18,7 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Completion, Failure, RecvEndpoint, MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, BufferKeys, Failure, RecvEndpoint, Sizes, MAX_RECVS, MAX_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -154,7 +154,7 @@ impl RecvEndpoint for TcpRecvComm {
     }
 
     /// Tests a receive; `Ok(Some)` once every message of the group has arrived.
-    fn test(&self, slot: usize) -> Result<Option<Completion>> {
+    fn test(&self, slot: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.progress();
         let req = s
@@ -169,14 +169,10 @@ impl RecvEndpoint for TcpRecvComm {
                         "the peer sent {sent} bytes to a receive of {posted} bytes"
                     )));
                 }
-                let mut c = Completion {
-                    n: req.n,
-                    ..Completion::EMPTY
-                };
-                for (out, size) in c.sizes.iter_mut().zip(&req.sizes[..req.n]) {
+                for (out, size) in sizes.iter_mut().zip(&req.sizes[..req.n]) {
                     *out = *size as u32;
                 }
-                Ok(Some(c))
+                Ok(Some(req.n))
             }
             RecvState::Active => {
                 s.failure.check()?;

@@ -17,8 +17,7 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Completion, Failure, SendEndpoint, MAX_RECVS, MAX_REQUESTS,
-    MAX_SEND_REQUESTS,
+    not_in_flight, BufferKeys, Failure, SendEndpoint, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy)]
@@ -163,7 +162,7 @@ impl SendEndpoint for TcpSendComm {
     }
 
     /// Tests a send; done once all of its bytes are in the socket.
-    fn test(&self, slot: usize) -> Result<Option<Completion>> {
+    fn test(&self, slot: usize) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.progress();
         let req = s
@@ -173,7 +172,7 @@ impl SendEndpoint for TcpSendComm {
         match req.state {
             SendState::Written => {
                 req.state = SendState::Free;
-                Ok(Some(Completion::single(req.size)))
+                Ok(Some(req.size))
             }
             SendState::Queued => {
                 s.failure.check()?;

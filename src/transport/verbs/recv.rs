@@ -21,7 +21,7 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, BufferKeys, Completion, Failure, MemKeys, RecvEndpoint, MAX_RECVS,
+    not_in_flight, BufferKeys, Failure, MemKeys, RecvEndpoint, Sizes, MAX_RECVS,
 };
 use crate::verbs::dma::{DmaBuffer, SendChain, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
@@ -218,7 +218,7 @@ impl<N: Nic> RecvState<N> {
 
     /// `test` of receive or flush request `id`.
     #[inline(always)]
-    fn test(&mut self, id: usize) -> Result<Option<Completion>> {
+    fn test(&mut self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
         if !self.slots.get(id).is_some_and(|st| st.busy) {
             return self.test_flush(id);
         }
@@ -237,15 +237,15 @@ impl<N: Nic> RecvState<N> {
                 if !self.failure.is_set() && !self.rails[0].cq.peer_gone {
                     return Ok(None);
                 }
-                return self.receive_lost(id);
+                return self.receive_lost(id, sizes);
             }
         }
-        self.finish_receive(id)
+        self.finish_receive(id, sizes)
     }
 
     /// Receive `id` has not finished and the comm failed or the peer is gone.
     #[cold]
-    fn receive_lost(&mut self, id: usize) -> Result<Option<Completion>> {
+    fn receive_lost(&mut self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
         self.failure.check()?;
         // Completions the peer caused before it left are already in the CQ: look once more
         // before calling the request lost.
@@ -255,12 +255,12 @@ impl<N: Nic> RecvState<N> {
             let e = self.rails[0].cq.gone_error(&self.peer);
             return self.failure.record(Err(e));
         }
-        self.finish_receive(id)
+        self.finish_receive(id, sizes)
     }
 
     /// `test` of flush request `id` (a receive not in flight is NCCL's error).
     #[inline(never)] // flushes (GPUDirect only) stay off the receive's path
-    fn test_flush(&mut self, id: usize) -> Result<Option<Completion>> {
+    fn test_flush(&mut self, id: usize) -> Result<Option<usize>> {
         let Some(f) = id.checked_sub(FLUSH_ID_BASE) else {
             return Err(not_in_flight("receive", id));
         };
@@ -271,7 +271,7 @@ impl<N: Nic> RecvState<N> {
         match self.flush_slots.get(f) {
             Some(FlushSlot::Done) => {
                 self.flush_slots[f] = FlushSlot::Free;
-                Ok(Some(Completion::EMPTY))
+                Ok(Some(0))
             }
             Some(FlushSlot::Pending(_)) => self.failure.check().map(|()| None),
             _ => Err(not_in_flight("flush", f)),
@@ -279,40 +279,36 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// Frees receive `id`, whose data has all arrived, and reports its sizes.
-    fn finish_receive(&mut self, id: usize) -> Result<Option<Completion>> {
+    fn finish_receive(&mut self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
         let st = std::mem::replace(&mut self.slots[id], RecvSlot::FREE);
         // Data arrived, so its clear-to-send had been posted.
         self.announced = self.announced.saturating_sub(1);
         self.waiting = self.waiting.saturating_sub(1);
-        let c = if st.n == 1 {
-            Completion::single(st.size0 as usize)
+        let sizes = &mut sizes[..st.n];
+        if st.n == 1 {
+            sizes[0] = st.size0;
         } else {
-            let mut c = Completion {
-                n: st.n,
-                sizes: [0; MAX_RECVS],
-            };
-            for (i, size) in c.sizes[..st.n].iter_mut().enumerate() {
+            for (i, size) in sizes.iter_mut().enumerate() {
                 *size = self.sizes_record.get(cts_index(id, i));
             }
-            c
-        };
-        if c.sizes[..c.n].contains(&TRUNCATED) {
+        }
+        if sizes.contains(&TRUNCATED) {
             return Err(Error::truncated(format!(
                 "{} sent more bytes than the receive posted for them",
                 self.peer
             )));
         }
-        self.count_rails(st.span, &c);
-        Ok(Some(c))
+        self.count_rails(st.span, sizes);
+        Ok(Some(st.n))
     }
 
-    /// Adds receive `c`, which used `span`, to the counters of the rails its pieces came on
-    /// (the sender cut them as `post_slot` does).
-    fn count_rails(&mut self, (first, used, seq): QpSpan, c: &Completion) {
+    /// Adds a receive of `sizes`, which used `span`, to the counters of the rails its pieces
+    /// came on (the sender cut them as `post_slot` does).
+    fn count_rails(&mut self, (first, used, seq): QpSpan, sizes: &[u32]) {
         let rails = self.rails.len();
         if used == 1 {
             // All of it on one QP (the common case: no piece arithmetic).
-            let bytes = c.bytes();
+            let bytes: u64 = sizes.iter().map(|s| u64::from(*s)).sum();
             let stats = &mut self.rails[locate(first, rails).0].stats;
             stats.bytes += bytes;
             stats.messages += u64::from(bytes > 0);
@@ -320,7 +316,7 @@ impl<N: Nic> RecvState<N> {
         }
         for k in 0..used {
             let q = self.plan.qp_of_piece(seq, first, used, k);
-            let bytes: u64 = c.sizes[..c.n]
+            let bytes: u64 = sizes
                 .iter()
                 .map(|s| piece(*s as usize, k, used).1 as u64)
                 .sum();
@@ -570,8 +566,8 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         self.inner.lock().iflush(bufs, keys)
     }
 
-    fn test(&self, id: usize) -> Result<Option<Completion>> {
-        self.inner.lock().test(id)
+    fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
+        self.inner.lock().test(id, sizes)
     }
 
     fn summary(&self) -> String {

@@ -24,9 +24,7 @@ use super::wire::{
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
-use crate::transport::{
-    not_in_flight, BufferKeys, Completion, Failure, MemKeys, SendEndpoint, MAX_RECVS,
-};
+use crate::transport::{not_in_flight, BufferKeys, Failure, MemKeys, SendEndpoint, MAX_RECVS};
 use crate::verbs::dma::{DmaBuffer, SendChain};
 use crate::verbs::nic::{Nic, QueuePair};
 
@@ -246,7 +244,7 @@ impl<N: Nic> SendState<N> {
     }
 
     /// `test` of send request `id`.
-    fn test(&mut self, id: usize) -> Result<Option<Completion>> {
+    fn test(&mut self, id: usize) -> Result<Option<usize>> {
         let (slot, e) = (id / MAX_RECVS, id % MAX_RECVS);
         if slot >= SLOTS || !self.slots[slot].busy || self.slots[slot].matched & (1 << e) == 0 {
             return Err(not_in_flight("send", id));
@@ -264,7 +262,7 @@ impl<N: Nic> SendState<N> {
             if st.tested == st.matched && st.complete() {
                 st.busy = false;
             }
-            return Ok(Some(Completion::single(size)));
+            return Ok(Some(size));
         }
         self.failure.check()?;
         if self.rails[0].cq.peer_gone {
@@ -597,7 +595,7 @@ impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
         r
     }
 
-    fn test(&self, id: usize) -> Result<Option<Completion>> {
+    fn test(&self, id: usize) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         let r = s.test(id);
         self.gate.publish(&s);

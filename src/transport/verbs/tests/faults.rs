@@ -13,7 +13,7 @@ fn a_send_larger_than_its_receive_fails_on_both_sides() {
     let e = c.isend(src.whole(), src.keys(), 3).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidUsage);
     assert!(e.to_string().contains("65 bytes"), "{e}");
-    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
     assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
     // The comm stays failed: a later send is an error, not a wait.
     assert!(c.send.isend(src.whole(), 3, &src.keys()).is_err());
@@ -29,7 +29,7 @@ fn a_truncated_first_send_of_a_group_fails_the_receive_while_the_sender_lives() 
     let e = c.isend(big.whole(), big.keys(), 1).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidUsage);
     // The second send never comes (the comm failed); the receive must fail, not wait.
-    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
     assert!(e.to_string().contains("more bytes than the receive"), "{e}");
 }
 
@@ -43,8 +43,8 @@ fn a_truncated_last_send_of_a_group_fails_the_receive_and_the_first_completes() 
     let mut big = c.buf(true, 65, 2);
     let first = c.send_buf(&mut ok, 2);
     assert!(c.isend(big.whole(), big.keys(), 1).is_err());
-    assert_eq!(wait(|| c.send.test(first)).unwrap(), Completion::single(64));
-    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    assert_eq!(wait(|| c.test_send(first)).unwrap(), Completion::single(64));
+    let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
     assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
 }
 
@@ -57,7 +57,7 @@ fn a_failed_write_is_an_error_naming_peer_operation_and_status() {
     let mut src = c.buf(true, 64, 1);
     c.irecv(&mut [&mut dst], &[0]);
     let s = c.send_buf(&mut src, 0);
-    let e = wait_error(Duration::from_secs(5), || c.send.test(s));
+    let e = wait_error(Duration::from_secs(5), || c.test_send(s));
     assert_eq!(e.kind(), ErrorKind::Remote);
     let msg = e.to_string();
     for part in [
@@ -80,7 +80,7 @@ fn a_receiver_whose_clear_to_send_fails_gets_an_error() {
     // The receiver's QP towards the sender: its clear-to-send writes fail.
     c.fabric.cut(&c.rx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
     let r = c.irecv(&mut [&mut dst], &[0]);
-    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
     assert!(e.to_string().contains("clear-to-send RDMA write"), "{e}");
     assert!(e.to_string().contains("retry exceeded"), "{e}");
 }
@@ -92,7 +92,7 @@ fn a_peer_that_closes_fails_the_waiting_side() {
     let mut dst = c.buf(false, 64, 0);
     let r = c.irecv(&mut [&mut dst], &[0]);
     drop(c.send);
-    let e = wait_error(Duration::from_secs(10), || c.recv.test(r));
+    let e = wait_error(Duration::from_secs(10), || test_recv(&c.recv, r));
     assert_eq!(e.kind(), ErrorKind::Remote);
     assert!(e.to_string().contains("closed its connection"), "{e}");
     // Sender waits for a clear-to-send, receiver closes.
@@ -126,7 +126,7 @@ fn a_cut_link_that_never_answers_fails_a_posted_send_within_the_work_timeout() {
     c.fabric.cut(&c.tx_nics[0], Some(Cut::Silent));
     let t0 = Instant::now();
     let s = c.send_buf(&mut src, 0);
-    let e = wait_error(Duration::from_secs(10), || c.send.test(s));
+    let e = wait_error(Duration::from_secs(10), || c.test_send(s));
     let took = t0.elapsed();
     assert!(took >= Duration::from_millis(300), "{took:?}");
     let msg = e.to_string();
@@ -144,7 +144,7 @@ fn a_receiver_waiting_on_a_dead_link_probes_and_fails() {
     c.fabric.cut(&c.rx_nics[0], Some(Cut::Silent));
     let r = c.irecv(&mut [&mut dst], &[0]);
     let t0 = Instant::now();
-    let e = wait_error(Duration::from_secs(10), || c.recv.test(r));
+    let e = wait_error(Duration::from_secs(10), || c.test_recv(r));
     assert!(t0.elapsed() >= Duration::from_millis(300));
     assert!(e.to_string().contains("has not completed"), "{e}");
 }
@@ -173,12 +173,12 @@ fn a_waiting_comm_on_a_live_link_never_trips_the_watchdog() {
     // The peer sends nothing for 4 work timeouts: probes complete, no error.
     let until = Instant::now() + Duration::from_millis(1200);
     while Instant::now() < until {
-        assert_eq!(c.recv.test(r).unwrap(), None);
+        assert_eq!(c.test_recv(r).unwrap(), None);
     }
     let mut src = c.buf(true, 64, 6);
     let s = c.send_buf(&mut src, 0);
-    wait(|| c.send.test(s)).unwrap();
-    wait(|| c.recv.test(r)).unwrap();
+    wait(|| c.test_send(s)).unwrap();
+    wait(|| c.test_recv(r)).unwrap();
     assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 6));
 }
 
@@ -194,11 +194,11 @@ fn a_link_that_flaps_inside_the_work_timeout_loses_nothing() {
     c.fabric.cut(&c.tx_nics[0], Some(Cut::Silent));
     let s = c.send_buf(&mut src, 0);
     for _ in 0..5000 {
-        assert_eq!(c.send.test(s).unwrap(), None);
+        assert_eq!(c.test_send(s).unwrap(), None);
     }
     c.fabric.cut(&c.tx_nics[0], None);
-    wait(|| c.send.test(s)).unwrap();
-    wait(|| c.recv.test(r)).unwrap();
+    wait(|| c.test_send(s)).unwrap();
+    wait(|| c.test_recv(r)).unwrap();
     assert_eq!(dst.mem.bytes(), TestMem::pattern(4096, 12));
 }
 
@@ -208,7 +208,7 @@ fn a_fatal_asynchronous_event_fails_the_comm() {
     let mut dst = c.buf(false, 64, 0);
     let r = c.irecv(&mut [&mut dst], &[0]);
     c.fabric.fatal_event(&c.rx_nics[0], None, "device fatal");
-    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
     assert!(
         e.to_string()
             .contains("fatal asynchronous event: fake1: device fatal"),
@@ -248,7 +248,7 @@ fn a_bad_handle_fails_only_its_call_and_a_send_meets_it_once_matched() {
         .expect("an error once the send is matched");
     assert_eq!(e.kind(), ErrorKind::Internal);
     let s = c.send_buf(&mut src, 2);
-    assert_eq!(wait(|| c.send.test(s)).unwrap(), Completion::single(64));
-    assert_eq!(wait(|| c.recv.test(r)).unwrap(), Completion::single(64));
+    assert_eq!(wait(|| c.test_send(s)).unwrap(), Completion::single(64));
+    assert_eq!(wait(|| c.test_recv(r)).unwrap(), Completion::single(64));
     assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 5));
 }

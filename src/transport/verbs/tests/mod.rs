@@ -19,7 +19,7 @@ use super::wire::{SLOTS, SPLIT_ALIGN};
 use crate::buffer::{TestMem, UserBuffer};
 use crate::error::{Error, ErrorKind, Result};
 use crate::oob::Timeouts;
-use crate::transport::{Completion, Listening, MemKeys, RecvEndpoint, SendEndpoint, MAX_RECVS};
+use crate::transport::{Listening, MemKeys, RecvEndpoint, SendEndpoint, Sizes, MAX_RECVS};
 use crate::verbs::fake::{Cut, Fabric, FakeMr, FakeNic, REMOTE_ACCESS_ERROR, RETRY_EXCEEDED};
 use crate::verbs::nic::{MemoryRegion, Nic};
 
@@ -184,6 +184,46 @@ impl Conn {
     fn send_buf(&self, b: &mut Buf, tag: i32) -> usize {
         self.isend(b.whole(), b.keys(), tag).expect("isend")
     }
+
+    /// `test` of send request `id`.
+    fn test_send(&self, id: usize) -> Result<Option<Completion>> {
+        Ok(self.send.test(id)?.map(Completion::single))
+    }
+
+    /// `test` of receive or flush request `id`.
+    fn test_recv(&self, id: usize) -> Result<Option<Completion>> {
+        test_recv(&self.recv, id)
+    }
+}
+
+/// `test` of receive or flush request `id` of `recv`.
+fn test_recv(recv: &dyn RecvEndpoint, id: usize) -> Result<Option<Completion>> {
+    let mut sizes = [0; MAX_RECVS];
+    Ok(recv.test(id, &mut sizes)?.map(|n| Completion { n, sizes }))
+}
+
+/// What a finished request reported, as the tests compare it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Completion {
+    /// Messages (1 for a send, 0 for a flush).
+    n: usize,
+    /// Their sizes (the first `n`).
+    sizes: Sizes,
+}
+
+impl Completion {
+    /// One message of `size` bytes.
+    fn single(size: usize) -> Self {
+        let mut sizes = [0; MAX_RECVS];
+        sizes[0] = size as u32;
+        Completion { n: 1, sizes }
+    }
+
+    /// A finished flush.
+    const EMPTY: Completion = Completion {
+        n: 0,
+        sizes: [0; MAX_RECVS],
+    };
 }
 
 /// Polls `test` until done or an error, within `POLLS`.
@@ -213,7 +253,7 @@ fn one_message(c: &Conn, len: usize, seed: u64) {
     let mut src = c.buf(true, len, seed);
     let r = c.irecv(&mut [&mut dst], &[7]);
     let s = c.send_buf(&mut src, 7);
-    assert_eq!(wait(|| c.send.test(s)).unwrap(), Completion::single(len));
-    assert_eq!(wait(|| c.recv.test(r)).unwrap(), Completion::single(len));
+    assert_eq!(wait(|| c.test_send(s)).unwrap(), Completion::single(len));
+    assert_eq!(wait(|| c.test_recv(r)).unwrap(), Completion::single(len));
     assert_eq!(dst.mem.bytes(), TestMem::pattern(len, seed), "{len} bytes");
 }

@@ -20,8 +20,8 @@ fn stream(c: &Conn, count: usize, len: usize, posted: usize) {
         let mut src = c.buf(true, len, 1000 + i as u64);
         let r = c.irecv(&mut [&mut dst], &[1]);
         let s = c.send_buf(&mut src, 1);
-        assert_eq!(wait(|| c.send.test(s)).unwrap(), Completion::single(len));
-        assert_eq!(wait(|| c.recv.test(r)).unwrap(), Completion::single(len));
+        assert_eq!(wait(|| c.test_send(s)).unwrap(), Completion::single(len));
+        assert_eq!(wait(|| c.test_recv(r)).unwrap(), Completion::single(len));
         assert_eq!(
             &dst.mem.bytes()[..len],
             &TestMem::pattern(len, 1000 + i as u64)[..]
@@ -114,10 +114,10 @@ fn grouped_receives_over_two_rails_split_and_striped() {
                 })
                 .collect();
             for id in ids {
-                wait(|| c.send.test(id)).unwrap();
+                wait(|| c.test_send(id)).unwrap();
             }
             assert_eq!(
-                &wait(|| c.recv.test(r)).unwrap().sizes[..3],
+                &wait(|| c.test_recv(r)).unwrap().sizes[..3],
                 &[lens[0] as u32, 300, 70_000]
             );
             for (i, d) in dsts.iter().enumerate() {
@@ -159,11 +159,11 @@ fn flushes_read_on_every_rail() {
     let mut dst = c.buf(false, 64, 0);
     let (b, k) = (dst.whole(), dst.keys());
     let id = c.recv.iflush(&[b], &[k]).unwrap().expect("a flush");
-    assert_eq!(wait(|| c.recv.test(id)).unwrap(), Completion::EMPTY);
+    assert_eq!(wait(|| c.test_recv(id)).unwrap(), Completion::EMPTY);
     // A flush whose read on one rail fails is an error naming that rail.
     c.fabric.cut(&c.rx_nics[1], Some(Cut::Fail(RETRY_EXCEEDED)));
     let id = c.recv.iflush(&[b], &[k]).unwrap().expect("a flush");
-    let e = wait_error(Duration::from_secs(5), || c.recv.test(id));
+    let e = wait_error(Duration::from_secs(5), || c.test_recv(id));
     assert!(
         e.to_string().contains("flush RDMA read") && e.to_string().contains("on rx1"),
         "{e}"
@@ -179,7 +179,7 @@ fn a_rail_that_fails_fails_the_connection_naming_it() {
     let mut src = c.buf(true, 100_000, 5);
     c.irecv(&mut [&mut dst], &[1]);
     let s = c.send_buf(&mut src, 1);
-    let e = wait_error(Duration::from_secs(5), || c.send.test(s));
+    let e = wait_error(Duration::from_secs(5), || c.test_send(s));
     let msg = e.to_string();
     assert!(
         msg.contains("on tx1 failed") && msg.contains("retry exceeded"),
@@ -214,8 +214,8 @@ fn a_rail_that_never_answers_is_found_by_its_own_watchdog() {
         sends.push(c.send_buf(&mut src, 1));
         bufs.push((dst, src));
     }
-    wait(|| c.send.test(sends[0])).unwrap();
-    let e = wait_error(Duration::from_secs(10), || c.send.test(sends[1]));
+    wait(|| c.test_send(sends[0])).unwrap();
+    let e = wait_error(Duration::from_secs(10), || c.test_send(sends[1]));
     assert!(t0.elapsed() >= Duration::from_millis(300));
     let msg = e.to_string();
     assert!(msg.contains("on tx1 has not completed"), "{msg}");
@@ -234,7 +234,7 @@ fn a_send_larger_than_its_striped_receive_fails_both_sides_and_sends_nothing() {
     let r = c.irecv(&mut [&mut dst], &[1]);
     let e = c.isend(big.whole(), big.keys(), 1).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
-    let e = wait_error(Duration::from_secs(5), || c.recv.test(r));
+    let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
     assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
     assert_eq!(dst.mem.bytes(), untouched, "no data written");
     let after = c.send.rail_stats();

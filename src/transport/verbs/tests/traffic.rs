@@ -26,8 +26,8 @@ fn a_send_waits_for_its_clear_to_send() {
     }
     let r = c.irecv(&mut [&mut dst], &[5]);
     let s = c.send_buf(&mut src, 5);
-    wait(|| c.send.test(s)).unwrap();
-    assert_eq!(wait(|| c.recv.test(r)).unwrap().sizes[0], 64);
+    wait(|| c.test_send(s)).unwrap();
+    assert_eq!(wait(|| c.test_recv(r)).unwrap().sizes[0], 64);
     assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 3));
 }
 
@@ -39,8 +39,8 @@ fn a_send_with_another_tag_waits() {
     let r = c.irecv(&mut [&mut dst], &[1]);
     assert_eq!(c.send.isend(src.whole(), 2, &src.keys()).unwrap(), None);
     let s = c.send_buf(&mut src, 1);
-    wait(|| c.send.test(s)).unwrap();
-    wait(|| c.recv.test(r)).unwrap();
+    wait(|| c.test_send(s)).unwrap();
+    wait(|| c.test_recv(r)).unwrap();
 }
 
 #[test]
@@ -64,11 +64,11 @@ fn grouped_receive_matches_tags_in_any_order_and_fills_every_size() {
     }
     for (i, id) in ids {
         assert_eq!(
-            wait(|| c.send.test(id)).unwrap(),
+            wait(|| c.test_send(id)).unwrap(),
             Completion::single(lens[i])
         );
     }
-    let done = wait(|| c.recv.test(r)).unwrap();
+    let done = wait(|| c.test_recv(r)).unwrap();
     assert_eq!(done.n, 4);
     assert_eq!(&done.sizes[..4], &[100, 0, 4096, 7]);
     for (i, d) in dsts.iter().enumerate() {
@@ -95,8 +95,8 @@ fn receives_beyond_the_window_are_null_and_slots_come_back_when_tested() {
     );
     let mut src = c.buf(true, 8, 9);
     let s = c.send_buf(&mut src, 0);
-    wait(|| c.send.test(s)).unwrap();
-    wait(|| c.recv.test(ids[0])).unwrap();
+    wait(|| c.test_send(s)).unwrap();
+    wait(|| c.test_recv(ids[0])).unwrap();
     assert!(
         c.recv.irecv(&[b], &[0], &[k]).unwrap().is_some(),
         "slot 0 free again"
@@ -114,7 +114,7 @@ fn the_sender_reuses_a_slot_only_after_its_sends_are_tested() {
         rids.push(c.irecv(&mut [d], &[0]));
         sids.push(c.send_buf(&mut src, 0));
     }
-    wait(|| c.recv.test(rids[0])).unwrap();
+    wait(|| c.test_recv(rids[0])).unwrap();
     rids.remove(0);
     let last = dsts.last_mut().unwrap();
     rids.push(c.irecv(&mut [last], &[0]));
@@ -122,9 +122,9 @@ fn the_sender_reuses_a_slot_only_after_its_sends_are_tested() {
     for _ in 0..1000 {
         assert_eq!(c.send.isend(src.whole(), 0, &src.keys()).unwrap(), None);
     }
-    wait(|| c.send.test(sids[0])).unwrap();
+    wait(|| c.test_send(sids[0])).unwrap();
     let s = c.send_buf(&mut src, 0);
-    wait(|| c.send.test(s)).unwrap();
+    wait(|| c.test_send(s)).unwrap();
 }
 
 #[test]
@@ -148,9 +148,9 @@ fn messages_split_over_qps_arrive_intact() {
     let mut s2 = c.buf(true, 700, 2);
     let a = c.send_buf(&mut s2, 2);
     let b = c.send_buf(&mut s1, 1);
-    wait(|| c.send.test(a)).unwrap();
-    wait(|| c.send.test(b)).unwrap();
-    assert_eq!(&wait(|| c.recv.test(r)).unwrap().sizes[..2], &[5000, 700]);
+    wait(|| c.test_send(a)).unwrap();
+    wait(|| c.test_send(b)).unwrap();
+    assert_eq!(&wait(|| c.test_recv(r)).unwrap().sizes[..2], &[5000, 700]);
     assert_eq!(d1.mem.bytes(), TestMem::pattern(5000, 1));
     assert_eq!(d2.mem.bytes(), TestMem::pattern(700, 2));
 }
@@ -213,12 +213,12 @@ fn clear_to_sends_are_batched_while_the_receiver_polls() {
         }
         if sent < n {
             if let Some(s) = c.send.isend(src.whole(), 0, &src.keys()).unwrap() {
-                wait(|| c.send.test(s)).unwrap();
+                wait(|| c.test_send(s)).unwrap();
                 sent += 1;
             }
         }
         if let Some(&oldest) = posted.front() {
-            if let Some(done) = c.recv.test(oldest).unwrap() {
+            if let Some(done) = c.test_recv(oldest).unwrap() {
                 assert_eq!(done.sizes[0], 32);
                 posted.pop_front();
                 received += 1;
@@ -271,9 +271,9 @@ fn sequence_numbers_cross_2_pow_32_without_a_hitch() {
             let mut sb = c.buf(true, 50, i + 1000);
             let x = c.send_buf(&mut sb, 2);
             let y = c.send_buf(&mut sa, 1);
-            wait(|| c.send.test(x)).unwrap();
-            wait(|| c.send.test(y)).unwrap();
-            assert_eq!(&wait(|| c.recv.test(r)).unwrap().sizes[..2], &[40, 50]);
+            wait(|| c.test_send(x)).unwrap();
+            wait(|| c.test_send(y)).unwrap();
+            assert_eq!(&wait(|| c.test_recv(r)).unwrap().sizes[..2], &[40, 50]);
             assert_eq!(a.mem.bytes(), TestMem::pattern(40, i));
             assert_eq!(b.mem.bytes(), TestMem::pattern(50, i + 1000));
         } else {
@@ -296,9 +296,9 @@ fn a_stale_entry_from_2_pow_32_receives_ago_never_matches() {
     let mut src_b = c.buf(true, 16, 2);
     let ids = [c.send_buf(&mut src_a, 1), c.send_buf(&mut src_b, 2)];
     for s in ids {
-        wait(|| c.send.test(s)).unwrap();
+        wait(|| c.test_send(s)).unwrap();
     }
-    wait(|| c.recv.test(r)).unwrap();
+    wait(|| c.test_recv(r)).unwrap();
     // 2^32 receives later the same slot announces a new group, whose write has placed its
     // first entry but not yet the second, which still holds receive s0's.
     let later = s0 + (1 << 32);
@@ -321,9 +321,9 @@ fn a_stale_entry_from_2_pow_32_receives_ago_never_matches() {
     c.fabric.hold(false);
     let ids = [c.isend(b, k, 2).unwrap(), c.send_buf(&mut src_a, 1)];
     for s in ids {
-        wait(|| c.send.test(s)).unwrap();
+        wait(|| c.test_send(s)).unwrap();
     }
-    assert_eq!(&wait(|| c.recv.test(r)).unwrap().sizes[..2], &[16, 16]);
+    assert_eq!(&wait(|| c.test_recv(r)).unwrap().sizes[..2], &[16, 16]);
     assert_eq!(
         new_b.mem.bytes(),
         TestMem::pattern(16, 3),
@@ -350,8 +350,8 @@ fn a_half_placed_clear_to_send_is_not_yet() {
     }
     c.fabric.hold(false);
     let s = c.send_buf(&mut src, 4);
-    wait(|| c.send.test(s)).unwrap();
-    wait(|| c.recv.test(r)).unwrap();
+    wait(|| c.test_send(s)).unwrap();
+    wait(|| c.test_recv(r)).unwrap();
     assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 8));
 }
 
@@ -376,7 +376,7 @@ fn flushes_complete_and_reuse_their_slots_and_a_33rd_is_refused() {
     let e = c.recv.iflush(&bufs, &keys).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidUsage);
     assert!(held.iter().all(|&id| id >= FLUSH_ID_BASE));
-    assert_eq!(wait(|| c.recv.test(held[3])).unwrap(), Completion::EMPTY);
+    assert_eq!(wait(|| c.test_recv(held[3])).unwrap(), Completion::EMPTY);
     let again = c.recv.iflush(&bufs, &keys).unwrap().unwrap();
     assert_eq!(again, held[3], "the freed slot is taken");
     // Nothing to flush: no request.
@@ -400,17 +400,17 @@ fn gpu_memory_is_never_inlined() {
     let mut d1 = c.buf(false, 8, 0);
     let r = c.irecv(&mut [&mut d1], &[0]);
     let s = c.isend(src.mem.slice(0, 8), gpu, 0).unwrap();
-    wait(|| c.send.test(s)).unwrap();
-    wait(|| c.recv.test(r)).unwrap();
+    wait(|| c.test_send(s)).unwrap();
+    wait(|| c.test_recv(r)).unwrap();
     assert_eq!(d1.mem.bytes(), TestMem::pattern(64, 21)[..8].to_vec());
     let mut d2 = c.buf(false, 16, 0);
     let mut d3 = c.buf(false, 16, 0);
     let r = c.irecv(&mut [&mut d2, &mut d3], &[1, 2]);
     let a = c.isend(src.mem.slice(0, 16), gpu, 1).unwrap();
     let b = c.isend(src.mem.slice(16, 16), gpu, 2).unwrap();
-    wait(|| c.send.test(a)).unwrap();
-    wait(|| c.send.test(b)).unwrap();
-    wait(|| c.recv.test(r)).unwrap();
+    wait(|| c.test_send(a)).unwrap();
+    wait(|| c.test_send(b)).unwrap();
+    wait(|| c.test_recv(r)).unwrap();
     assert_eq!(d3.mem.bytes(), TestMem::pattern(64, 21)[16..32].to_vec());
 }
 
@@ -418,15 +418,15 @@ fn gpu_memory_is_never_inlined() {
 fn testing_a_request_that_is_not_in_flight_is_misuse() {
     let c = connect(params());
     for e in [
-        c.send.test(0).unwrap_err(),
-        c.send.test(SLOTS * MAX_RECVS + 5).unwrap_err(),
-        c.recv.test(3).unwrap_err(),
-        c.recv.test(FLUSH_ID_BASE + 1).unwrap_err(),
+        c.test_send(0).unwrap_err(),
+        c.test_send(SLOTS * MAX_RECVS + 5).unwrap_err(),
+        c.test_recv(3).unwrap_err(),
+        c.test_recv(FLUSH_ID_BASE + 1).unwrap_err(),
     ] {
         assert_eq!(e.kind(), ErrorKind::Internal, "{e}");
         assert!(e.to_string().contains("not in flight"), "{e}");
     }
     // A request reported done once is not in flight any more.
     one_message(&c, 8, 1);
-    assert!(c.recv.test(0).is_err());
+    assert!(c.test_recv(0).is_err());
 }
