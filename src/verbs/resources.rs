@@ -440,6 +440,10 @@ pub(crate) struct Cq {
 
 /// The type of a provider's `poll_cq`.
 type PollCqFn = unsafe extern "C" fn(*mut ibv_cq, i32, *mut ibv_wc) -> i32;
+/// The type of a provider's `post_send`.
+type PostSendFn = unsafe extern "C" fn(*mut ibv_qp, *mut ibv_send_wr, *mut *mut ibv_send_wr) -> i32;
+/// The type of a provider's `post_recv`.
+type PostRecvFn = unsafe extern "C" fn(*mut ibv_qp, *mut ibv_recv_wr, *mut *mut ibv_recv_wr) -> i32;
 
 // SAFETY: CQs are libibverbs objects usable from any thread; each comm polls its own.
 unsafe impl Send for Cq {}
@@ -555,6 +559,9 @@ pub(crate) struct QpPath {
 /// An RC queue pair.
 pub(crate) struct Qp {
     raw: *mut ibv_qp,
+    /// The provider's `post_send` and `post_recv`, read once: each post is one call.
+    post_send_fn: PostSendFn,
+    post_recv_fn: PostRecvFn,
     pd: Arc<Pd>,
     _cq: Arc<Cq>,
     /// Initial send PSN.
@@ -600,11 +607,20 @@ impl Qp {
                 )));
                 continue;
             }
+            // SAFETY: raw is live; the provider's ops table belongs to its context.
+            let ops = unsafe { &(*(*raw).context).ops };
+            let (Some(post_send_fn), Some(post_recv_fn)) = (ops.post_send, ops.post_recv) else {
+                // SAFETY: raw was just created, and is destroyed once.
+                unsafe { (pd.ctx.lib.destroy_qp)(raw) };
+                return Err(no_op("post_send or post_recv"));
+            };
             let psn = (NEXT_PSN.fetch_add(0x9e37, Ordering::Relaxed) as u32
                 ^ crate::random::random_u64() as u32)
                 & 0xff_ffff;
             return Ok(Qp {
                 raw,
+                post_send_fn,
+                post_recv_fn,
                 pd: Arc::clone(pd),
                 _cq: Arc::clone(cq),
                 psn,
@@ -710,38 +726,41 @@ impl Qp {
     }
 
     /// Posts a chain of send work requests.
+    #[inline(always)]
     pub(crate) fn post_send(&self, wr: &mut ibv_send_wr) -> Result<()> {
-        // SAFETY: raw is live; the ops table belongs to its context.
-        let op = unsafe { (*(*self.raw).context).ops.post_send };
-        let Some(post) = op else {
-            return Err(no_op("post_send"));
-        };
         let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-        // SAFETY: raw is live; wr heads a valid chain whose SGEs point at registered memory
-        // that the caller keeps alive until completion. Inline data is copied by the CPU at
-        // post, so callers set IBV_SEND_INLINE only on host memory (never a GPU address).
-        let rc = unsafe { post(self.raw, wr, &mut bad) };
-        errno_rc(rc, || {
-            format!("ibv_post_send({} qp {})", self.pd.ctx.name, self.qpn())
-        })
+        // SAFETY: raw is live, post_send_fn its provider's; wr heads a valid chain whose
+        // SGEs point at registered memory that the caller keeps alive until completion.
+        // Inline data is copied by the CPU at post, so callers set IBV_SEND_INLINE only on
+        // host memory (never a GPU address).
+        let rc = unsafe { (self.post_send_fn)(self.raw, wr, &mut bad) };
+        if rc != 0 {
+            return Err(self.post_error("ibv_post_send", rc));
+        }
+        Ok(())
     }
 
     /// Posts one zero-SGE receive (WRITE_WITH_IMM consumes one per message).
+    #[inline(always)]
     pub(crate) fn post_recv(&self, wr_id: u64) -> Result<()> {
-        // SAFETY: raw is live; the ops table belongs to its context.
-        let op = unsafe { (*(*self.raw).context).ops.post_recv };
-        let Some(post) = op else {
-            return Err(no_op("post_recv"));
-        };
         // SAFETY: all-zero is a valid receive WR (no SGE, no next).
         let mut wr: ibv_recv_wr = unsafe { std::mem::zeroed() };
         wr.wr_id = wr_id;
         let mut bad: *mut ibv_recv_wr = std::ptr::null_mut();
-        // SAFETY: raw is live; wr is a single valid WR.
-        let rc = unsafe { post(self.raw, &mut wr, &mut bad) };
-        errno_rc(rc, || {
-            format!("ibv_post_recv({} qp {})", self.pd.ctx.name, self.qpn())
-        })
+        // SAFETY: raw is live, post_recv_fn its provider's; wr is a single valid WR.
+        let rc = unsafe { (self.post_recv_fn)(self.raw, &mut wr, &mut bad) };
+        if rc != 0 {
+            return Err(self.post_error("ibv_post_recv", rc));
+        }
+        Ok(())
+    }
+
+    #[cold]
+    #[inline(never)]
+    fn post_error(&self, call: &str, rc: i32) -> Error {
+        // errno first: building the message may change it.
+        let e = verbs_error(rc);
+        Error::io(format!("{call}({} qp {})", self.pd.ctx.name, self.qpn()), e)
     }
 }
 
