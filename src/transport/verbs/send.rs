@@ -170,7 +170,7 @@ impl<N: Nic> SendState<N> {
 
     /// `isend` once [`Self::clear_to_send`] (see the module doc); returns the request id
     /// `slot * 8 + entry`.
-    #[inline(never)] // keeps the idle path, which does not get here, small
+    #[inline(always)] // into the endpoint's isend: the idle path stops at `may_send`
     fn isend(&mut self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>> {
         self.failure.check()?;
         let slot = (self.seq % SLOTS as u64) as usize;
