@@ -28,6 +28,10 @@ use crate::transport::{not_in_flight, BufferKeys, Failure, MemKeys, SendEndpoint
 use crate::verbs::dma::{DmaBuffer, SendChain};
 use crate::verbs::nic::{Nic, QueuePair};
 
+/// An `isend` that finds nothing to post looks around (polls the CQs) once in this many
+/// calls: NCCL retries in a tight loop, so that is still every few microseconds.
+const IDLE_LOOK_EVERY: u32 = 64;
+
 /// Where in `sizes_local` a probe's byte lands (after the size records).
 pub(crate) const PROBE_AT: usize = SLOTS * MAX_RECVS;
 
@@ -501,14 +505,15 @@ impl<R> SendGate<R> {
     }
 
     /// Counts an `isend` that finds nothing to post: whether it should look around, as every
-    /// 16th such call does and every call on a failed comm. That keeps completions, the peer
-    /// watch and the watchdog moving without a CQ poll on every "not yet".
+    /// [`IDLE_LOOK_EVERY`]th such call does and every call on a failed comm. That keeps
+    /// completions, the peer watch and the watchdog moving without a CQ poll on every "not
+    /// yet".
     #[inline(always)]
     fn idle_call_looks(&self) -> bool {
         // Load and store, not an atomic add: one thread counts, and a lost count is harmless.
         let n = self.idle_calls.load(Relaxed).wrapping_add(1);
         self.idle_calls.store(n, Relaxed);
-        n % 16 == 0 || self.failed.load(Relaxed)
+        n % IDLE_LOOK_EVERY == 0 || self.failed.load(Relaxed)
     }
 
     /// Records what a locked call left.
