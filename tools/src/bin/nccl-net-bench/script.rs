@@ -32,7 +32,7 @@
 //! wait through the same path, and a phase whose counted bin missed is run again (up to
 //! [`MAX_ATTEMPTS`] times; its `script-phase` line says `kept=no`), so a kept phase counted
 //! exactly the calls it names. Plugin work done every n-th call (n a power of two up to 256:
-//! a signaled clear-to-send write every 8, a CQ poll every 16 idle isends, slow checks every
+//! a signaled clear-to-send write every 8, a CQ poll every 64 idle isends, slow checks every
 //! 256 polls) falls alike into every phase when R is a multiple of 256.
 
 use std::{
