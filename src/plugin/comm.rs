@@ -11,8 +11,8 @@ use std::sync::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    Listening, MemKeys, RecvEndpoint, SendEndpoint, Sizes, MAX_P2P_BYTES, MAX_REQUESTS,
-    MAX_SEND_REQUESTS,
+    total_bytes, Listening, MemKeys, RecvEndpoint, SendEndpoint, Sizes, MAX_P2P_BYTES,
+    MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
 use super::stats::{CommStats, Direction};
@@ -293,8 +293,7 @@ impl RecvComm {
         let r = self.inner.test(id, sizes);
         match r {
             Ok(Some(n)) if n > 0 => {
-                let bytes = sizes[..n].iter().map(|s| u64::from(*s)).sum();
-                self.stats.completed(n as u64, bytes);
+                self.stats.completed(n as u64, total_bytes(&sizes[..n]));
             }
             Ok(_) => {}
             Err(_) => self.stats.failed(),

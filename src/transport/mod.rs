@@ -145,6 +145,12 @@ pub(crate) type Hold = Box<dyn Any + Send + Sync>;
 /// registers wide.
 pub(crate) type Sizes = [u32; MAX_RECVS];
 
+/// Total bytes of messages of `sizes`.
+#[inline]
+pub(crate) fn total_bytes(sizes: &[u32]) -> u64 {
+    sizes.iter().map(|s| u64::from(*s)).sum()
+}
+
 /// The per-process backend of a transport.
 pub(crate) trait Transport: Send + Sync {
     /// Which transport this is (it travels in handles, so both ends must agree).

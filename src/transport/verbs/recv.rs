@@ -21,7 +21,7 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, BufferKeys, Failure, MemKeys, RecvEndpoint, Sizes, MAX_RECVS,
+    not_in_flight, total_bytes, BufferKeys, Failure, MemKeys, RecvEndpoint, Sizes, MAX_RECVS,
 };
 use crate::verbs::dma::{DmaBuffer, SendChain, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
@@ -309,7 +309,7 @@ impl<N: Nic> RecvState<N> {
         let rails = self.rails.len();
         if used == 1 {
             // All of it on one QP (the common case: no piece arithmetic).
-            let bytes: u64 = sizes.iter().map(|s| u64::from(*s)).sum();
+            let bytes = total_bytes(sizes);
             let stats = &mut self.rails[locate(first, rails).0].stats;
             stats.bytes += bytes;
             stats.messages += u64::from(bytes > 0);
