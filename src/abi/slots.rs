@@ -232,7 +232,10 @@ pub(super) fn user_buffer(data: *mut c_void, size: usize) -> Result<UserBuffer> 
 /// (negative stays negative and is refused), a `size_t` as is (one beyond `i64::MAX` reads
 /// negative, and is refused too: no send is that large). One word, so the exports pass it
 /// on in a register.
-#[inline(never)]
+///
+/// Most calls are NCCL's retries before the receiver's clear-to-send: they return NULL
+/// here after a few loads, without calling anything.
+#[inline(never)] // one copy for every version, so the panic boundary inlines into it
 fn isend(
     comm: *mut c_void,
     data: *mut c_void,
@@ -248,26 +251,38 @@ fn isend(
         unsafe { *request = std::ptr::null_mut() };
         // SAFETY: NCCL passes back a send comm we returned (checked by magic).
         let comm = unsafe { send_comm(comm)? };
-        // Most calls are NCCL's retries before the receiver's clear-to-send has come: they
-        // return NULL before anything else is converted or checked.
         if !comm.may_send() {
             return Ok(());
         }
-        let size = usize::try_from(size).map_err(|_| bad_send_size(size))?;
-        let buf = user_buffer(data, size)?;
-        if let Some(token) = comm.isend(buf, tag, mhandle as usize as u64)? {
-            let event = NetEvent {
-                kind: 0,
-                n: 1,
-                size: buf.len() as u64,
-                tag,
-            };
-            profiler::start(token, phandle, event);
-            // SAFETY: as above.
-            unsafe { *request = token as *const _ as *mut c_void };
-        }
-        Ok(())
+        post_send(comm, data, size, tag, mhandle, phandle, request)
     })
+}
+
+/// The rest of `isend`, once the comm may have a send to post.
+#[inline(never)]
+fn post_send(
+    comm: &SendComm,
+    data: *mut c_void,
+    size: i64,
+    tag: c_int,
+    mhandle: *mut c_void,
+    phandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> Result<()> {
+    let size = usize::try_from(size).map_err(|_| bad_send_size(size))?;
+    let buf = user_buffer(data, size)?;
+    if let Some(token) = comm.isend(buf, tag, mhandle as usize as u64)? {
+        let event = NetEvent {
+            kind: 0,
+            n: 1,
+            size: buf.len() as u64,
+            tag,
+        };
+        profiler::start(token, phandle, event);
+        // SAFETY: checked non-NULL by the caller; writable pointer slot.
+        unsafe { *request = token as *const _ as *mut c_void };
+    }
+    Ok(())
 }
 
 #[cold]

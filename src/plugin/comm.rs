@@ -11,8 +11,8 @@ use std::sync::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    total_bytes, Listening, MemKeys, RecvEndpoint, SendEndpoint, Sizes, MAX_P2P_BYTES,
-    MAX_REQUESTS, MAX_SEND_REQUESTS,
+    total_bytes, Listening, MemKeys, RecvEnd, RecvEndpoint, SendEnd, SendEndpoint, Sizes,
+    MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
 use super::stats::{CommStats, Direction};
@@ -132,13 +132,13 @@ pub(crate) struct SendComm {
     magic: u64,
     dev: usize,
     plugin: Arc<Plugin>,
-    inner: Box<dyn SendEndpoint>,
+    inner: SendEnd,
     tokens: Box<[RequestToken]>,
     stats: CommStats,
 }
 
 impl SendComm {
-    pub(super) fn new(plugin: Arc<Plugin>, inner: Box<dyn SendEndpoint>, dev: usize) -> Box<Self> {
+    pub(super) fn new(plugin: Arc<Plugin>, inner: SendEnd, dev: usize) -> Box<Self> {
         let stats = plugin.comm_stats(Direction::Tx, dev, &inner.peer());
         let mut comm = Box::new(SendComm {
             magic: SEND_MAGIC,
@@ -220,13 +220,13 @@ pub(crate) struct RecvComm {
     magic: u64,
     dev: usize,
     plugin: Arc<Plugin>,
-    inner: Box<dyn RecvEndpoint>,
+    inner: RecvEnd,
     tokens: Box<[RequestToken]>,
     stats: CommStats,
 }
 
 impl RecvComm {
-    pub(super) fn new(plugin: Arc<Plugin>, inner: Box<dyn RecvEndpoint>, dev: usize) -> Box<Self> {
+    pub(super) fn new(plugin: Arc<Plugin>, inner: RecvEnd, dev: usize) -> Box<Self> {
         let stats = plugin.comm_stats(Direction::Rx, dev, &inner.peer());
         let mut comm = Box::new(RecvComm {
             magic: RECV_MAGIC,

@@ -203,13 +203,13 @@ pub(crate) trait Listening: Send {
     /// The handle for the peer's `connect`.
     fn handle(&self) -> &Handle;
     /// One non-blocking step of `accept`.
-    fn poll_accept(&mut self) -> Result<Option<Box<dyn RecvEndpoint>>>;
+    fn poll_accept(&mut self) -> Result<Option<RecvEnd>>;
 }
 
 /// One connect in progress; NCCL polls it until the connection is up.
 pub(crate) trait Connecting: Send {
     /// One non-blocking step of `connect`.
-    fn poll(&mut self) -> Result<Option<Box<dyn SendEndpoint>>>;
+    fn poll(&mut self) -> Result<Option<SendEnd>>;
 }
 
 /// The sending end of a connection.
@@ -257,6 +257,107 @@ pub(crate) trait RecvEndpoint: Send + Sync {
     /// What the comm's close summary adds (e.g. clear-to-send batching, per-rail counters).
     fn summary(&self) -> String {
         String::new()
+    }
+}
+
+/// A connection's sending end as the plugin holds it: the transports are a closed set, so
+/// the plugin's calls dispatch on this enum rather than through a vtable, and the idle
+/// checks inline into the exports (NCCL's proxy makes millions of them a second). Held
+/// inside the boxed comm and never moved once connected, so the variants' sizes may differ.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum SendEnd {
+    Verbs(verbs::VerbsSendEnd),
+    Tcp(tcp::TcpSendComm),
+}
+
+/// A connection's receiving end as the plugin holds it (see [`SendEnd`]).
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum RecvEnd {
+    Verbs(verbs::VerbsRecvEnd),
+    Tcp(tcp::TcpRecvComm),
+}
+
+impl SendEndpoint for SendEnd {
+    fn peer(&self) -> String {
+        match self {
+            SendEnd::Verbs(c) => c.peer(),
+            SendEnd::Tcp(c) => c.peer(),
+        }
+    }
+
+    #[inline(always)]
+    fn may_send(&self) -> bool {
+        match self {
+            SendEnd::Verbs(c) => c.may_send(),
+            SendEnd::Tcp(c) => c.may_send(),
+        }
+    }
+
+    #[inline(always)]
+    fn isend(&self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>> {
+        match self {
+            SendEnd::Verbs(c) => c.isend(buf, tag, keys),
+            SendEnd::Tcp(c) => c.isend(buf, tag, keys),
+        }
+    }
+
+    #[inline(always)]
+    fn test(&self, id: usize) -> Result<Option<usize>> {
+        match self {
+            SendEnd::Verbs(c) => c.test(id),
+            SendEnd::Tcp(c) => c.test(id),
+        }
+    }
+
+    fn summary(&self) -> String {
+        match self {
+            SendEnd::Verbs(c) => c.summary(),
+            SendEnd::Tcp(c) => c.summary(),
+        }
+    }
+}
+
+impl RecvEndpoint for RecvEnd {
+    fn peer(&self) -> String {
+        match self {
+            RecvEnd::Verbs(c) => c.peer(),
+            RecvEnd::Tcp(c) => c.peer(),
+        }
+    }
+
+    #[inline(always)]
+    fn irecv(
+        &self,
+        bufs: &[UserBuffer],
+        tags: &[i32],
+        keys: &dyn BufferKeys,
+    ) -> Result<Option<usize>> {
+        match self {
+            RecvEnd::Verbs(c) => c.irecv(bufs, tags, keys),
+            RecvEnd::Tcp(c) => c.irecv(bufs, tags, keys),
+        }
+    }
+
+    fn iflush(&self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>> {
+        match self {
+            RecvEnd::Verbs(c) => c.iflush(bufs, keys),
+            RecvEnd::Tcp(c) => c.iflush(bufs, keys),
+        }
+    }
+
+    #[inline(always)]
+    fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
+        match self {
+            RecvEnd::Verbs(c) => c.test(id, sizes),
+            RecvEnd::Tcp(c) => c.test(id, sizes),
+        }
+    }
+
+    fn summary(&self) -> String {
+        match self {
+            RecvEnd::Verbs(c) => c.summary(),
+            RecvEnd::Tcp(c) => c.summary(),
+        }
     }
 }
 

@@ -29,11 +29,11 @@ use crate::oob::{
 };
 use crate::sysfs;
 use crate::transport::{
-    device, BufferKeys, Connecting, DeviceProps, Failure, Hold, Listening, MemKeys, RecvEndpoint,
-    SendEndpoint, Transport, MAX_RECVS, PTR_HOST,
+    device, BufferKeys, Connecting, DeviceProps, Failure, Hold, Listening, MemKeys, RecvEnd,
+    SendEnd, Transport, MAX_RECVS, PTR_HOST,
 };
-use recv::TcpRecvComm;
-use send::TcpSendComm;
+pub(crate) use recv::TcpRecvComm;
+pub(crate) use send::TcpSendComm;
 
 pub(super) const FRAME_CTS: u8 = 1;
 pub(super) const FRAME_DATA: u8 = 2;
@@ -229,8 +229,8 @@ impl Listening for TcpListen {
         self.listener.handle()
     }
 
-    fn poll_accept(&mut self) -> Result<Option<Box<dyn RecvEndpoint>>> {
-        Ok(self.step()?.map(|c| Box::new(c) as Box<dyn RecvEndpoint>))
+    fn poll_accept(&mut self) -> Result<Option<RecvEnd>> {
+        Ok(self.step()?.map(RecvEnd::Tcp))
     }
 }
 
@@ -255,7 +255,7 @@ impl TcpConnecting {
 }
 
 impl Connecting for TcpConnecting {
-    fn poll(&mut self) -> Result<Option<Box<dyn SendEndpoint>>> {
+    fn poll(&mut self) -> Result<Option<SendEnd>> {
         let chan = self
             .chan
             .as_mut()
@@ -271,7 +271,7 @@ impl Connecting for TcpConnecting {
                     return Ok(None);
                 };
                 let sock = into_data_socket(chan.into_stream())?;
-                Ok(Some(Box::new(TcpSendComm::new(sock, peer))))
+                Ok(Some(SendEnd::Tcp(TcpSendComm::new(sock, peer))))
             }
             Some(m) if m.kind == MsgKind::Reject => Err(Error::remote(format!(
                 "{} refused the connection: {}",

@@ -44,6 +44,11 @@ use crate::verbs::VerbsLib;
 use mr_cache::MrCache;
 use setup::{VerbsConnecting, VerbsListen};
 
+/// The sending end of a connection over real devices.
+pub(crate) type VerbsSendEnd = send::VerbsSendComm<VerbsDevice>;
+/// The receiving end of a connection over real devices.
+pub(crate) type VerbsRecvEnd = recv::VerbsRecvComm<VerbsDevice>;
+
 /// One NIC (port) the transport uses.
 struct Nic {
     verbs: Arc<VerbsDevice>,

@@ -154,12 +154,13 @@ impl<N: Nic> SendState<N> {
     }
 
     /// What the next slot's first clear-to-send entry holds once it has landed (its
-    /// receive's sequence number + 1), or 0 while the slot's previous use is not tested.
+    /// receive's sequence number + 1), or [`NOT_AWAITED`] while the slot's previous use is
+    /// not tested.
     #[inline(always)]
     fn awaited(&self) -> u64 {
         let st = &self.slots[(self.seq % SLOTS as u64) as usize];
         if st.busy && st.posted {
-            0
+            NOT_AWAITED
         } else {
             self.seq + 1
         }
@@ -480,8 +481,12 @@ fn cts_landed<R>(fifo: &DmaBuffer<CtsEntry, R>, i: usize) -> u64 {
 #[inline(always)]
 fn cts_awaited_landed<R>(fifo: &DmaBuffer<CtsEntry, R>, awaited: u64) -> bool {
     let slot = (awaited.wrapping_sub(1) % SLOTS as u64) as usize;
-    awaited != 0 && cts_landed(fifo, cts_index(slot, 0)) == awaited
+    cts_landed(fifo, cts_index(slot, 0)) == awaited
 }
+
+/// What `SendState::awaited` says while nothing may be sent: a value no entry ever holds
+/// (that would take 2^64 receives), so the one comparison answers "not yet".
+const NOT_AWAITED: u64 = u64::MAX;
 
 /// What `may_send` reads without taking the comm's lock: the FIFO, and what the last locked
 /// call left. One progress thread drives a comm, so these are its own writes; were they

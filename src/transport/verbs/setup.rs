@@ -15,8 +15,8 @@ use super::send::{SendState, VerbsSendComm, PROBE_AT};
 use super::wire::{ConnInfo, CtsEntry, QpPlan, RailInfo, MAX_INLINE, MAX_QPS, MAX_RAILS, SLOTS};
 use crate::error::{Error, Result};
 use crate::oob::{Channel, Handle, Hello, Listener, Message, MsgKind, Timeouts, TransportKind};
-use crate::transport::{Connecting, Listening, RecvEndpoint, SendEndpoint, MAX_RECVS};
-use crate::verbs::device::{mtu_bytes, LINK_LAYER_ETHERNET};
+use crate::transport::{Connecting, Listening, RecvEnd, SendEnd, MAX_RECVS};
+use crate::verbs::device::{mtu_bytes, VerbsDevice, LINK_LAYER_ETHERNET};
 use crate::verbs::dma::DmaBuffer;
 use crate::verbs::nic::{LocalPort, MemoryRegion, Nic, QueuePair};
 use crate::verbs::resources::{QpPath, RemoteQp};
@@ -354,9 +354,9 @@ impl<N: Nic> VerbsConnecting<N> {
     }
 }
 
-impl<N: Nic> Connecting for VerbsConnecting<N> {
-    fn poll(&mut self) -> Result<Option<Box<dyn SendEndpoint>>> {
-        Ok(self.step()?.map(|c| Box::new(c) as Box<dyn SendEndpoint>))
+impl Connecting for VerbsConnecting<VerbsDevice> {
+    fn poll(&mut self) -> Result<Option<SendEnd>> {
+        Ok(self.step()?.map(SendEnd::Verbs))
     }
 }
 
@@ -369,6 +369,11 @@ pub(crate) struct VerbsListen<N: Nic> {
 }
 
 impl<N: Nic> VerbsListen<N> {
+    /// The handle for the peer's `connect`.
+    pub(crate) fn handle(&self) -> &Handle {
+        self.listener.handle()
+    }
+
     /// Binds the bootstrap listener for a device over the rails `nics`.
     pub(crate) fn bind(ip: std::net::IpAddr, nics: &[Arc<N>], params: ConnParams) -> Result<Self> {
         Ok(VerbsListen {
@@ -466,12 +471,12 @@ impl<N: Nic> VerbsListen<N> {
     }
 }
 
-impl<N: Nic> Listening for VerbsListen<N> {
+impl Listening for VerbsListen<VerbsDevice> {
     fn handle(&self) -> &Handle {
-        self.listener.handle()
+        VerbsListen::handle(self)
     }
 
-    fn poll_accept(&mut self) -> Result<Option<Box<dyn RecvEndpoint>>> {
-        Ok(self.step()?.map(|c| Box::new(c) as Box<dyn RecvEndpoint>))
+    fn poll_accept(&mut self) -> Result<Option<RecvEnd>> {
+        Ok(self.step()?.map(RecvEnd::Verbs))
     }
 }

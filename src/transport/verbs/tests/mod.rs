@@ -19,7 +19,7 @@ use super::wire::{SLOTS, SPLIT_ALIGN};
 use crate::buffer::{TestMem, UserBuffer};
 use crate::error::{Error, ErrorKind, Result};
 use crate::oob::Timeouts;
-use crate::transport::{Listening, MemKeys, RecvEndpoint, SendEndpoint, Sizes, MAX_RECVS};
+use crate::transport::{MemKeys, RecvEndpoint, SendEndpoint, Sizes, MAX_RECVS};
 use crate::verbs::fake::{Cut, Fabric, FakeMr, FakeNic, REMOTE_ACCESS_ERROR, RETRY_EXCEEDED};
 use crate::verbs::nic::{MemoryRegion, Nic};
 
@@ -63,7 +63,7 @@ fn try_connect(
     rx_params: ConnParams,
 ) -> Result<(VerbsSendComm<FakeNic>, VerbsRecvComm<FakeNic>)> {
     let mut listen = VerbsListen::bind("127.0.0.1".parse().unwrap(), rx, rx_params)?;
-    let handle = *Listening::handle(&listen);
+    let handle = *listen.handle();
     let mut connecting = VerbsConnecting::start(tx, &handle, tx_params)?;
     let (mut send, mut recv) = (None, None);
     let deadline = Instant::now() + Duration::from_secs(10);
