@@ -200,7 +200,8 @@ impl SendComm {
         let r = self.inner.test(id);
         match r {
             Ok(Some(size)) => self.stats.completed(1, size as u64),
-            Ok(None) => {}
+            // Nothing to count, and no rate line from the proxy's idle polls.
+            Ok(None) => return r,
             Err(_) => self.stats.failed(),
         }
         self.stats
@@ -295,7 +296,9 @@ impl RecvComm {
             Ok(Some(n)) if n > 0 => {
                 self.stats.completed(n as u64, total_bytes(&sizes[..n]));
             }
-            Ok(_) => {}
+            Ok(Some(_)) => {}
+            // Nothing to count, and no rate line from the proxy's idle polls.
+            Ok(None) => return r,
             Err(_) => self.stats.failed(),
         }
         self.stats

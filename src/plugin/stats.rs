@@ -2,8 +2,9 @@
 //!
 //! The data path bumps plain relaxed atomics of its own comm (one writer, so no contention).
 //! With `NCCL_ERDMA_STATS_INTERVAL=<s>` a comm logs a rate line through NCCL's logger, like
-//! `eadm stat`, from its own `test` calls once the interval has passed (the clock is read
-//! every 64 calls only); every comm logs a summary when it closes, and adds its counts to
+//! `eadm stat`, from its own `test` calls that finish or fail a request once the interval
+//! has passed (the clock is read every 64 such calls only; the proxy's idle polls never
+//! read it); every comm logs a summary when it closes, and adds its counts to
 //! its device's totals.
 
 use std::{
@@ -107,7 +108,7 @@ impl CommStats {
         }
     }
 
-    /// Logs a rate line when the interval has passed (checked every 64 calls).
+    /// Logs a rate line when the interval has passed (checked every 64 calls that count).
     #[inline(never)]
     fn tick_every(&self, interval: Duration, device: &DeviceTotals, detail: &dyn Fn() -> String) {
         if self.calls.fetch_add(1, Relaxed) % 64 != 0 {

@@ -101,6 +101,8 @@ impl Watchdog {
 pub(crate) struct CqPoller<N: Nic> {
     pub(crate) cq: N::Cq,
     wc: WcBatch,
+    /// The last poll's failure, for [`Self::drain`] to return.
+    poll_error: Option<Error>,
     epoch: u64,
     calls: u32,
     oob: Option<TcpStream>,
@@ -117,6 +119,7 @@ impl<N: Nic> CqPoller<N> {
         CqPoller {
             cq,
             wc: WcBatch::new(),
+            poll_error: None,
             epoch: 0,
             calls: 0,
             oob: None,
@@ -171,13 +174,25 @@ impl<N: Nic> CqPoller<N> {
     }
 
     /// Polls the CQ once into the batch; returns whether there is anything for
-    /// [`Self::drain`] to do: completions arrived, or the slow checks are due. The proxy's
-    /// idle `test` is this poll and nothing else.
+    /// [`Self::drain`] to do: completions arrived, the slow checks are due, or the poll
+    /// failed (the drain returns the error). The proxy's idle `test` is this poll and
+    /// nothing else.
     #[inline(always)]
-    pub(crate) fn poll(&mut self, nic: &N) -> Result<bool> {
+    pub(crate) fn poll(&mut self, nic: &N) -> bool {
         self.calls = self.calls.wrapping_add(1);
-        let n = self.wc.poll(nic, &self.cq)?;
-        Ok(n > 0 || self.calls % CHECK_EVERY == 0)
+        match self.wc.poll(nic, &self.cq) {
+            Ok(n) => n > 0 || self.calls % CHECK_EVERY == 0,
+            Err(e) => {
+                self.poll_error = Some(e);
+                true
+            }
+        }
+    }
+
+    /// Whether the last [`Self::poll`] left [`Self::drain`] anything to do.
+    #[inline(always)]
+    pub(crate) fn polled_work(&self) -> bool {
+        self.wc.polled() > 0 || self.calls % CHECK_EVERY == 0 || self.poll_error.is_some()
     }
 
     /// After [`Self::poll`] found something: hands every successful completion to `on`
@@ -193,6 +208,9 @@ impl<N: Nic> CqPoller<N> {
         (work, waiting): (bool, bool),
         mut on: impl FnMut(&Completion),
     ) -> Result<bool> {
+        if let Some(e) = self.poll_error.take() {
+            return Err(e);
+        }
         let mut n = self.wc.polled();
         loop {
             for c in self.wc.completions() {

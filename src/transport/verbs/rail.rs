@@ -57,20 +57,16 @@ impl<N: Nic> Rail<N> {
     }
 
     /// Polls this rail's CQ once (see [`CqPoller::poll`]): whether [`Self::drain`] has
-    /// anything to do. A failure counts as the rail's error.
+    /// anything to do.
     #[inline(always)]
-    pub(crate) fn poll(&mut self) -> Result<bool> {
-        let r = self.cq.poll(&self.nic);
-        if r.is_err() {
-            self.stats.errors += 1;
-        }
-        r
+    pub(crate) fn poll(&mut self) -> bool {
+        self.cq.poll(&self.nic)
     }
 
     /// Hands what the last [`Self::poll`] found to `on` (see [`CqPoller::drain`]), which
     /// says whether a completion retires signaled work of this side (then it leaves
     /// `in_flight`); `waiting`: the comm waits for its peer. Returns whether this rail should
-    /// post a probe. A failure counts as the rail's error.
+    /// post a probe. A failure (of the poll too) counts as the rail's error.
     pub(crate) fn drain(
         &mut self,
         peer: &str,
@@ -90,6 +86,25 @@ impl<N: Nic> Rail<N> {
         }
         r
     }
+}
+
+/// Polls every rail's CQ once: whether any rail's [`Rail::drain`] has anything to do (then
+/// [`CqPoller::polled_work`] says which). One rail, the common case, is polled inline.
+#[inline(always)]
+pub(crate) fn poll_all<N: Nic>(rails: &mut [Rail<N>]) -> bool {
+    match rails {
+        [rail] => rail.poll(),
+        rails => poll_each(rails),
+    }
+}
+
+#[inline(never)]
+fn poll_each<N: Nic>(rails: &mut [Rail<N>]) -> bool {
+    let mut found = false;
+    for rail in rails {
+        found |= rail.poll();
+    }
+    found
 }
 
 /// The rails of `rails` with their counters, for a comm's summary: ` (rxe0: B bytes in M

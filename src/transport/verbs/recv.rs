@@ -103,6 +103,8 @@ pub(crate) struct RecvState<N: Nic> {
     cts_entries: u64,
     /// Receives posted and not finished.
     waiting: u32,
+    /// [`Self::is_quiet`] as the last locked call left it: all an idle `test` checks.
+    quiet: bool,
     chain: SendChain,
     failure: Failure,
     pub(crate) peer: String,
@@ -140,6 +142,7 @@ impl<N: Nic> RecvState<N> {
             cts_writes: 0,
             cts_entries: 0,
             waiting: 0,
+            quiet: true,
             chain: SendChain::new(),
             failure: Failure::default(),
             peer,
@@ -216,16 +219,60 @@ impl<N: Nic> RecvState<N> {
         Ok(Some(FLUSH_ID_BASE + fslot))
     }
 
-    /// `test` of receive or flush request `id`.
+    /// `test` of receive or flush request `id`. The proxy's idle test, of a receive still
+    /// waiting on a quiet comm, is one CQ poll per rail that finds nothing; everything else
+    /// goes out of line.
     #[inline(always)]
     fn test(&mut self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
+        let waiting = self.quiet && self.slots.get(id).is_some_and(|st| st.imm_pending > 0);
+        if waiting {
+            self.polled = true;
+            if !rail::poll_all(&mut self.rails) {
+                return Ok(None);
+            }
+        }
+        self.test_further(id, sizes, waiting)
+    }
+
+    /// Whether nothing but data is awaited: the comm has not failed, the peer is there, and
+    /// no clear-to-send is held back. Kept in [`Self::quiet`] by every locked call.
+    fn is_quiet(&self) -> bool {
+        self.cts_posted == self.seq && !self.failure.is_set() && !self.rails[0].cq.peer_gone
+    }
+
+    /// `test` of request `id` beyond the idle case; `polled`: the rails were just polled,
+    /// and what they found is still to be drained.
+    #[inline(never)]
+    fn test_further(
+        &mut self,
+        id: usize,
+        sizes: &mut Sizes,
+        polled: bool,
+    ) -> Result<Option<usize>> {
+        let r = self.test_request(id, sizes, polled);
+        self.quiet = self.is_quiet();
+        r
+    }
+
+    /// The body of [`Self::test_further`].
+    #[inline(always)]
+    fn test_request(
+        &mut self,
+        id: usize,
+        sizes: &mut Sizes,
+        polled: bool,
+    ) -> Result<Option<usize>> {
         if !self.slots.get(id).is_some_and(|st| st.busy) {
             return self.test_flush(id);
         }
         self.polled = true;
         // As for sends, the CQ is polled only for a receive not yet known to be done.
         if self.slots[id].imm_pending > 0 {
-            let r = self.progress();
+            let r = if polled {
+                self.drain_polled()
+            } else {
+                self.progress()
+            };
             let _ = self.failure.record(r);
             // A receive still waiting needs its clear-to-send at the sender, and the sender
             // should keep holding a few.
@@ -437,8 +484,18 @@ impl<N: Nic> RecvState<N> {
     /// Polls every rail's CQ once; what arrived is handled out of line.
     #[inline(always)] // into `test`: an idle test is one poll per rail
     fn progress(&mut self) -> Result<()> {
+        if rail::poll_all(&mut self.rails) {
+            self.drain_polled()
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Drains every rail whose last poll found something.
+    #[inline(never)]
+    fn drain_polled(&mut self) -> Result<()> {
         for r in 0..self.rails.len() {
-            if self.rails[r].poll()? {
+            if self.rails[r].cq.polled_work() {
                 self.drain_rail(r)?;
             }
         }
@@ -447,7 +504,6 @@ impl<N: Nic> RecvState<N> {
 
     /// Hands what rail `r`'s last poll found to the receives, flushes and probes it
     /// completes.
-    #[inline(never)]
     fn drain_rail(&mut self, r: usize) -> Result<()> {
         let waiting = self.waiting > 0;
         let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);
@@ -560,13 +616,20 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         tags: &[i32],
         keys: &dyn BufferKeys,
     ) -> Result<Option<usize>> {
-        self.inner.lock().irecv(bufs, tags, keys)
+        let mut s = self.inner.lock();
+        let r = s.irecv(bufs, tags, keys);
+        s.quiet = s.is_quiet();
+        r
     }
 
     fn iflush(&self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>> {
-        self.inner.lock().iflush(bufs, keys)
+        let mut s = self.inner.lock();
+        let r = s.iflush(bufs, keys);
+        s.quiet = s.is_quiet();
+        r
     }
 
+    #[inline(always)]
     fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
         self.inner.lock().test(id, sizes)
     }

@@ -304,8 +304,18 @@ impl<N: Nic> SendState<N> {
     /// waits for its clear-to-send.
     #[inline(always)] // into `test`: an idle test is one poll per rail
     fn progress(&mut self, waiting: bool) -> Result<()> {
+        if rail::poll_all(&mut self.rails) {
+            self.drain_polled(waiting)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// Drains every rail whose last poll found something.
+    #[inline(never)]
+    fn drain_polled(&mut self, waiting: bool) -> Result<()> {
         for r in 0..self.rails.len() {
-            if self.rails[r].poll()? {
+            if self.rails[r].cq.polled_work() {
                 self.drain_rail(r, waiting)?;
             }
         }
@@ -313,7 +323,6 @@ impl<N: Nic> SendState<N> {
     }
 
     /// Hands what rail `r`'s last poll found to the slots and probes it completes.
-    #[inline(never)]
     fn drain_rail(&mut self, r: usize, waiting: bool) -> Result<()> {
         let slots = &mut self.slots;
         let probe = self.rails[r].drain(&self.peer, waiting, |c| match WrKind::of(c.wr_id) {
