@@ -366,21 +366,51 @@ pub(crate) struct WcBatch {
     n: usize,
 }
 
-/// The parts of a work completion the transports use.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Completion {
+/// One work completion of a [`WcBatch`], read in place: the data path reads two or three
+/// of its fields, the error path the rest.
+#[derive(Clone, Copy)]
+pub(crate) struct Completion<'a>(&'a ibv_wc);
+
+impl Completion<'_> {
     /// Work request id.
-    pub(crate) wr_id: u64,
+    #[inline(always)]
+    pub(crate) fn wr_id(&self) -> u64 {
+        self.0.wr_id
+    }
+
     /// `ibv_wc_status`.
-    pub(crate) status: u32,
+    #[inline(always)]
+    pub(crate) fn status(&self) -> u32 {
+        self.0.status
+    }
+
     /// `ibv_wc_opcode`.
-    pub(crate) opcode: u32,
+    #[inline(always)]
+    pub(crate) fn opcode(&self) -> u32 {
+        self.0.opcode
+    }
+
     /// Vendor error.
-    pub(crate) vendor_err: u32,
-    /// Immediate data (host order), when present.
-    pub(crate) imm: u32,
+    pub(crate) fn vendor_err(&self) -> u32 {
+        self.0.vendor_err
+    }
+
     /// Local QP number.
-    pub(crate) qp_num: u32,
+    pub(crate) fn qp_num(&self) -> u32 {
+        self.0.qp_num
+    }
+
+    /// Immediate data (host order), when present (else 0).
+    #[inline(always)]
+    pub(crate) fn imm(&self) -> u32 {
+        if self.0.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0 {
+            // SAFETY: the union holds imm_data when IBV_WC_WITH_IMM is set; any u32 is a
+            // valid value.
+            u32::from_be(unsafe { self.0.imm_data_invalidated_rkey_union.imm_data })
+        } else {
+            0
+        }
+    }
 }
 
 impl Default for WcBatch {
@@ -416,25 +446,10 @@ impl WcBatch {
         self.n
     }
 
-    /// The completions of the last poll.
-    pub(crate) fn completions(&self) -> impl Iterator<Item = Completion> + '_ {
-        self.wcs[..self.n].iter().map(|wc| {
-            let with_imm = wc.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0;
-            Completion {
-                wr_id: wc.wr_id,
-                status: wc.status,
-                opcode: wc.opcode,
-                vendor_err: wc.vendor_err,
-                imm: if with_imm {
-                    // SAFETY: the union holds imm_data when IBV_WC_WITH_IMM is set; any u32
-                    // is a valid value.
-                    u32::from_be(unsafe { wc.imm_data_invalidated_rkey_union.imm_data })
-                } else {
-                    0
-                },
-                qp_num: wc.qp_num,
-            }
-        })
+    /// Completion `i` (below [`Self::polled`]) of the last poll.
+    #[inline(always)]
+    pub(crate) fn get(&self, i: usize) -> Completion<'_> {
+        Completion(&self.wcs[..self.n][i])
     }
 }
 

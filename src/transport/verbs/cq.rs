@@ -101,8 +101,10 @@ impl Watchdog {
 pub(crate) struct CqPoller<N: Nic> {
     pub(crate) cq: N::Cq,
     wc: WcBatch,
-    /// The last poll's failure, for [`Self::drain`] to return.
+    /// The last poll's failure, for the drain to return.
     poll_error: Option<Error>,
+    /// Where in the batch [`Self::hand_out`] met a failed completion.
+    failed_at: Option<usize>,
     epoch: u64,
     calls: u32,
     oob: Option<TcpStream>,
@@ -120,6 +122,7 @@ impl<N: Nic> CqPoller<N> {
             cq,
             wc: WcBatch::new(),
             poll_error: None,
+            failed_at: None,
             epoch: 0,
             calls: 0,
             oob: None,
@@ -174,8 +177,8 @@ impl<N: Nic> CqPoller<N> {
     }
 
     /// Polls the CQ once into the batch; returns whether there is anything for
-    /// [`Self::drain`] to do: completions arrived, the slow checks are due, or the poll
-    /// failed (the drain returns the error). The proxy's idle `test` is this poll and
+    /// the drain to do: completions arrived, the slow checks are due, or the poll
+    /// failed (the drain reports the error). The proxy's idle `test` is this poll and
     /// nothing else.
     #[inline(always)]
     pub(crate) fn poll(&mut self, nic: &N) -> bool {
@@ -195,46 +198,60 @@ impl<N: Nic> CqPoller<N> {
         self.wc.polled() > 0 || self.calls % CHECK_EVERY == 0 || self.poll_error.is_some()
     }
 
-    /// After [`Self::poll`] found something: hands every successful completion to `on`
-    /// (polling again while batches come full); a failed one, a fatal event on the device or
-    /// one of `qps`, or a stall is the comm's error. `work`/`waiting` say whether the comm
-    /// has posted work in flight and whether it waits for the peer; the result says whether
-    /// to post a probe.
-    pub(crate) fn drain(
-        &mut self,
-        nic: &N,
-        qps: &[N::Qp],
-        peer: &str,
-        (work, waiting): (bool, bool),
-        mut on: impl FnMut(&Completion),
-    ) -> Result<bool> {
-        if let Some(e) = self.poll_error.take() {
-            return Err(e);
+    /// After [`Self::poll`] found something: hands every successful completion to `on`,
+    /// polling again while batches come full. Returns false at a failed completion or poll,
+    /// which [`Self::drain_error`] then describes (the comm's error).
+    #[inline(always)]
+    pub(crate) fn hand_out(&mut self, nic: &N, mut on: impl FnMut(Completion<'_>)) -> bool {
+        if self.poll_error.is_some() {
+            return false;
         }
-        let mut n = self.wc.polled();
         loop {
-            for c in self.wc.completions() {
-                if c.status != WC_SUCCESS {
-                    return Err(cqe_error(nic, peer, &c));
+            let n = self.wc.polled();
+            for i in 0..n {
+                let c = self.wc.get(i);
+                if c.status() != WC_SUCCESS {
+                    self.failed_at = Some(i);
+                    return false;
                 }
-                on(&c);
+                on(c);
             }
             self.completions += n as u64;
             if n < WcBatch::CAPACITY {
-                break;
+                return true;
             }
-            n = self.wc.poll(nic, &self.cq)?;
+            if let Err(e) = self.wc.poll(nic, &self.cq) {
+                self.poll_error = Some(e);
+                return false;
+            }
         }
-        // After the completions, so the watchdog counts those of this poll.
-        if self.calls % CHECK_EVERY == 0 {
-            return self.slow_checks(nic, qps, peer, work, waiting);
-        }
-        Ok(false)
     }
 
+    /// Why [`Self::hand_out`] stopped: the failed poll, or the failed completion.
     #[cold]
     #[inline(never)]
-    fn slow_checks(
+    pub(crate) fn drain_error(&mut self, nic: &N, peer: &str) -> Error {
+        if let Some(e) = self.poll_error.take() {
+            return e;
+        }
+        let i = self.failed_at.take().unwrap_or(0);
+        cqe_error(nic, peer, self.wc.get(i))
+    }
+
+    /// Whether the slow checks (peer, asynchronous events, watchdog) are due after this
+    /// poll: every [`CHECK_EVERY`] polls.
+    #[inline(always)]
+    pub(crate) fn checks_due(&self) -> bool {
+        self.calls % CHECK_EVERY == 0
+    }
+
+    /// The slow checks, after the completions (so the watchdog counts those of this poll):
+    /// a fatal event on the device or one of `qps`, or a stall, is the comm's error.
+    /// `work`/`waiting` say whether the comm has posted work in flight and whether it waits
+    /// for the peer; the result says whether to post a probe.
+    #[cold]
+    #[inline(never)]
+    pub(crate) fn slow_checks(
         &mut self,
         nic: &N,
         qps: &[N::Qp],
@@ -274,8 +291,8 @@ fn stalled_error<N: Nic>(nic: &N, peer: &str, idle: Duration) -> Error {
 }
 
 #[cold]
-fn cqe_error<N: Nic>(nic: &N, peer: &str, c: &Completion) -> Error {
-    let hint = match c.status {
+fn cqe_error<N: Nic>(nic: &N, peer: &str, c: Completion<'_>) -> Error {
+    let hint = match c.status() {
         12 => {
             " (retry exceeded: the peer is gone or unreachable; check the GID index, \
                routing and NCCL_IB_TIMEOUT)"
@@ -291,12 +308,12 @@ fn cqe_error<N: Nic>(nic: &N, peer: &str, c: &Completion) -> Error {
     };
     Error::remote(format!(
         "{} to peer {peer} on {} failed: {} (status {}, vendor error {:#x}, QP {}){hint}",
-        WrKind::describe(c.wr_id),
+        WrKind::describe(c.wr_id()),
         nic.local().name,
-        nic.status_str(c.status),
-        c.status,
-        c.vendor_err,
-        c.qp_num
+        nic.status_str(c.status()),
+        c.status(),
+        c.vendor_err(),
+        c.qp_num()
     ))
 }
 

@@ -63,24 +63,32 @@ impl<N: Nic> Rail<N> {
         self.cq.poll(&self.nic)
     }
 
-    /// Hands what the last [`Self::poll`] found to `on` (see [`CqPoller::drain`]), which
+    /// Hands what the last [`Self::poll`] found to `on` (see [`CqPoller::hand_out`]), which
     /// says whether a completion retires signaled work of this side (then it leaves
-    /// `in_flight`); `waiting`: the comm waits for its peer. Returns whether this rail should
-    /// post a probe. A failure (of the poll too) counts as the rail's error.
+    /// `in_flight`); then runs the slow checks when due, `waiting`: the comm waits for its
+    /// peer. Returns whether this rail should post a probe. A failure (of the poll too)
+    /// counts as the rail's error.
+    #[inline(always)]
     pub(crate) fn drain(
         &mut self,
         peer: &str,
         waiting: bool,
-        mut on: impl FnMut(&Completion) -> bool,
+        mut on: impl FnMut(Completion<'_>) -> bool,
     ) -> Result<bool> {
-        let work = self.in_flight > 0;
         let mut done = 0;
+        let ok = self.cq.hand_out(&self.nic, |c| done += u32::from(on(c)));
+        self.in_flight = self.in_flight.saturating_sub(done);
+        if !ok {
+            self.stats.errors += 1;
+            return Err(self.cq.drain_error(&self.nic, peer));
+        }
+        if !self.cq.checks_due() {
+            return Ok(false);
+        }
+        let work = self.in_flight > 0;
         let r = self
             .cq
-            .drain(&self.nic, &self.qps, peer, (work, waiting), |c| {
-                done += u32::from(on(c));
-            });
-        self.in_flight = self.in_flight.saturating_sub(done);
+            .slow_checks(&self.nic, &self.qps, peer, work, waiting);
         if r.is_err() {
             self.stats.errors += 1;
         }

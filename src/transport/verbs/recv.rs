@@ -508,13 +508,13 @@ impl<N: Nic> RecvState<N> {
         let waiting = self.waiting > 0;
         let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);
         let probe = self.rails[r].drain(&self.peer, waiting, |c| {
-            let slot = WrKind::slot(c.wr_id);
-            match WrKind::of(c.wr_id) {
+            let slot = WrKind::slot(c.wr_id());
+            match WrKind::of(c.wr_id()) {
                 // Receives are not counted in flight: the sender's work completes them.
-                Some(WrKind::Recv) if c.opcode == WC_RECV_RDMA_WITH_IMM => {
+                Some(WrKind::Recv) if c.opcode() == WC_RECV_RDMA_WITH_IMM => {
                     let st = &mut slots[slot];
                     if st.n == 1 {
-                        st.size0 = c.imm;
+                        st.size0 = c.imm();
                     }
                     st.imm_pending = st.imm_pending.saturating_sub(1);
                     false

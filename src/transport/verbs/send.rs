@@ -325,9 +325,9 @@ impl<N: Nic> SendState<N> {
     /// Hands what rail `r`'s last poll found to the slots and probes it completes.
     fn drain_rail(&mut self, r: usize, waiting: bool) -> Result<()> {
         let slots = &mut self.slots;
-        let probe = self.rails[r].drain(&self.peer, waiting, |c| match WrKind::of(c.wr_id) {
+        let probe = self.rails[r].drain(&self.peer, waiting, |c| match WrKind::of(c.wr_id()) {
             Some(WrKind::Send) => {
-                let st = &mut slots[WrKind::slot(c.wr_id)];
+                let st = &mut slots[WrKind::slot(c.wr_id())];
                 st.cqe_pending = st.cqe_pending.saturating_sub(1);
                 true
             }
