@@ -8,6 +8,8 @@ use std::sync::{
     Arc,
 };
 
+use parking_lot::Mutex;
+
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
@@ -15,6 +17,7 @@ use crate::transport::{
     MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
+use super::mr::KeyCache;
 use super::stats::{CommStats, Direction};
 use super::Plugin;
 
@@ -126,6 +129,22 @@ fn tokens(owner: RequestOwner, n: usize) -> Box<[RequestToken]> {
         .collect()
 }
 
+/// The keys of `buf`, registered as `mhandle`, on `dev`, through the comm's `cache`.
+#[inline(always)]
+fn buffer_keys(
+    plugin: &Plugin,
+    cache: &Mutex<KeyCache>,
+    dev: usize,
+    (mhandle, buf): (u64, UserBuffer),
+    out: &mut MemKeys,
+) -> Result<()> {
+    match cache.try_lock() {
+        Some(mut cache) => plugin.buffer_keys(&mut cache, mhandle, dev, buf, out),
+        // Another thread is in this comm's data path (NCCL's proxy never is): no cache.
+        None => plugin.buffer_keys(&mut KeyCache::new(), mhandle, dev, buf, out),
+    }
+}
+
 /// A connected send comm.
 #[repr(C)]
 pub(crate) struct SendComm {
@@ -135,6 +154,7 @@ pub(crate) struct SendComm {
     inner: SendEnd,
     tokens: Box<[RequestToken]>,
     stats: CommStats,
+    key_cache: Mutex<KeyCache>,
 }
 
 impl SendComm {
@@ -147,6 +167,7 @@ impl SendComm {
             inner,
             tokens: Box::new([]),
             stats,
+            key_cache: Mutex::new(KeyCache::new()),
         });
         let addr = &*comm as *const SendComm as usize;
         comm.tokens = tokens(RequestOwner::Send(addr), MAX_SEND_REQUESTS);
@@ -184,7 +205,9 @@ impl SendComm {
             )));
         }
         // Looked up only once the send is matched (see `BufferKeys`).
-        let keys = |_, out: &mut _| self.plugin.buffer_keys(mhandle, self.dev, buf, out);
+        let keys = |_, out: &mut _| {
+            buffer_keys(&self.plugin, &self.key_cache, self.dev, (mhandle, buf), out)
+        };
         let id = self.inner.isend(buf, tag, &keys);
         match id {
             Ok(None) => self.stats.waited(),
@@ -224,6 +247,7 @@ pub(crate) struct RecvComm {
     inner: RecvEnd,
     tokens: Box<[RequestToken]>,
     stats: CommStats,
+    key_cache: Mutex<KeyCache>,
 }
 
 impl RecvComm {
@@ -236,6 +260,7 @@ impl RecvComm {
             inner,
             tokens: Box::new([]),
             stats,
+            key_cache: Mutex::new(KeyCache::new()),
         });
         let addr = &*comm as *const RecvComm as usize;
         // Receives, then flushes.
@@ -256,7 +281,15 @@ impl RecvComm {
         bufs: &'a [UserBuffer],
         mhandles: &'a [u64],
     ) -> impl Fn(usize, &mut MemKeys) -> Result<()> + 'a {
-        move |i, out| self.plugin.buffer_keys(mhandles[i], self.dev, bufs[i], out)
+        move |i, out| {
+            buffer_keys(
+                &self.plugin,
+                &self.key_cache,
+                self.dev,
+                (mhandles[i], bufs[i]),
+                out,
+            )
+        }
     }
 
     /// `irecv` of `bufs.len()` (1..=8, checked by the boundary) buffers: `Ok(None)` when 32

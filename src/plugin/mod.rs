@@ -37,8 +37,8 @@ use stages::Stages;
 pub(crate) use comm::{
     ListenComm, RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC, SEND_MAGIC,
 };
-use mr::MrTable;
 pub(crate) use mr::Registration;
+use mr::{KeyCache, MrTable};
 
 /// The plugin's name in every table (`NCCL_NET=erdma` selects it).
 pub(crate) const NAME: &str = "erdma";
@@ -313,16 +313,19 @@ impl Plugin {
     }
 
     /// Fills `out` with the keys of `buf` on `dev`, registered as `mhandle` (checked to
-    /// cover it). The data path calls it once per buffer of an `isend`/`irecv`.
+    /// cover it), through a comm's `cache`. The data path calls it once per buffer of an
+    /// `isend`/`irecv`.
     #[inline(always)]
     pub(crate) fn buffer_keys(
         &self,
+        cache: &mut KeyCache,
         mhandle: u64,
         dev: usize,
         buf: UserBuffer,
         out: &mut MemKeys,
     ) -> Result<()> {
         let dev = self.keys_per_device.then_some(dev);
-        self.mrs.keys(mhandle, buf.addr(), buf.len(), dev, out)
+        self.mrs
+            .keys(cache, mhandle, (buf.addr(), buf.len()), dev, out)
     }
 }

@@ -123,6 +123,9 @@ struct Writer {
 pub(crate) struct MrTable {
     chunks: Box<[OnceLock<Box<[Slot]>>]>,
     writer: Mutex<Writer>,
+    /// Releases so far: while it stands still, every handle looked up before is as it was
+    /// (see [`KeyCache`]).
+    releases: AtomicU64,
 }
 
 impl Default for MrTable {
@@ -130,6 +133,31 @@ impl Default for MrTable {
         MrTable {
             chunks: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
             writer: Mutex::new(Writer::default()),
+            releases: AtomicU64::new(0),
+        }
+    }
+}
+
+/// The last handle one comm looked up, and what it found: NCCL sends and receives from the
+/// same few registered buffers, and a handle found live stays as it was until some handle
+/// is released, so while the table's release count stands still a repeat lookup is two
+/// compares.
+#[derive(Debug, Default)]
+pub(crate) struct KeyCache {
+    handle: u64,
+    /// The table's release count when the handle was read (`u64::MAX`: nothing cached).
+    releases: u64,
+    /// (address, length, device) of the registration.
+    reg: (usize, usize, usize),
+    keys: MemKeys,
+}
+
+impl KeyCache {
+    /// An empty cache.
+    pub(crate) fn new() -> Self {
+        KeyCache {
+            releases: u64::MAX,
+            ..KeyCache::default()
         }
     }
 }
@@ -229,30 +257,50 @@ impl MrTable {
 
     /// Fills `out` (fresh) with the keys of `addr..addr+len` registered as `handle`, on
     /// device `dev` when given: the data path's lookup, once per buffer (inlined, its errors
-    /// out of line).
+    /// out of line). `cache` remembers the last handle: looked up again while nothing was
+    /// released, the table is not read.
     #[inline(always)]
     pub(crate) fn keys(
         &self,
+        cache: &mut KeyCache,
         handle: u64,
-        addr: usize,
-        len: usize,
+        (addr, len): (usize, usize),
         dev: Option<usize>,
         out: &mut MemKeys,
     ) -> Result<()> {
-        let reg = self.read(handle, |slot| {
-            slot.keys_into(out);
-            (
-                slot.addr.load(Ordering::Relaxed) as usize,
-                slot.len.load(Ordering::Relaxed) as usize,
-                slot.device(),
-            )
-        })?;
+        // Read before the slot, so a release racing the read leaves a stale count behind
+        // and the next lookup reads the table again.
+        let releases = self.releases.load(Ordering::Acquire);
+        if cache.handle != handle || cache.releases != releases {
+            self.fill(cache, handle, releases)?;
+        }
+        let reg = cache.reg;
         if !covers(reg, addr, len) {
             return Err(outside_registration(addr, len, reg));
         }
         if dev.is_some_and(|d| d != reg.2) {
             return Err(wrong_device(reg.2, dev.unwrap_or(0)));
         }
+        *out = cache.keys;
+        Ok(())
+    }
+
+    /// Reads `handle` into `cache`, as of `releases`.
+    #[inline(never)]
+    fn fill(&self, cache: &mut KeyCache, handle: u64, releases: u64) -> Result<()> {
+        cache.releases = u64::MAX;
+        let mut keys = MemKeys::default();
+        cache.reg = self.read(handle, |slot| {
+            slot.keys_into(&mut keys);
+            (
+                slot.addr.load(Ordering::Relaxed) as usize,
+                slot.len.load(Ordering::Relaxed) as usize,
+                slot.device(),
+            )
+        })?;
+        cache.keys = keys;
+        cache.handle = handle;
+        cache.releases = releases;
         Ok(())
     }
 
@@ -262,6 +310,8 @@ impl MrTable {
         let reg = self.get(handle)?;
         let (index, generation) = split(handle).ok_or_else(|| unknown(handle))?;
         let slot = self.slot(index).ok_or_else(|| unknown(handle))?;
+        // Counted first: a cache that still sees the old count read the slot before this.
+        self.releases.fetch_add(1, Ordering::AcqRel);
         // A new generation, not live: every copy of the old handle is now unknown.
         slot.state
             .store(((generation + 1) % (1 << 30)) << 2, Ordering::Release);
@@ -317,6 +367,42 @@ mod tests {
         assert_eq!(t.len(), 1);
         assert!(r.covers(4096, 100) && r.covers(4100, 4) && r.covers(0, 0));
         assert!(!r.covers(4095, 2) && !r.covers(4190, 7));
+    }
+
+    #[test]
+    fn a_comm_key_cache_answers_repeats_and_forgets_at_any_release() {
+        let t = MrTable::default();
+        let mut cache = KeyCache::new();
+        let mut out = MemKeys::default();
+        let lookup =
+            |c: &mut KeyCache, h, at, out: &mut MemKeys| t.keys(c, h, (at, 8), Some(3), out);
+        let h = t.insert(reg(4096), None).unwrap();
+        lookup(&mut cache, h, 4096, &mut out).unwrap();
+        assert_eq!(out, reg(4096).keys);
+        // Answered from the cache, still checked: the range and the device.
+        out = MemKeys::default();
+        lookup(&mut cache, h, 4100, &mut out).unwrap();
+        assert_eq!(out, reg(4096).keys);
+        assert!(lookup(&mut cache, h, 4190, &mut out).is_err(), "outside");
+        assert!(
+            t.keys(&mut cache, h, (4096, 8), Some(2), &mut out).is_err(),
+            "device"
+        );
+        // Another handle released: the cache reads the table again, and the handle stands.
+        let other = t.insert(reg(1 << 20), None).unwrap();
+        t.remove(other).unwrap();
+        lookup(&mut cache, h, 4096, &mut out).unwrap();
+        // This handle released and its slot reused: the cached handle is refused.
+        t.remove(h).unwrap();
+        let mut moved = reg(8192);
+        moved.keys.keys[0] = (70, 90);
+        let h2 = t.insert(moved, None).unwrap();
+        assert!(
+            lookup(&mut cache, h, 4096, &mut out).is_err(),
+            "released handle"
+        );
+        lookup(&mut cache, h2, 8192, &mut out).unwrap();
+        assert_eq!(out.keys[0], (70, 90));
     }
 
     #[test]

@@ -226,7 +226,7 @@ pub(crate) trait SendEndpoint: Send + Sync {
     /// Posts a send of `buf` (its keys asked of `keys` once the send is matched: an error
     /// there fails the call, not the comm); `Ok(None)` until the receiver has posted a
     /// matching receive. Returns a request id below `MAX_SEND_REQUESTS`.
-    fn isend(&self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>>;
+    fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>>;
     /// Tests send request `id`: once done, the bytes it sent.
     fn test(&self, id: usize) -> Result<Option<usize>>;
     /// What the comm's close summary adds (e.g. per-rail counters).
@@ -246,11 +246,11 @@ pub(crate) trait RecvEndpoint: Send + Sync {
         &self,
         bufs: &[UserBuffer],
         tags: &[i32],
-        keys: &dyn BufferKeys,
+        keys: &impl BufferKeys,
     ) -> Result<Option<usize>>;
     /// Posts a flush of received GPU data in `bufs` (keys as for `irecv`); `Ok(None)` when
     /// nothing needs one.
-    fn iflush(&self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>>;
+    fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>>;
     /// Tests receive or flush request `id`: once done, how many messages it had (0 for a
     /// flush), their sizes written into `sizes`.
     fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>>;
@@ -294,7 +294,7 @@ impl SendEndpoint for SendEnd {
     }
 
     #[inline(always)]
-    fn isend(&self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>> {
+    fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>> {
         match self {
             SendEnd::Verbs(c) => c.isend(buf, tag, keys),
             SendEnd::Tcp(c) => c.isend(buf, tag, keys),
@@ -330,7 +330,7 @@ impl RecvEndpoint for RecvEnd {
         &self,
         bufs: &[UserBuffer],
         tags: &[i32],
-        keys: &dyn BufferKeys,
+        keys: &impl BufferKeys,
     ) -> Result<Option<usize>> {
         match self {
             RecvEnd::Verbs(c) => c.irecv(bufs, tags, keys),
@@ -338,7 +338,7 @@ impl RecvEndpoint for RecvEnd {
         }
     }
 
-    fn iflush(&self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>> {
+    fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>> {
         match self {
             RecvEnd::Verbs(c) => c.iflush(bufs, keys),
             RecvEnd::Tcp(c) => c.iflush(bufs, keys),

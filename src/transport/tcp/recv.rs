@@ -107,7 +107,7 @@ impl RecvEndpoint for TcpRecvComm {
         self.inner.lock().peer.to_string()
     }
 
-    fn iflush(&self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>> {
+    fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>> {
         // Data is copied by the CPU: nothing to flush.
         check_handles(keys, bufs.len())?;
         Ok(None)
@@ -118,7 +118,7 @@ impl RecvEndpoint for TcpRecvComm {
         &self,
         bufs: &[UserBuffer],
         tags: &[i32],
-        keys: &dyn BufferKeys,
+        keys: &impl BufferKeys,
     ) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.failure.check()?;

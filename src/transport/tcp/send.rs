@@ -111,7 +111,7 @@ impl SendEndpoint for TcpSendComm {
     }
 
     /// Posts a send; `Ok(None)` until the receiver has posted a matching receive.
-    fn isend(&self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>> {
+    fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.progress();
         s.failure.check()?;

@@ -155,7 +155,7 @@ impl<N: Nic> RecvState<N> {
         &mut self,
         bufs: &[UserBuffer],
         tags: &[i32],
-        keys: &dyn BufferKeys,
+        keys: &impl BufferKeys,
     ) -> Result<Option<usize>> {
         self.failure.check()?;
         // No CQ poll here: `test` polls, and a free slot depends only on `test`.
@@ -178,7 +178,7 @@ impl<N: Nic> RecvState<N> {
 
     /// `iflush` of the last non-empty buffer, on every rail; `Ok(None)` when there is nothing
     /// to flush.
-    fn iflush(&mut self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>> {
+    fn iflush(&mut self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>> {
         self.failure.check()?;
         if self.rails[0].flush_qp.is_none() {
             return Ok(None);
@@ -381,7 +381,7 @@ impl<N: Nic> RecvState<N> {
         slot: usize,
         bufs: &[UserBuffer],
         tags: &[i32],
-        keys: &dyn BufferKeys,
+        keys: &impl BufferKeys,
     ) -> Result<()> {
         let n = bufs.len();
         for (i, b) in bufs.iter().enumerate() {
@@ -614,7 +614,7 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         &self,
         bufs: &[UserBuffer],
         tags: &[i32],
-        keys: &dyn BufferKeys,
+        keys: &impl BufferKeys,
     ) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         let r = s.irecv(bufs, tags, keys);
@@ -622,7 +622,7 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         r
     }
 
-    fn iflush(&self, bufs: &[UserBuffer], keys: &dyn BufferKeys) -> Result<Option<usize>> {
+    fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         let r = s.iflush(bufs, keys);
         s.quiet = s.is_quiet();

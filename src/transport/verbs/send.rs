@@ -176,7 +176,12 @@ impl<N: Nic> SendState<N> {
     /// `isend` once [`Self::clear_to_send`] (see the module doc); returns the request id
     /// `slot * 8 + entry`.
     #[inline(always)] // into the endpoint's isend: the idle path stops at `may_send`
-    fn isend(&mut self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>> {
+    fn isend(
+        &mut self,
+        buf: UserBuffer,
+        tag: i32,
+        keys: &impl BufferKeys,
+    ) -> Result<Option<usize>> {
         self.failure.check()?;
         let slot = (self.seq % SLOTS as u64) as usize;
         let want = self.seq + 1;
@@ -597,7 +602,7 @@ impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
         self.gate.may_send()
     }
 
-    fn isend(&self, buf: UserBuffer, tag: i32, keys: &dyn BufferKeys) -> Result<Option<usize>> {
+    fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         let r = if s.clear_to_send() {
             match s.isend(buf, tag, keys) {

@@ -197,7 +197,7 @@ impl Conn {
 }
 
 /// `test` of receive or flush request `id` of `recv`.
-fn test_recv(recv: &dyn RecvEndpoint, id: usize) -> Result<Option<Completion>> {
+fn test_recv(recv: &impl RecvEndpoint, id: usize) -> Result<Option<Completion>> {
     let mut sizes = [0; MAX_RECVS];
     Ok(recv.test(id, &mut sizes)?.map(|n| Completion { n, sizes }))
 }
