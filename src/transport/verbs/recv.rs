@@ -237,7 +237,12 @@ impl<N: Nic> RecvState<N> {
     /// Whether nothing but data is awaited: the comm has not failed, the peer is there, and
     /// no clear-to-send is held back. Kept in [`Self::quiet`] by every locked call.
     fn is_quiet(&self) -> bool {
-        self.cts_posted == self.seq && !self.failure.is_set() && !self.rails[0].cq.peer_gone
+        self.cts_posted == self.seq && !self.lost()
+    }
+
+    /// Whether the comm has failed or its peer is gone: a receive still waiting never ends.
+    fn lost(&self) -> bool {
+        self.failure.is_set() || self.rails[0].cq.peer_gone
     }
 
     /// `test` of request `id` beyond the idle case; `polled`: the rails were just polled,
@@ -281,7 +286,7 @@ impl<N: Nic> RecvState<N> {
                 self.failure.record(r)?;
             }
             if self.slots[id].imm_pending > 0 {
-                if !self.failure.is_set() && !self.rails[0].cq.peer_gone {
+                if !self.lost() {
                     return Ok(None);
                 }
                 return self.receive_lost(id, sizes);
