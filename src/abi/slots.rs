@@ -365,6 +365,13 @@ pub(super) fn irecv(
         non_null(data, "data")?;
         non_null(tags, "tags")?;
         non_null(mhandles, "mhandles")?;
+        if n == 1 {
+            // NCCL's usual receive: one buffer, no arrays to clear.
+            // SAFETY: NCCL's arrays hold n (here 1) elements each.
+            let (d, t, m) = unsafe { (*data, *tags, *mhandles) };
+            let buf = [user_buffer(d, size_at(0)?)?];
+            return post_recv(comm, &buf, &[t], &[m as usize as u64], phandles, request);
+        }
         let mut bufs = [UserBuffer::EMPTY; MAX_RECVS];
         let mut tag_v = [0i32; MAX_RECVS];
         let mut mh_v = [0u64; MAX_RECVS];
@@ -375,22 +382,36 @@ pub(super) fn irecv(
             tag_v[i] = t;
             mh_v[i] = m as usize as u64;
         }
-        if let Some(token) = comm.irecv(&bufs[..n], &tag_v[..n], &mh_v[..n])? {
-            if !phandles.is_null() {
-                let event = NetEvent {
-                    kind: 1,
-                    n: n as u32,
-                    size: bufs[..n].iter().map(|b| b.len() as u64).sum(),
-                    tag: tag_v[0],
-                };
-                // SAFETY: NCCL's phandles array holds n (>= 1) parent handles.
-                profiler::start(token, unsafe { *phandles }, event);
-            }
-            // SAFETY: as above.
-            unsafe { *request = token as *const _ as *mut c_void };
-        }
-        Ok(())
+        post_recv(comm, &bufs[..n], &tag_v[..n], &mh_v[..n], phandles, request)
     })
+}
+
+/// The rest of `irecv`, once its arguments are read: posts the receive and hands NCCL the
+/// request.
+#[inline(always)]
+fn post_recv(
+    comm: &RecvComm,
+    bufs: &[UserBuffer],
+    tags: &[i32],
+    mhandles: &[u64],
+    phandles: *mut *mut c_void,
+    request: *mut *mut c_void,
+) -> Result<()> {
+    if let Some(token) = comm.irecv(bufs, tags, mhandles)? {
+        if !phandles.is_null() {
+            let event = NetEvent {
+                kind: 1,
+                n: bufs.len() as u32,
+                size: bufs.iter().map(|b| b.len() as u64).sum(),
+                tag: tags[0],
+            };
+            // SAFETY: NCCL's phandles array holds n (>= 1) parent handles.
+            profiler::start(token, unsafe { *phandles }, event);
+        }
+        // SAFETY: checked non-NULL by the caller; writable pointer slot.
+        unsafe { *request = token as *const _ as *mut c_void };
+    }
+    Ok(())
 }
 
 pub(super) extern "C" fn irecv_int(

@@ -8,16 +8,13 @@ use std::sync::{
     Arc,
 };
 
-use parking_lot::Mutex;
-
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    total_bytes, Listening, MemKeys, RecvEnd, RecvEndpoint, SendEnd, SendEndpoint, Sizes,
-    MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
+    total_bytes, BufferKeys, KeyCache, Listening, MemKeys, RecvEnd, RecvEndpoint, SendEnd,
+    SendEndpoint, Sizes, MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
-use super::mr::KeyCache;
 use super::stats::{CommStats, Direction};
 use super::Plugin;
 
@@ -129,19 +126,20 @@ fn tokens(owner: RequestOwner, n: usize) -> Box<[RequestToken]> {
         .collect()
 }
 
-/// The keys of `buf`, registered as `mhandle`, on `dev`, through the comm's `cache`.
-#[inline(always)]
-fn buffer_keys(
-    plugin: &Plugin,
-    cache: &Mutex<KeyCache>,
+/// The lookup of a call's buffers `bufs`, registered as NCCL's `mhandles`, on device
+/// `dev`, which the transport makes per buffer it needs (see `BufferKeys`).
+struct HandleKeys<'a> {
+    plugin: &'a Plugin,
     dev: usize,
-    (mhandle, buf): (u64, UserBuffer),
-    out: &mut MemKeys,
-) -> Result<()> {
-    match cache.try_lock() {
-        Some(mut cache) => plugin.buffer_keys(&mut cache, mhandle, dev, buf, out),
-        // Another thread is in this comm's data path (NCCL's proxy never is): no cache.
-        None => plugin.buffer_keys(&mut KeyCache::new(), mhandle, dev, buf, out),
+    bufs: &'a [UserBuffer],
+    mhandles: &'a [u64],
+}
+
+impl BufferKeys for HandleKeys<'_> {
+    #[inline(always)]
+    fn keys<'c>(&self, i: usize, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
+        self.plugin
+            .buffer_keys(cache, self.mhandles[i], self.dev, self.bufs[i])
     }
 }
 
@@ -154,7 +152,6 @@ pub(crate) struct SendComm {
     inner: SendEnd,
     tokens: Box<[RequestToken]>,
     stats: CommStats,
-    key_cache: Mutex<KeyCache>,
 }
 
 impl SendComm {
@@ -167,7 +164,6 @@ impl SendComm {
             inner,
             tokens: Box::new([]),
             stats,
-            key_cache: Mutex::new(KeyCache::new()),
         });
         let addr = &*comm as *const SendComm as usize;
         comm.tokens = tokens(RequestOwner::Send(addr), MAX_SEND_REQUESTS);
@@ -205,8 +201,11 @@ impl SendComm {
             )));
         }
         // Looked up only once the send is matched (see `BufferKeys`).
-        let keys = |_, out: &mut _| {
-            buffer_keys(&self.plugin, &self.key_cache, self.dev, (mhandle, buf), out)
+        let keys = HandleKeys {
+            plugin: &self.plugin,
+            dev: self.dev,
+            bufs: std::slice::from_ref(&buf),
+            mhandles: std::slice::from_ref(&mhandle),
         };
         let id = self.inner.isend(buf, tag, &keys);
         match id {
@@ -247,7 +246,6 @@ pub(crate) struct RecvComm {
     inner: RecvEnd,
     tokens: Box<[RequestToken]>,
     stats: CommStats,
-    key_cache: Mutex<KeyCache>,
 }
 
 impl RecvComm {
@@ -260,7 +258,6 @@ impl RecvComm {
             inner,
             tokens: Box::new([]),
             stats,
-            key_cache: Mutex::new(KeyCache::new()),
         });
         let addr = &*comm as *const RecvComm as usize;
         // Receives, then flushes.
@@ -273,22 +270,14 @@ impl RecvComm {
         (&self.plugin, self.dev)
     }
 
-    /// The lookup of the keys of `bufs`, registered as `mhandles`, which the transport calls
-    /// per buffer it needs (see `BufferKeys`).
+    /// The lookup of the keys of `bufs`, registered as `mhandles`.
     #[inline(always)]
-    fn keys<'a>(
-        &'a self,
-        bufs: &'a [UserBuffer],
-        mhandles: &'a [u64],
-    ) -> impl Fn(usize, &mut MemKeys) -> Result<()> + 'a {
-        move |i, out| {
-            buffer_keys(
-                &self.plugin,
-                &self.key_cache,
-                self.dev,
-                (mhandles[i], bufs[i]),
-                out,
-            )
+    fn keys<'a>(&'a self, bufs: &'a [UserBuffer], mhandles: &'a [u64]) -> HandleKeys<'a> {
+        HandleKeys {
+            plugin: &self.plugin,
+            dev: self.dev,
+            bufs,
+            mhandles,
         }
     }
 

@@ -31,14 +31,16 @@ use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::log::INIT;
 use crate::oob::{handle, iface, Handle, TransportKind, HANDLE_SIZE};
-use crate::transport::{self, Connecting, DeviceProps, MemKeys, Transport, PTR_CUDA, PTR_HOST};
+use crate::transport::{
+    self, Connecting, DeviceProps, KeyCache, MemKeys, Transport, PTR_CUDA, PTR_HOST,
+};
 use stages::Stages;
 
 pub(crate) use comm::{
     ListenComm, RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC, SEND_MAGIC,
 };
+use mr::MrTable;
 pub(crate) use mr::Registration;
-use mr::{KeyCache, MrTable};
 
 /// The plugin's name in every table (`NCCL_NET=erdma` selects it).
 pub(crate) const NAME: &str = "erdma";
@@ -312,20 +314,17 @@ impl Plugin {
         self.mrs.remove(handle).map(|_| ())
     }
 
-    /// Fills `out` with the keys of `buf` on `dev`, registered as `mhandle` (checked to
-    /// cover it), through a comm's `cache`. The data path calls it once per buffer of an
-    /// `isend`/`irecv`.
+    /// The keys of `buf` on `dev`, registered as `mhandle` (checked to cover it), through
+    /// a comm's `cache`. The data path calls it once per buffer of an `isend`/`irecv`.
     #[inline(always)]
-    pub(crate) fn buffer_keys(
+    pub(crate) fn buffer_keys<'c>(
         &self,
-        cache: &mut KeyCache,
+        cache: &'c mut KeyCache,
         mhandle: u64,
         dev: usize,
         buf: UserBuffer,
-        out: &mut MemKeys,
-    ) -> Result<()> {
+    ) -> Result<&'c MemKeys> {
         let dev = self.keys_per_device.then_some(dev);
-        self.mrs
-            .keys(cache, mhandle, (buf.addr(), buf.len()), dev, out)
+        self.mrs.keys(cache, mhandle, (buf.addr(), buf.len()), dev)
     }
 }

@@ -20,7 +20,7 @@ use std::{
 use parking_lot::Mutex;
 
 use crate::error::{Error, Result};
-use crate::transport::{Hold, MemKeys, MAX_RAILS};
+use crate::transport::{Hold, KeyCache, MemKeys, MAX_RAILS};
 
 /// What was registered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -138,30 +138,6 @@ impl Default for MrTable {
     }
 }
 
-/// The last handle one comm looked up, and what it found: NCCL sends and receives from the
-/// same few registered buffers, and a handle found live stays as it was until some handle
-/// is released, so while the table's release count stands still a repeat lookup is two
-/// compares.
-#[derive(Debug, Default)]
-pub(crate) struct KeyCache {
-    handle: u64,
-    /// The table's release count when the handle was read (`u64::MAX`: nothing cached).
-    releases: u64,
-    /// (address, length, device) of the registration.
-    reg: (usize, usize, usize),
-    keys: MemKeys,
-}
-
-impl KeyCache {
-    /// An empty cache.
-    pub(crate) fn new() -> Self {
-        KeyCache {
-            releases: u64::MAX,
-            ..KeyCache::default()
-        }
-    }
-}
-
 #[inline]
 fn split(handle: u64) -> Option<(usize, u64)> {
     let index = (handle & 0xffff_ffff) as usize;
@@ -255,19 +231,19 @@ impl MrTable {
         })
     }
 
-    /// Fills `out` (fresh) with the keys of `addr..addr+len` registered as `handle`, on
-    /// device `dev` when given: the data path's lookup, once per buffer (inlined, its errors
-    /// out of line). `cache` remembers the last handle: looked up again while nothing was
-    /// released, the table is not read.
+    /// The keys of `addr..addr+len` registered as `handle`, on device `dev` when given: the
+    /// data path's lookup, once per buffer (inlined, its errors out of line), through a
+    /// comm's `cache` of its last handle. A handle found live stays as it was until some
+    /// handle is released, so while the table's release count stands still a repeated
+    /// lookup is two compares and the table is not read.
     #[inline(always)]
-    pub(crate) fn keys(
+    pub(crate) fn keys<'c>(
         &self,
-        cache: &mut KeyCache,
+        cache: &'c mut KeyCache,
         handle: u64,
         (addr, len): (usize, usize),
         dev: Option<usize>,
-        out: &mut MemKeys,
-    ) -> Result<()> {
+    ) -> Result<&'c MemKeys> {
         // Read before the slot, so a release racing the read leaves a stale count behind
         // and the next lookup reads the table again.
         let releases = self.releases.load(Ordering::Acquire);
@@ -281,8 +257,7 @@ impl MrTable {
         if dev.is_some_and(|d| d != reg.2) {
             return Err(wrong_device(reg.2, dev.unwrap_or(0)));
         }
-        *out = cache.keys;
-        Ok(())
+        Ok(&cache.keys)
     }
 
     /// Reads `handle` into `cache`, as of `releases`.
@@ -372,37 +347,25 @@ mod tests {
     #[test]
     fn a_comm_key_cache_answers_repeats_and_forgets_at_any_release() {
         let t = MrTable::default();
-        let mut cache = KeyCache::new();
-        let mut out = MemKeys::default();
-        let lookup =
-            |c: &mut KeyCache, h, at, out: &mut MemKeys| t.keys(c, h, (at, 8), Some(3), out);
+        let mut cache = KeyCache::default();
+        let lookup = |c: &mut KeyCache, h, at| t.keys(c, h, (at, 8), Some(3)).copied();
         let h = t.insert(reg(4096), None).unwrap();
-        lookup(&mut cache, h, 4096, &mut out).unwrap();
-        assert_eq!(out, reg(4096).keys);
+        assert_eq!(lookup(&mut cache, h, 4096).unwrap(), reg(4096).keys);
         // Answered from the cache, still checked: the range and the device.
-        out = MemKeys::default();
-        lookup(&mut cache, h, 4100, &mut out).unwrap();
-        assert_eq!(out, reg(4096).keys);
-        assert!(lookup(&mut cache, h, 4190, &mut out).is_err(), "outside");
-        assert!(
-            t.keys(&mut cache, h, (4096, 8), Some(2), &mut out).is_err(),
-            "device"
-        );
+        assert_eq!(lookup(&mut cache, h, 4100).unwrap(), reg(4096).keys);
+        assert!(lookup(&mut cache, h, 4190).is_err(), "outside");
+        assert!(t.keys(&mut cache, h, (4096, 8), Some(2)).is_err(), "device");
         // Another handle released: the cache reads the table again, and the handle stands.
         let other = t.insert(reg(1 << 20), None).unwrap();
         t.remove(other).unwrap();
-        lookup(&mut cache, h, 4096, &mut out).unwrap();
+        assert_eq!(lookup(&mut cache, h, 4096).unwrap(), reg(4096).keys);
         // This handle released and its slot reused: the cached handle is refused.
         t.remove(h).unwrap();
         let mut moved = reg(8192);
         moved.keys.keys[0] = (70, 90);
         let h2 = t.insert(moved, None).unwrap();
-        assert!(
-            lookup(&mut cache, h, 4096, &mut out).is_err(),
-            "released handle"
-        );
-        lookup(&mut cache, h2, 8192, &mut out).unwrap();
-        assert_eq!(out.keys[0], (70, 90));
+        assert!(lookup(&mut cache, h, 4096).is_err(), "released handle");
+        assert_eq!(lookup(&mut cache, h2, 8192).unwrap().keys[0], (70, 90));
     }
 
     #[test]

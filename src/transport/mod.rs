@@ -100,40 +100,67 @@ impl MemKeys {
 /// and a retry that finds none should cost no lookup; `irecv` looks up only the buffers it
 /// has. (The plugin passes a lookup of NCCL's handles; tests pass the keys themselves.)
 pub(crate) trait BufferKeys {
-    /// Fills `out` (a fresh `MemKeys`) with the keys of buffer `i`, or returns the error of
-    /// a handle that does not cover it. Filled in place: a 68-byte value returned through
-    /// the lookup's layers cost more than the lookup itself.
-    fn keys(&self, i: usize, out: &mut MemKeys) -> Result<()>;
+    /// The keys of buffer `i`, or the error of a handle that does not cover it, through
+    /// `cache`: the comm's last lookup, which the transport keeps under the comm's lock (a
+    /// repeated handle is then two compares, and the keys are read in place).
+    fn keys<'c>(&self, i: usize, cache: &'c mut KeyCache) -> Result<&'c MemKeys>;
 }
 
-impl<F: Fn(usize, &mut MemKeys) -> Result<()>> BufferKeys for F {
-    #[inline(always)]
-    fn keys(&self, i: usize, out: &mut MemKeys) -> Result<()> {
-        self(i, out)
+/// The last registration handle one comm looked up, and what it found. Filled by the
+/// plugin's registration table, which alone knows when a handle stops standing (see
+/// `MrTable::keys`); the transport only keeps it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KeyCache {
+    /// The handle looked up (0, which no registration has: none).
+    pub(crate) handle: u64,
+    /// The table's release count when the handle was read (`u64::MAX`: nothing cached).
+    pub(crate) releases: u64,
+    /// (address, length, device) of the registration.
+    pub(crate) reg: (usize, usize, usize),
+    pub(crate) keys: MemKeys,
+}
+
+impl Default for KeyCache {
+    fn default() -> Self {
+        KeyCache {
+            handle: 0,
+            releases: u64::MAX,
+            reg: (0, 0, 0),
+            keys: MemKeys::default(),
+        }
+    }
+}
+
+impl KeyCache {
+    /// Holds `keys` given directly (not through a handle), remembering no handle.
+    #[cfg(test)]
+    fn hold(&mut self, keys: MemKeys) -> &MemKeys {
+        *self = KeyCache {
+            keys,
+            ..KeyCache::default()
+        };
+        &self.keys
     }
 }
 
 #[cfg(test)]
 impl BufferKeys for MemKeys {
-    fn keys(&self, _: usize, out: &mut MemKeys) -> Result<()> {
-        *out = *self;
-        Ok(())
+    fn keys<'c>(&self, _: usize, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
+        Ok(cache.hold(*self))
     }
 }
 
 #[cfg(test)]
 impl<const N: usize> BufferKeys for [MemKeys; N] {
-    fn keys(&self, i: usize, out: &mut MemKeys) -> Result<()> {
-        *out = self[i];
-        Ok(())
+    fn keys<'c>(&self, i: usize, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
+        Ok(cache.hold(self[i]))
     }
 }
 
 #[cfg(test)]
 impl BufferKeys for Vec<MemKeys> {
-    fn keys(&self, i: usize, out: &mut MemKeys) -> Result<()> {
-        *out = self[i];
-        Ok(())
+    fn keys<'c>(&self, i: usize, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
+        Ok(cache.hold(self[i]))
     }
 }
 

@@ -29,8 +29,8 @@ use crate::oob::{
 };
 use crate::sysfs;
 use crate::transport::{
-    device, BufferKeys, Connecting, DeviceProps, Failure, Hold, Listening, MemKeys, RecvEnd,
-    SendEnd, Transport, MAX_RECVS, PTR_HOST,
+    device, BufferKeys, Connecting, DeviceProps, Failure, Hold, KeyCache, Listening, MemKeys,
+    RecvEnd, SendEnd, Transport, MAX_RECVS, PTR_HOST,
 };
 pub(crate) use recv::TcpRecvComm;
 pub(crate) use send::TcpSendComm;
@@ -51,9 +51,9 @@ pub(super) fn send_nosignal(sock: &Socket, bufs: &[IoSlice<'_>]) -> io::Result<u
 
 /// Checks that NCCL's handles cover the call's first `n` buffers. Sockets need no keys, but a
 /// handle that does not cover its buffer is NCCL's error on every transport.
-pub(super) fn check_handles(keys: &dyn BufferKeys, n: usize) -> Result<()> {
+pub(super) fn check_handles(keys: &dyn BufferKeys, n: usize, cache: &mut KeyCache) -> Result<()> {
     for i in 0..n {
-        keys.keys(i, &mut MemKeys::default())?;
+        keys.keys(i, cache)?;
     }
     Ok(())
 }

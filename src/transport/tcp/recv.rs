@@ -18,7 +18,7 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Failure, RecvEndpoint, Sizes, MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, MAX_RECVS, MAX_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -75,6 +75,8 @@ struct RecvInner {
     cts_out: VecDeque<u8>,
     rx: RecvRx,
     failure: Failure,
+    /// The last registration handle looked up (see `KeyCache`).
+    key_cache: KeyCache,
 }
 
 /// A receive comm over TCP.
@@ -97,6 +99,7 @@ impl TcpRecvComm {
                     have: 0,
                 },
                 failure: Failure::default(),
+                key_cache: KeyCache::default(),
             }),
         }
     }
@@ -109,7 +112,7 @@ impl RecvEndpoint for TcpRecvComm {
 
     fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>> {
         // Data is copied by the CPU: nothing to flush.
-        check_handles(keys, bufs.len())?;
+        check_handles(keys, bufs.len(), &mut KeyCache::default())?;
         Ok(None)
     }
 
@@ -126,7 +129,7 @@ impl RecvEndpoint for TcpRecvComm {
         if s.reqs[slot].state != RecvState::Free {
             return Ok(None);
         }
-        check_handles(keys, bufs.len())?;
+        check_handles(keys, bufs.len(), &mut s.key_cache)?;
         let seq = s.next_seq;
         let n = bufs.len();
         let req = &mut s.reqs[slot];

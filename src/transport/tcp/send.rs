@@ -17,7 +17,8 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Failure, SendEndpoint, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS,
+    not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, MAX_RECVS, MAX_REQUESTS,
+    MAX_SEND_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy)]
@@ -72,6 +73,8 @@ struct SendInner {
     next_seq: u32,
     tx_seq: u32,
     failure: Failure,
+    /// The last registration handle looked up (see `KeyCache`).
+    key_cache: KeyCache,
 }
 
 /// A send comm over TCP.
@@ -100,6 +103,7 @@ impl TcpSendComm {
                 next_seq: 0,
                 tx_seq: 0,
                 failure: Failure::default(),
+                key_cache: KeyCache::default(),
             }),
         }
     }
@@ -126,7 +130,7 @@ impl SendEndpoint for TcpSendComm {
         else {
             return Ok(None);
         };
-        check_handles(keys, 1)?;
+        check_handles(keys, 1, &mut s.key_cache)?;
         let group = &mut s.cts[g];
         group.matched |= 1 << entry;
         let (group_seq, posted) = (group.seq, group.sizes[entry]);

@@ -136,7 +136,11 @@ pub(crate) fn summary<N: Nic>(rails: &[Rail<N>]) -> String {
 /// The rail and rail-local index of connection QP `q` over `rails` rails.
 #[inline(always)]
 pub(crate) fn locate(q: usize, rails: usize) -> (usize, usize) {
-    (q % rails, q / rails)
+    if rails.is_power_of_two() {
+        (q & (rails - 1), q >> rails.trailing_zeros())
+    } else {
+        (q % rails, q / rails)
+    }
 }
 
 #[cfg(test)]
@@ -150,5 +154,7 @@ mod tests {
         let two: Vec<(usize, usize)> = (0..4).map(|q| locate(q, 2)).collect();
         assert_eq!(two, [(0, 0), (1, 0), (0, 1), (1, 1)]);
         assert_eq!(locate(7, 3), (1, 2));
+        let four: Vec<(usize, usize)> = (6..10).map(|q| locate(q, 4)).collect();
+        assert_eq!(four, [(2, 1), (3, 1), (0, 2), (1, 2)]);
     }
 }

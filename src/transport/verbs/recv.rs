@@ -16,12 +16,12 @@ use parking_lot::Mutex;
 
 use super::rail::{self, locate, Rail};
 use super::wire::{
-    cts_index, piece, CtsEntry, QpPlan, WrKind, CTS_BYTES, MAX_RAILS, SLOTS, TRUNCATED,
+    cts_index, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_BYTES, MAX_RAILS, SLOTS, TRUNCATED,
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, total_bytes, BufferKeys, Failure, MemKeys, RecvEndpoint, Sizes, MAX_RECVS,
+    not_in_flight, total_bytes, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, MAX_RECVS,
 };
 use crate::verbs::dma::{DmaBuffer, SendChain, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
@@ -33,8 +33,9 @@ type QpSpan = (usize, usize, u64);
 /// at least this many posted receives it can fill.
 pub(crate) const CTS_HOLD_MIN: u64 = 2;
 /// Every this many clear-to-send writes one is signaled, which retires the unsignaled ones
-/// before it (at most `SLOTS + 8` in the send queue); errors complete regardless.
-const CTS_SIGNAL_EVERY: u32 = 8;
+/// before it (at most `SLOTS + 16` in the QP's send queue of `2 * SLOTS`); errors complete
+/// regardless. Each signaled one costs a completion to poll and hand out.
+const CTS_SIGNAL_EVERY: u32 = 16;
 /// Request ids of flushes start here (receives are 0..32).
 pub(crate) const FLUSH_ID_BASE: usize = SLOTS;
 
@@ -106,6 +107,8 @@ pub(crate) struct RecvState<N: Nic> {
     /// [`Self::is_quiet`] as the last locked call left it: all an idle `test` checks.
     quiet: bool,
     chain: SendChain,
+    /// The last registration handle `irecv` or `iflush` looked up.
+    key_cache: KeyCache,
     failure: Failure,
     pub(crate) peer: String,
 }
@@ -144,6 +147,7 @@ impl<N: Nic> RecvState<N> {
             waiting: 0,
             quiet: true,
             chain: SendChain::new(),
+            key_cache: KeyCache::default(),
             failure: Failure::default(),
             peer,
         }
@@ -186,8 +190,7 @@ impl<N: Nic> RecvState<N> {
         let Some(last) = (0..bufs.len()).rev().find(|&i| !bufs[i].is_empty()) else {
             return Ok(None);
         };
-        let mut mem = MemKeys::default();
-        keys.keys(last, &mut mem)?;
+        let mem = *keys.keys(last, &mut self.key_cache)?;
         // NULL would tell NCCL "no flush needed" and it would not retry, so a busy slot
         // (a flush of another sub still untested) means taking the next free one. NCCL keeps
         // at most 32 requests in flight per comm, so one is free unless the caller broke that.
@@ -357,23 +360,31 @@ impl<N: Nic> RecvState<N> {
 
     /// Adds a receive of `sizes`, which used `span`, to the counters of the rails its pieces
     /// came on (the sender cut them as `post_slot` does).
+    #[inline(always)] // into `test`: once per receive
     fn count_rails(&mut self, (first, used, seq): QpSpan, sizes: &[u32]) {
-        let rails = self.rails.len();
         if used == 1 {
             // All of it on one QP (the common case: no piece arithmetic).
             let bytes = total_bytes(sizes);
-            let stats = &mut self.rails[locate(first, rails).0].stats;
+            let rail = modulo(first, self.rails.len());
+            let stats = &mut self.rails[rail].stats;
             stats.bytes += bytes;
             stats.messages += u64::from(bytes > 0);
-            return;
+        } else {
+            self.count_pieces((first, used, seq), sizes);
         }
+    }
+
+    /// [`Self::count_rails`] of a receive striped or split over several QPs.
+    #[inline(never)]
+    fn count_pieces(&mut self, (first, used, seq): QpSpan, sizes: &[u32]) {
+        let rails = self.rails.len();
         for k in 0..used {
             let q = self.plan.qp_of_piece(seq, first, used, k);
             let bytes: u64 = sizes
                 .iter()
                 .map(|s| piece(*s as usize, k, used).1 as u64)
                 .sum();
-            let stats = &mut self.rails[q % rails].stats;
+            let stats = &mut self.rails[modulo(q, rails)].stats;
             stats.bytes += bytes;
             stats.messages += u64::from(bytes > 0);
         }
@@ -390,8 +401,7 @@ impl<N: Nic> RecvState<N> {
     ) -> Result<()> {
         let n = bufs.len();
         for (i, b) in bufs.iter().enumerate() {
-            let mut mem = MemKeys::default();
-            keys.keys(i, &mut mem)?;
+            let mem = keys.keys(i, &mut self.key_cache)?;
             let mut rkeys = [0; MAX_RAILS];
             for (r, k) in rkeys.iter_mut().enumerate().take(self.rails.len()) {
                 *k = mem.rkey(r);

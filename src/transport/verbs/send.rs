@@ -20,11 +20,11 @@ use parking_lot::Mutex;
 
 use super::rail::{self, locate, Rail};
 use super::wire::{
-    cts_index, piece, CtsEntry, QpPlan, WrKind, CTS_SEQ_OFFSET, MAX_RAILS, SLOTS, TRUNCATED,
+    cts_index, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_SEQ_OFFSET, MAX_RAILS, SLOTS, TRUNCATED,
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
-use crate::transport::{not_in_flight, BufferKeys, Failure, MemKeys, SendEndpoint, MAX_RECVS};
+use crate::transport::{not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, MAX_RECVS};
 use crate::verbs::dma::{DmaBuffer, SendChain};
 use crate::verbs::nic::{Nic, QueuePair};
 
@@ -125,6 +125,8 @@ pub(crate) struct SendState<N: Nic> {
     seq: u64,
     slots: [SendSlot; SLOTS],
     chain: SendChain,
+    /// The last registration handle `isend` looked up.
+    key_cache: KeyCache,
     failure: Failure,
     pub(crate) peer: String,
 }
@@ -148,6 +150,7 @@ impl<N: Nic> SendState<N> {
             seq: 0,
             slots: [SendSlot::FREE; SLOTS],
             chain: SendChain::new(),
+            key_cache: KeyCache::default(),
             failure: Failure::default(),
             peer,
         }
@@ -219,8 +222,7 @@ impl<N: Nic> SendState<N> {
         let Some((e, room)) = found else {
             return Ok(None);
         };
-        let mut mem = MemKeys::default();
-        keys.keys(0, &mut mem)?;
+        let mem = keys.keys(0, &mut self.key_cache)?;
         let st = &mut self.slots[slot];
         st.matched |= 1 << e;
         st.sizes[e] = buf.len();
@@ -385,7 +387,7 @@ impl<N: Nic> SendState<N> {
                 &*rail.nic,
                 qp,
                 (st.addrs[0], len, st.lkeys[0][r]),
-                (e.addr, e.rkeys[first_qp % remote_rails]),
+                (e.addr, e.rkeys[modulo(first_qp, remote_rails)]),
                 Some(len),
                 WrKind::Send.id(slot),
                 true,
@@ -409,7 +411,7 @@ impl<N: Nic> SendState<N> {
         for k in 0..used {
             let q = plan.qp_of_piece(self.seq, first_qp, used, k);
             let (r, qi) = locate(q, plan.rails);
-            let remote_rail = q % remote_rails;
+            let remote_rail = modulo(q, remote_rails);
             let rail = &mut self.rails[r];
             let chain = &mut self.chain;
             chain.clear();

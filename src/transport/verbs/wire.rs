@@ -149,6 +149,17 @@ pub(crate) fn piece(size: usize, k: usize, used: usize) -> (usize, usize) {
 /// buffer, because its clear-to-send entry is the one the sender always has.)
 pub(crate) const STRIPE_MIN: usize = 16 << 10;
 
+/// `x % n` (n > 0) on the data path: a mask for the usual counts of QPs and rails (1, 2, 4,
+/// 8), which are powers of two, and a division (tens of cycles) only for the others.
+#[inline(always)]
+pub(crate) fn modulo(x: usize, n: usize) -> usize {
+    if n.is_power_of_two() {
+        x & (n - 1)
+    } else {
+        x % n
+    }
+}
+
 /// How a connection spreads requests over its QPs. QP `q` lives on rail `q % rails` (of the
 /// connecting side; the accepting side maps it onto its own rails the same way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,10 +181,10 @@ impl QpPlan {
         if self.split {
             (0, self.nqps)
         } else if self.rails > 1 && posted >= STRIPE_MIN {
-            let groups = (self.nqps / self.rails) as u64;
-            ((seq % groups) as usize * self.rails, self.rails)
+            let groups = self.nqps / self.rails;
+            (modulo(seq as usize, groups) * self.rails, self.rails)
         } else {
-            ((seq % self.nqps as u64) as usize, 1)
+            (modulo(seq as usize, self.nqps), 1)
         }
     }
 
@@ -185,7 +196,7 @@ impl QpPlan {
         if used == 1 {
             first
         } else {
-            first + (k + (seq % used as u64) as usize) % used
+            first + modulo(k + modulo(seq as usize, used), used)
         }
     }
 }
@@ -312,6 +323,15 @@ impl ConnInfo {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn modulo_masks_powers_of_two_and_divides_the_rest() {
+        for n in 1..=9 {
+            for x in [0, 1, 7, 8, 9, 63, 64, 65, usize::MAX] {
+                assert_eq!(modulo(x, n), x % n, "{x} % {n}");
+            }
+        }
+    }
 
     #[test]
     fn pieces_cover_every_byte_once_aligned() {

@@ -230,12 +230,21 @@ fn a_connect_to_a_device_of_another_link_layer_is_refused_with_both_names() {
     assert!(msg.contains("NCCL_IB_HCA"), "{msg}");
 }
 
+/// Keys whose every lookup fails, as for a handle that does not cover its buffer.
+struct BadHandle;
+
+impl BufferKeys for BadHandle {
+    fn keys<'c>(&self, _: usize, _: &'c mut KeyCache) -> Result<&'c MemKeys> {
+        Err(Error::misuse("bad handle".into()))
+    }
+}
+
 #[test]
 fn a_bad_handle_fails_only_its_call_and_a_send_meets_it_once_matched() {
     let c = connect(params());
     let mut dst = c.buf(false, 64, 0);
     let mut src = c.buf(true, 64, 5);
-    let bad = |_: usize, _: &mut MemKeys| -> Result<()> { Err(Error::misuse("bad handle".into())) };
+    let bad = BadHandle;
     // A receive with a bad handle posts nothing.
     let e = c.recv.irecv(&[dst.whole()], &[2], &bad).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Internal);
