@@ -230,9 +230,15 @@ pub(crate) unsafe fn test_request(
         return Ok(());
     };
     if !sizes.is_null() {
-        for (i, size) in sizes_v[..n].iter().enumerate() {
+        let int = |size: u32| i32::try_from(size).unwrap_or(i32::MAX);
+        if n == 1 {
             // SAFETY: NCCL provides one int per message of the request.
-            unsafe { *sizes.add(i) = i32::try_from(*size).unwrap_or(i32::MAX) };
+            unsafe { *sizes = int(sizes_v[0]) };
+        } else {
+            for (i, size) in sizes_v[..n].iter().enumerate() {
+                // SAFETY: as above.
+                unsafe { *sizes.add(i) = int(*size) };
+            }
         }
     }
     profiler::stop(token);

@@ -451,6 +451,12 @@ impl WcBatch {
     pub(crate) fn get(&self, i: usize) -> Completion<'_> {
         Completion(&self.wcs[..self.n][i])
     }
+
+    /// The completions of the last poll, in order.
+    #[inline(always)]
+    pub(crate) fn iter(&self) -> impl Iterator<Item = Completion<'_>> {
+        self.wcs[..self.n].iter().map(Completion)
+    }
 }
 
 /// `IBV_WC_SUCCESS`.

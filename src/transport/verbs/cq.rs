@@ -208,8 +208,7 @@ impl<N: Nic> CqPoller<N> {
         }
         loop {
             let n = self.wc.polled();
-            for i in 0..n {
-                let c = self.wc.get(i);
+            for (i, c) in self.wc.iter().enumerate() {
                 if c.status() != WC_SUCCESS {
                     self.failed_at = Some(i);
                     return false;
