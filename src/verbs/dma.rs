@@ -349,6 +349,62 @@ impl SendChain {
     }
 }
 
+/// One RDMA WRITE from fixed local memory to fixed remote memory (a registration each, as
+/// the receiver's clear-to-send FIFO and its copy at the sender), built once: a post sets
+/// only what changes (addresses, length, id, flags), not the whole work request.
+pub(crate) struct FixedWrite {
+    wr: ibv_send_wr,
+    sge: ibv_sge,
+}
+
+// SAFETY: plain data; the one pointer (to its own SGE) is set again at every post.
+unsafe impl Send for FixedWrite {}
+
+impl FixedWrite {
+    /// A write from memory of local key `lkey` to remote memory of key `rkey`.
+    pub(crate) fn new(lkey: u32, rkey: u32) -> Self {
+        // SAFETY: all-zero is a valid (empty) work request and SGE.
+        let mut w: FixedWrite = unsafe { std::mem::zeroed() };
+        w.sge.lkey = lkey;
+        w.wr.num_sge = 1;
+        w.wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        w.wr.wr.rdma.rkey = rkey;
+        w
+    }
+
+    /// Posts the write of `len` (> 0) bytes at `local` to `remote` on `qp` of `nic`, with
+    /// `wr_id`, signaled or not, inline when at most `max_inline` bytes (host memory only).
+    #[allow(clippy::too_many_arguments)] // the fields that change
+    #[inline(always)]
+    pub(crate) fn post<N: Nic>(
+        &mut self,
+        nic: &N,
+        qp: &N::Qp,
+        (local, len): (u64, u32),
+        remote: u64,
+        wr_id: u64,
+        signaled: bool,
+        max_inline: u32,
+    ) -> Result<()> {
+        self.sge.addr = local;
+        self.sge.length = len;
+        // The value may have moved since the last post.
+        self.wr.sg_list = &mut self.sge;
+        self.wr.wr.rdma.remote_addr = remote;
+        self.wr.wr_id = wr_id;
+        let mut flags = if len <= max_inline {
+            ibv_send_flags::IBV_SEND_INLINE.0
+        } else {
+            0
+        };
+        if signaled {
+            flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
+        }
+        self.wr.send_flags = flags;
+        nic.post_send(qp, &mut self.wr)
+    }
+}
+
 /// `IBV_SEND_INLINE` for a non-empty write of at most `max_inline` bytes, else 0.
 #[inline]
 fn inline_flag(opcode: ibv_wr_opcode::Type, length: u32, max_inline: u32) -> u32 {

@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::transport::{
     not_in_flight, total_bytes, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, MAX_RECVS,
 };
-use crate::verbs::dma::{DmaBuffer, SendChain, WC_RECV_RDMA_WITH_IMM};
+use crate::verbs::dma::{DmaBuffer, FixedWrite, SendChain, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
 
 /// A receive's QPs: (first, how many), and its sequence number (which rotates its pieces).
@@ -107,6 +107,8 @@ pub(crate) struct RecvState<N: Nic> {
     /// [`Self::is_quiet`] as the last locked call left it: all an idle `test` checks.
     quiet: bool,
     chain: SendChain,
+    /// Clear-to-send writes: from `cts_local` to the sender's FIFO over rail 0.
+    cts_write: FixedWrite,
     /// The last registration handle `irecv` or `iflush` looked up.
     key_cache: KeyCache,
     failure: Failure,
@@ -126,6 +128,7 @@ impl<N: Nic> RecvState<N> {
         cts_batch: u32,
         peer: String,
     ) -> Self {
+        let cts_write = FixedWrite::new(cts_local.lkey(0), remote_fifo.1[0]);
         RecvState {
             rails,
             cts_local,
@@ -147,6 +150,7 @@ impl<N: Nic> RecvState<N> {
             waiting: 0,
             quiet: true,
             chain: SendChain::new(),
+            cts_write,
             key_cache: KeyCache::default(),
             failure: Failure::default(),
             peer,
@@ -470,19 +474,11 @@ impl<N: Nic> RecvState<N> {
             // The connection's QP 0: the receiver's rail 0 to the sender's rail 0.
             let rail = &mut self.rails[0];
             let qp = &rail.qps[0];
-            self.chain.post_one(
+            self.cts_write.post(
                 &*rail.nic,
                 qp,
-                (
-                    self.cts_local.addr(cts_index(first, 0)),
-                    bytes as u32,
-                    self.cts_local.lkey(0),
-                ),
-                (
-                    self.remote_fifo.0 + (cts_index(first, 0) * CTS_BYTES) as u64,
-                    self.remote_fifo.1[0],
-                ),
-                None,
+                (self.cts_local.addr(cts_index(first, 0)), bytes as u32),
+                self.remote_fifo.0 + (cts_index(first, 0) * CTS_BYTES) as u64,
                 WrKind::Cts.id(first),
                 signaled,
                 qp.max_inline(),
