@@ -194,6 +194,14 @@ impl<N: Nic> SendState<N> {
         if n == 0 || n > MAX_RECVS {
             return self.protocol_error(n);
         }
+        if n == 1 && first.tag == tag && buf.len() as u64 <= u64::from(first.size) {
+            // NCCL's usual receive, one buffer, which the send fits (the slot is free: a slot
+            // of one buffer is posted as its send matches). On one QP: one write.
+            let (qp, used) = self.plan.qps(self.seq, first.size as usize);
+            if used == 1 {
+                return self.post_single(slot, &first, qp, buf, keys);
+            }
+        }
         let st = &mut self.slots[slot];
         if !st.busy {
             st.start(n);
@@ -253,6 +261,48 @@ impl<N: Nic> SendState<N> {
             return Err(e);
         }
         Ok(Some(base + e))
+    }
+
+    /// Sends `buf` into the receive of one buffer announced by `entry` in free `slot`, which
+    /// it fits, over connection QP `qp`: one WRITE_WITH_IMM carrying the data and its size.
+    /// Only what `test` reads of the slot is recorded.
+    #[inline(always)] // into `isend`: once per message
+    fn post_single(
+        &mut self,
+        slot: usize,
+        entry: &CtsEntry,
+        qp: usize,
+        buf: UserBuffer,
+        keys: &impl BufferKeys,
+    ) -> Result<Option<usize>> {
+        let mem = keys.keys(0, &mut self.key_cache)?;
+        let (r, i) = locate(qp, self.plan.rails);
+        let rail = &mut self.rails[r];
+        let qp_r = &rail.qps[i];
+        let len = buf.len() as u32;
+        // Inline data is copied by the CPU at post: never from GPU memory.
+        let max_inline = if mem.host { qp_r.max_inline() } else { 0 };
+        let post = self.chain.post_one(
+            &*rail.nic,
+            qp_r,
+            (buf.addr() as u64, len, mem.lkey(r)),
+            (entry.addr, entry.rkeys[modulo(qp, self.remote_sizes.2)]),
+            Some(len),
+            WrKind::Send.id(slot),
+            true,
+            max_inline,
+        );
+        self.failure.record(post)?;
+        rail.in_flight += 1;
+        rail.stats.bytes += u64::from(len);
+        rail.stats.messages += 1;
+        let st = &mut self.slots[slot];
+        st.start(1);
+        st.room = entry.size as usize;
+        st.matched = 1;
+        st.sizes[0] = buf.len();
+        self.posted(slot, 1)?;
+        Ok(Some(cts_index(slot, 0)))
     }
 
     /// `test` of send request `id`.
@@ -379,28 +429,6 @@ impl<N: Nic> SendState<N> {
         let base = cts_index(slot, 0);
         let st = &self.slots[slot];
         let remote_rails = self.remote_sizes.2;
-        if n == 1 && used == 1 && st.trunc == 0 {
-            // The common case: one WRITE_WITH_IMM carrying the data and its size.
-            let e = self.fifo.get(base);
-            let (r, i) = locate(first_qp, plan.rails);
-            let rail = &mut self.rails[r];
-            let qp = &rail.qps[i];
-            let len = st.sizes[0] as u32;
-            self.chain.post_one(
-                &*rail.nic,
-                qp,
-                (st.addrs[0], len, st.lkeys[0][r]),
-                (e.addr, e.rkeys[modulo(first_qp, remote_rails)]),
-                Some(len),
-                WrKind::Send.id(slot),
-                true,
-                st.max_inline(qp.max_inline()),
-            )?;
-            rail.in_flight += 1;
-            rail.stats.bytes += u64::from(len);
-            rail.stats.messages += 1;
-            return self.posted(slot, 1);
-        }
         if n > 1 {
             for i in 0..n {
                 let v = if st.trunc & (1 << i) != 0 {
