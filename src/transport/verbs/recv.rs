@@ -518,6 +518,7 @@ impl<N: Nic> RecvState<N> {
 
     /// Hands what rail `r`'s last poll found to the receives, flushes and probes it
     /// completes.
+    #[inline(always)] // into `drain_polled`
     fn drain_rail(&mut self, r: usize) -> Result<()> {
         let waiting = self.waiting > 0;
         let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);

@@ -383,6 +383,7 @@ impl<N: Nic> SendState<N> {
     }
 
     /// Hands what rail `r`'s last poll found to the slots and probes it completes.
+    #[inline(always)] // into `drain_polled`
     fn drain_rail(&mut self, r: usize, waiting: bool) -> Result<()> {
         let slots = &mut self.slots;
         let probe = self.rails[r].drain(&self.peer, waiting, |c| match WrKind::of(c.wr_id()) {
