@@ -503,7 +503,7 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// Drains every rail whose last poll found something (one rail: it did).
-    #[inline(never)]
+    #[inline(always)]
     fn drain_polled(&mut self) -> Result<()> {
         if self.rails.len() == 1 {
             return self.drain_rail(0);
