@@ -369,7 +369,7 @@ impl<N: Nic> SendState<N> {
     }
 
     /// Drains every rail whose last poll found something (one rail: it did).
-    #[inline(never)]
+    #[inline(always)]
     fn drain_polled(&mut self, waiting: bool) -> Result<()> {
         if self.rails.len() == 1 {
             return self.drain_rail(0, waiting);
