@@ -105,9 +105,9 @@ impl Slot {
         let rails = ((kind >> 8) as u8).min(MAX_RAILS as u8);
         out.rails = rails;
         out.host = kind & 1 != 0;
-        for (to, from) in out.keys.iter_mut().zip(&self.keys[..usize::from(rails)]) {
+        for (r, from) in self.keys[..usize::from(rails)].iter().enumerate() {
             let k = from.load(Ordering::Relaxed);
-            *to = (k as u32, (k >> 32) as u32);
+            out.set(r, (k as u32, (k >> 32) as u32));
         }
     }
 }
@@ -190,8 +190,11 @@ impl MrTable {
             u64::from(k.host) | u64::from(k.rails) << 8 | (reg.dev as u64) << 32,
             Ordering::Relaxed,
         );
-        for (to, (lkey, rkey)) in slot.keys.iter().zip(&k.keys[..usize::from(k.rails)]) {
-            to.store(u64::from(*lkey) | u64::from(*rkey) << 32, Ordering::Relaxed);
+        for (r, to) in slot.keys[..usize::from(k.rails)].iter().enumerate() {
+            to.store(
+                u64::from(k.lkey(r)) | u64::from(k.rkey(r)) << 32,
+                Ordering::Relaxed,
+            );
         }
         slot.state.store(generation << 2 | LIVE, Ordering::Release);
         w.holds.insert(index, hold);
@@ -315,7 +318,9 @@ mod tests {
             host: true,
             ..MemKeys::default()
         };
-        k.keys[..pairs.len()].copy_from_slice(pairs);
+        for (r, pair) in pairs.iter().enumerate() {
+            k.set(r, *pair);
+        }
         k
     }
 
@@ -362,10 +367,11 @@ mod tests {
         // This handle released and its slot reused: the cached handle is refused.
         t.remove(h).unwrap();
         let mut moved = reg(8192);
-        moved.keys.keys[0] = (70, 90);
+        moved.keys.set(0, (70, 90));
         let h2 = t.insert(moved, None).unwrap();
         assert!(lookup(&mut cache, h, 4096).is_err(), "released handle");
-        assert_eq!(lookup(&mut cache, h2, 8192).unwrap().keys[0], (70, 90));
+        let found = lookup(&mut cache, h2, 8192).unwrap();
+        assert_eq!((found.lkey(0), found.rkey(0)), (70, 90));
     }
 
     #[test]

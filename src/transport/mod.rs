@@ -72,9 +72,11 @@ pub(crate) const MAX_RAILS: usize = 8;
 /// A registration as the data path uses it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct MemKeys {
-    /// (lkey, rkey) on each rail (NIC) of the device it was registered on (verbs; none for
+    /// Local key on each rail (NIC) of the device it was registered on (verbs; none for
     /// tcp).
-    pub(crate) keys: [(u32, u32); MAX_RAILS],
+    pub(crate) lkeys: [u32; MAX_RAILS],
+    /// Remote key on each rail: as a clear-to-send entry carries them, copied whole.
+    pub(crate) rkeys: [u32; MAX_RAILS],
     /// Rails with keys.
     pub(crate) rails: u8,
     /// Host memory (the CPU may read it), as opposed to GPU memory.
@@ -85,13 +87,19 @@ impl MemKeys {
     /// Local key on rail `r`.
     #[inline(always)]
     pub(crate) fn lkey(&self, r: usize) -> u32 {
-        self.keys[r].0
+        self.lkeys[r]
     }
 
     /// Remote key on rail `r`.
     #[inline(always)]
     pub(crate) fn rkey(&self, r: usize) -> u32 {
-        self.keys[r].1
+        self.rkeys[r]
+    }
+
+    /// Sets rail `r`'s keys.
+    pub(crate) fn set(&mut self, r: usize, (lkey, rkey): (u32, u32)) {
+        self.lkeys[r] = lkey;
+        self.rkeys[r] = rkey;
     }
 }
 

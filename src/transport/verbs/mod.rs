@@ -287,7 +287,7 @@ impl Transport for VerbsTransport {
                 cache.misses.load(std::sync::atomic::Ordering::Relaxed),
                 cache.len()
             );
-            keys.keys[r] = (mr.lkey(), mr.rkey());
+            keys.set(r, (mr.lkey(), mr.rkey()));
             held.push(mr);
         }
         Ok((keys, Some(Box::new(held))))
@@ -317,7 +317,7 @@ impl Transport for VerbsTransport {
             }
             let mr =
                 d.pd.reg_dmabuf_mr(offset, len, addr as u64, fd, ACCESS_RDMA)?;
-            keys.keys[r] = (mr.lkey(), mr.rkey());
+            keys.set(r, (mr.lkey(), mr.rkey()));
             held.push(mr);
         }
         Ok((keys, Box::new(held)))

@@ -406,11 +406,9 @@ impl<N: Nic> RecvState<N> {
         let n = bufs.len();
         for (i, b) in bufs.iter().enumerate() {
             let mem = keys.keys(i, &mut self.key_cache)?;
-            let mut rkeys = [0; MAX_RAILS];
-            for (r, k) in rkeys.iter_mut().enumerate().take(self.rails.len()) {
-                *k = mem.rkey(r);
-            }
-            let entry = CtsEntry::new(b.addr() as u64, b.len(), rkeys, tags[i], n, self.seq);
+            // All of them, as the registration holds them: the sender reads those of this
+            // comm's rails.
+            let entry = CtsEntry::new(b.addr() as u64, b.len(), mem.rkeys, tags[i], n, self.seq);
             self.cts_local.set(cts_index(slot, i), entry);
         }
         Ok(())

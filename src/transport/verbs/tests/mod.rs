@@ -140,8 +140,8 @@ impl Buf {
             host: true,
             ..MemKeys::default()
         };
-        for (to, mr) in k.keys.iter_mut().zip(&self.mrs) {
-            *to = (mr.lkey(), mr.rkey());
+        for (r, mr) in self.mrs.iter().enumerate() {
+            k.set(r, (mr.lkey(), mr.rkey()));
         }
         k
     }
