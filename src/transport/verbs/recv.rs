@@ -33,9 +33,13 @@ type QpSpan = (usize, usize, u64);
 /// at least this many posted receives it can fill.
 pub(crate) const CTS_HOLD_MIN: u64 = 2;
 /// Every this many clear-to-send writes one is signaled, which retires the unsignaled ones
-/// before it (at most `SLOTS + 16` in the QP's send queue of `2 * SLOTS`); errors complete
-/// regardless. Each signaled one costs a completion to poll and hand out.
-const CTS_SIGNAL_EVERY: u32 = 16;
+/// before it; errors complete regardless. Each signaled one costs a completion to poll and
+/// hand out, in whichever `test` comes next.
+const CTS_SIGNAL_EVERY: u32 = SLOTS as u32;
+/// Send queue depth of a receiver's QPs: up to `SLOTS` receives announced and not finished,
+/// each by its own write at worst, plus the unsignaled writes since the last signaled one,
+/// plus a probe, with room to spare.
+pub(crate) const RECEIVER_SEND_DEPTH: u32 = SLOTS as u32 + 2 * CTS_SIGNAL_EVERY;
 /// Request ids of flushes start here (receives are 0..32).
 pub(crate) const FLUSH_ID_BASE: usize = SLOTS;
 

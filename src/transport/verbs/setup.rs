@@ -10,7 +10,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use super::cq::CqPoller;
 use super::rail::{locate, Rail};
-use super::recv::{RecvState, VerbsRecvComm};
+use super::recv::{RecvState, VerbsRecvComm, RECEIVER_SEND_DEPTH};
 use super::send::{SendState, VerbsSendComm, PROBE_AT};
 use super::wire::{ConnInfo, CtsEntry, QpPlan, RailInfo, MAX_INLINE, MAX_QPS, MAX_RAILS, SLOTS};
 use crate::error::{Error, Result};
@@ -440,7 +440,7 @@ impl<N: Nic> VerbsListen<N> {
         // Every rail used carries at least one QP.
         let nics = &self.nics[..self.nics.len().min(nqps)];
         // Per QP: a receive per slot; and the signaled clear-to-sends, flushes and probes.
-        let sizing = ((SLOTS * 2) as u32, SLOTS as u32 + 1, SLOTS + 2);
+        let sizing = (RECEIVER_SEND_DEPTH, SLOTS as u32 + 1, SLOTS + 2);
         let rails = make_rails(nics, nqps, sizing, self.params.flush, &self.params)?;
         check_links(&rails, remote, peer)?;
         // The receiver uses the sender's traffic class and service level, as NCCL does.
