@@ -39,7 +39,8 @@ pub(crate) const PROBE_AT: usize = SLOTS * MAX_RECVS;
 #[derive(Debug, Clone, Copy)]
 struct SendSlot {
     busy: bool,
-    n: usize,
+    /// One bit per buffer of the receive.
+    all: u8,
     matched: u8,
     tested: u8,
     cqe_pending: u32,
@@ -59,7 +60,7 @@ struct SendSlot {
 impl SendSlot {
     const FREE: SendSlot = SendSlot {
         busy: false,
-        n: 0,
+        all: 0,
         matched: 0,
         tested: 0,
         cqe_pending: 0,
@@ -76,7 +77,7 @@ impl SendSlot {
         // Only the bookkeeping is reset: the per-message arrays are written as each send
         // matches, and only the first n are read.
         self.busy = true;
-        self.n = n;
+        self.all = ((1u16 << n) - 1) as u8;
         self.matched = 0;
         self.tested = 0;
         self.cqe_pending = 0;
@@ -87,7 +88,7 @@ impl SendSlot {
 
     /// Every buffer of the receive has its send.
     fn complete(&self) -> bool {
-        self.matched.count_ones() as usize == self.n
+        self.matched == self.all
     }
 
     /// The slot's writes are all done.
@@ -244,9 +245,8 @@ impl<N: Nic> SendState<N> {
             // The receive fails as a whole: every buffer of it whose send has not come
             // yet is marked too, and the slot goes out now, so the receiver learns of it
             // whichever of its sends this was.
-            let all = ((1u16 << n) - 1) as u8;
-            st.trunc |= (1 << e) | (all & !st.matched);
-            st.matched = all;
+            st.trunc |= (1 << e) | (st.all & !st.matched);
+            st.matched = st.all;
         }
         if self.slots[slot].complete() {
             let r = self.post_slot(slot, n);
@@ -321,7 +321,8 @@ impl<N: Nic> SendState<N> {
         if st.done() {
             let size = st.sizes[e];
             st.tested |= 1 << e;
-            if st.tested == st.matched && st.complete() {
+            // Every send of the receive tested (each was matched first).
+            if st.tested == st.all {
                 st.busy = false;
             }
             return Ok(Some(size));
