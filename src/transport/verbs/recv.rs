@@ -400,6 +400,7 @@ impl<N: Nic> RecvState<N> {
 
     /// Writes free `slot`'s clear-to-send entries, one per buffer (into local memory: the
     /// sender sees them once posted).
+    #[inline(always)] // into `irecv`: once per receive
     fn announce(
         &mut self,
         slot: usize,
@@ -408,13 +409,31 @@ impl<N: Nic> RecvState<N> {
         keys: &impl BufferKeys,
     ) -> Result<()> {
         let n = bufs.len();
-        for (i, b) in bufs.iter().enumerate() {
-            let mem = keys.keys(i, &mut self.key_cache)?;
-            // All of them, as the registration holds them: the sender reads those of this
-            // comm's rails.
-            let entry = CtsEntry::new(b.addr() as u64, b.len(), mem.rkeys, tags[i], n, self.seq);
-            self.cts_local.set(cts_index(slot, i), entry);
+        if n == 1 {
+            // NCCL's usual receive: no loop to set up.
+            return self.announce_entry((slot, 0, 1), bufs[0], tags[0], keys);
         }
+        for (i, b) in bufs.iter().enumerate() {
+            self.announce_entry((slot, i, n), *b, tags[i], keys)?;
+        }
+        Ok(())
+    }
+
+    /// Writes entry `i` of `n` of `slot`: buffer `buf` (whose keys `keys` has as its `i`th)
+    /// with `tag`.
+    #[inline(always)]
+    fn announce_entry(
+        &mut self,
+        (slot, i, n): (usize, usize, usize),
+        buf: UserBuffer,
+        tag: i32,
+        keys: &impl BufferKeys,
+    ) -> Result<()> {
+        let mem = keys.keys(i, &mut self.key_cache)?;
+        // All of them, as the registration holds them: the sender reads those of this
+        // comm's rails.
+        let entry = CtsEntry::new(buf.addr() as u64, buf.len(), mem.rkeys, tag, n, self.seq);
+        self.cts_local.set(cts_index(slot, i), entry);
         Ok(())
     }
 
@@ -426,10 +445,15 @@ impl<N: Nic> RecvState<N> {
         // The sender decides from the first entry's size, saturated as the entry holds it.
         let posted = bufs[0].len().min(u32::MAX as usize);
         let (first_qp, used) = self.plan.qps(self.seq, posted);
-        for q in first_qp..first_qp + used {
+        let post = |q| {
             let (r, i) = locate(q, rails);
             let rail = &self.rails[r];
-            rail.nic.post_recv(&rail.qps[i], WrKind::Recv.id(slot))?;
+            rail.nic.post_recv(&rail.qps[i], WrKind::Recv.id(slot))
+        };
+        if used == 1 {
+            post(first_qp)?;
+        } else {
+            (first_qp..first_qp + used).try_for_each(post)?;
         }
         self.slots[slot] = RecvSlot {
             busy: true,
