@@ -344,7 +344,9 @@ impl<N: Nic> RecvState<N> {
     /// Frees receive `id`, whose data has all arrived, and reports its sizes.
     #[inline(always)] // into `test`: once per receive
     fn finish_receive(&mut self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
-        let st = std::mem::replace(&mut self.slots[id], RecvSlot::FREE);
+        // Freed by its flag alone: `post_receive` writes the whole slot at its next use.
+        let st = self.slots[id];
+        self.slots[id].busy = false;
         // Data arrived, so its clear-to-send had been posted.
         self.announced = self.announced.saturating_sub(1);
         self.waiting = self.waiting.saturating_sub(1);
