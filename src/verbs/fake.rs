@@ -7,7 +7,10 @@
 //! - completions for signaled requests, and for every failed one; a failure moves the QP to
 //!   the error state, and what follows on it is flushed;
 //! - per-QP order: a WRITE WITH IMMEDIATE that finds no receive waits (receiver not ready,
-//!   retried for ever as with `rnr_retry = 7`), and so does everything posted after it.
+//!   retried for ever as with `rnr_retry = 7`), and so does everything posted after it;
+//! - a send queue of the depth the QP was created with: a request holds its place until a
+//!   completion of it or of a later request of its QP is polled (unsignaled requests leave
+//!   only that way), and a post that does not fit fails, as `ibv_post_send` does.
 //!
 //! and the faults of a real network: work held back and placed later, or only in part
 //! ([`Fabric::hold`], [`Fabric::place_partial`]), a link cut that makes
@@ -60,6 +63,8 @@ struct Op {
     imm_be: u32,
     /// Bytes already placed by [`Fabric::place_partial`].
     placed: usize,
+    /// Its place in its QP's send queue (see [`QpEntry::posted`]).
+    sq_seq: u64,
 }
 
 struct QpEntry {
@@ -70,6 +75,11 @@ struct QpEntry {
     error: bool,
     /// The next work request fails with this status.
     fail_next: Option<u32>,
+    /// Send queue depth, and the send requests posted and retired so far: those in between
+    /// occupy the queue.
+    send_depth: u64,
+    posted: u64,
+    retired: u64,
 }
 
 struct MrEntry {
@@ -83,12 +93,16 @@ struct NicEntry {
     cut: Option<Cut>,
 }
 
+/// A completion queued on a CQ, with the send request it retires once polled: (QP, place
+/// in its send queue).
+type Cqe = (ibv_wc, Option<(u32, u64)>);
+
 #[derive(Default)]
 struct World {
     nics: Vec<NicEntry>,
     qps: HashMap<u32, QpEntry>,
     mrs: HashMap<u32, MrEntry>,
-    cqs: HashMap<u32, VecDeque<ibv_wc>>,
+    cqs: HashMap<u32, VecDeque<Cqe>>,
     queue: VecDeque<Op>,
     hold: bool,
     next_id: u32,
@@ -111,9 +125,10 @@ impl World {
         self.next_id
     }
 
-    fn complete(&mut self, cq: u32, wc: ibv_wc) {
+    /// Queues `wc` on `cq`; `op`: the send request it completes, retired when it is polled.
+    fn complete(&mut self, cq: u32, wc: ibv_wc, op: Option<&Op>) {
         if let Some(q) = self.cqs.get_mut(&cq) {
-            q.push_back(wc);
+            q.push_back((wc, op.map(|op| (op.qpn, op.sq_seq))));
         }
     }
 
@@ -144,7 +159,7 @@ impl World {
         qp.error = true;
         let cq = qp.cq;
         let wc = Self::wc(op.wr_id, status, wc_opcode(op.opcode), op.qpn);
-        self.complete(cq, wc);
+        self.complete(cq, wc, Some(op));
     }
 
     fn execute(&mut self, op: &mut Op) -> Outcome {
@@ -218,11 +233,11 @@ impl World {
             wc.wc_flags = ibv_wc_flags::IBV_WC_WITH_IMM.0;
             wc.imm_data_invalidated_rkey_union.imm_data = op.imm_be;
             wc.byte_len = len as u32;
-            self.complete(rcq, wc);
+            self.complete(rcq, wc, None);
         }
         if op.signaled {
             let wc = Self::wc(op.wr_id, 0, wc_opcode(op.opcode), op.qpn);
-            self.complete(cq, wc);
+            self.complete(cq, wc, Some(op));
         }
         Outcome::Done
     }
@@ -468,7 +483,7 @@ impl Nic for FakeNic {
         })
     }
 
-    fn create_qp(&self, cq: &FakeCq, _send: u32, _recv: u32, max_inline: u32) -> Result<FakeQp> {
+    fn create_qp(&self, cq: &FakeCq, send: u32, _recv: u32, max_inline: u32) -> Result<FakeQp> {
         let mut w = self.world.lock();
         let qpn = w.id();
         w.qps.insert(
@@ -480,6 +495,9 @@ impl Nic for FakeNic {
                 recvs: VecDeque::new(),
                 error: false,
                 fail_next: None,
+                send_depth: u64::from(send),
+                posted: 0,
+                retired: 0,
             },
         );
         Ok(FakeQp {
@@ -524,6 +542,22 @@ impl Nic for FakeNic {
 
     fn post_send(&self, qp: &FakeQp, wr: &mut ibv_send_wr) -> Result<()> {
         let mut w = self.world.lock();
+        let mut chain = 0;
+        let mut p: *const ibv_send_wr = wr;
+        while !p.is_null() {
+            chain += 1;
+            // SAFETY: as below.
+            p = unsafe { (*p).next };
+        }
+        let q = w.qps.get_mut(&qp.qpn).expect("live QP");
+        if q.posted - q.retired + chain > q.send_depth {
+            return Err(Error::io(
+                format!("fake fabric: ibv_post_send(qp {}): send queue full", qp.qpn),
+                std::io::Error::from_raw_os_error(libc::ENOMEM),
+            ));
+        }
+        let mut sq_seq = q.posted;
+        q.posted += chain;
         let mut p: *const ibv_send_wr = wr;
         while !p.is_null() {
             // SAFETY: `SendChain` hands us a chain of valid work requests linked by `next`.
@@ -559,7 +593,9 @@ impl Nic for FakeNic {
                 // SAFETY: the immediate member is plain data.
                 imm_be: unsafe { wr.imm_data_invalidated_rkey_union.imm_data },
                 placed: 0,
+                sq_seq,
             });
+            sq_seq += 1;
             p = wr.next;
         }
         if !w.hold {
@@ -574,7 +610,7 @@ impl Nic for FakeNic {
         if q.error {
             let cq = q.cq;
             let wc = World::wc(wr_id, FLUSHED, ibv_wc_opcode::IBV_WC_RECV, qp.qpn);
-            w.complete(cq, wc);
+            w.complete(cq, wc, None);
             return Ok(());
         }
         q.recvs.push_back(wr_id);
@@ -588,8 +624,15 @@ impl Nic for FakeNic {
         let mut w = self.world.lock();
         let q = w.cqs.get_mut(&cq.id).expect("live CQ");
         let n = wcs.len().min(q.len());
-        for wc in wcs.iter_mut().take(n) {
-            *wc = q.pop_front().expect("counted");
+        let polled: Vec<_> = q.drain(..n).collect();
+        for (to, (wc, retires)) in wcs.iter_mut().zip(polled) {
+            *to = wc;
+            if let Some((qpn, seq)) = retires {
+                if let Some(q) = w.qps.get_mut(&qpn) {
+                    // It and every request of its QP before it leave the send queue.
+                    q.retired = q.retired.max(seq + 1);
+                }
+            }
         }
         Ok(n)
     }
