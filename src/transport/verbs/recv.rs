@@ -552,16 +552,18 @@ impl<N: Nic> RecvState<N> {
         let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);
         let probe = self.rails[r].drain(&self.peer, waiting, |c| {
             let slot = WrKind::slot(c.wr_id());
-            match WrKind::of(c.wr_id()) {
-                // Receives are not counted in flight: the sender's work completes them.
-                Some(WrKind::Recv) if c.opcode() == WC_RECV_RDMA_WITH_IMM => {
-                    let st = &mut slots[slot];
-                    if st.n == 1 {
-                        st.size0 = c.imm();
-                    }
-                    st.imm_pending = st.imm_pending.saturating_sub(1);
-                    false
+            if c.opcode() == WC_RECV_RDMA_WITH_IMM {
+                // The common case first: a sender's write landed, consuming one of our
+                // receives (the only requests that complete so). Not counted in flight: the
+                // sender's work completes them.
+                let st = &mut slots[slot];
+                if st.n == 1 {
+                    st.size0 = c.imm();
                 }
+                st.imm_pending = st.imm_pending.saturating_sub(1);
+                return false;
+            }
+            match WrKind::of(c.wr_id()) {
                 Some(WrKind::Flush) => {
                     flush_slots[slot] = match flush_slots[slot] {
                         FlushSlot::Pending(n) if n > 1 => FlushSlot::Pending(n - 1),
