@@ -294,37 +294,28 @@ impl SendChain {
         last.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
     }
 
-    /// Posts one RDMA WRITE of `local` (address, length, lkey) to `remote` (address, rkey),
-    /// WITH IMMEDIATE when `imm` is given (host order), with `wr_id`, signaled or not, inline
-    /// when it is a non-empty write of at most `max_inline` bytes (0 for GPU memory, which
-    /// the CPU cannot copy at post): the data path's common case (one message, one
-    /// clear-to-send), without the chain's per-request loops. The chain then holds that
-    /// one request.
-    #[allow(clippy::too_many_arguments)] // one work request's fields
-    pub(crate) fn post_one<N: Nic>(
+    /// Posts one signaled RDMA WRITE WITH IMMEDIATE (`imm` in host order) of `local`
+    /// (address, length, lkey) to `remote` (address, rkey), with `wr_id`, inline when a
+    /// non-empty write of at most `max_inline` bytes (0 for GPU memory, which the CPU cannot
+    /// copy at post): a single message's send, without the chain's per-request loops. The
+    /// chain then holds that one request.
+    pub(crate) fn post_write_imm<N: Nic>(
         &mut self,
         nic: &N,
         qp: &N::Qp,
-        local: (u64, u32, u32),
-        remote: (u64, u32),
-        imm: Option<u32>,
+        (local, remote): ((u64, u32, u32), (u64, u32)),
+        imm: u32,
         wr_id: u64,
-        signaled: bool,
         max_inline: u32,
     ) -> Result<()> {
         self.clear();
-        match imm {
-            Some(v) => self.write_imm(local.0, local.1, local.2, remote.0, remote.1, v),
-            None => self.write(local.0, local.1, local.2, remote.0, remote.1),
-        }
+        self.write_imm(local.0, local.1, local.2, remote.0, remote.1, imm);
         let sge = &mut self.sges[0] as *mut ibv_sge;
         let wr = &mut self.wrs[0];
         wr.wr_id = wr_id;
         wr.sg_list = sge;
-        wr.send_flags = inline_flag(wr.opcode, local.1, max_inline);
-        if signaled {
-            wr.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
-        }
+        wr.send_flags =
+            inline_flag(wr.opcode, local.1, max_inline) | ibv_send_flags::IBV_SEND_SIGNALED.0;
         nic.post_send(qp, wr)
     }
 

@@ -282,14 +282,15 @@ impl<N: Nic> SendState<N> {
         let len = buf.len() as u32;
         // Inline data is copied by the CPU at post: never from GPU memory.
         let max_inline = if mem.host { qp_r.max_inline() } else { 0 };
-        let post = self.chain.post_one(
+        let post = self.chain.post_write_imm(
             &*rail.nic,
             qp_r,
-            (buf.addr() as u64, len, mem.lkey(r)),
-            (entry.addr, entry.rkeys[modulo(qp, self.remote_sizes.2)]),
-            Some(len),
+            (
+                (buf.addr() as u64, len, mem.lkey(r)),
+                (entry.addr, entry.rkeys[modulo(qp, self.remote_sizes.2)]),
+            ),
+            len,
             WrKind::Send.id(slot),
-            true,
             max_inline,
         );
         self.failure.record(post)?;
