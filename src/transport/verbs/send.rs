@@ -200,7 +200,8 @@ impl<N: Nic> SendState<N> {
             // of one buffer is posted as its send matches). On one QP: one write.
             let (qp, used) = self.plan.qps(self.seq, first.size as usize);
             if used == 1 {
-                return self.post_single(slot, &first, qp, buf, keys);
+                let remote = (first.addr, first.rkeys[modulo(qp, self.remote_sizes.2)]);
+                return self.post_single(slot, (remote, first.size), qp, buf, keys);
             }
         }
         let st = &mut self.slots[slot];
@@ -218,13 +219,15 @@ impl<N: Nic> SendState<N> {
             if i != 0 && cts_landed(&self.fifo, base + i) != want {
                 return Ok(None);
             }
-            let entry = if i == 0 {
-                first
+            // Only the fields used: a whole entry is a 64-byte-aligned copy.
+            let (entry_tag, size) = if i == 0 {
+                (first.tag, first.size)
             } else {
-                self.fifo.get(base + i)
+                let entry = self.fifo.get(base + i);
+                (entry.tag, entry.size)
             };
-            if entry.tag == tag {
-                found = Some((i, entry.size));
+            if entry_tag == tag {
+                found = Some((i, size));
                 break;
             }
         }
@@ -263,14 +266,15 @@ impl<N: Nic> SendState<N> {
         Ok(Some(base + e))
     }
 
-    /// Sends `buf` into the receive of one buffer announced by `entry` in free `slot`, which
-    /// it fits, over connection QP `qp`: one WRITE_WITH_IMM carrying the data and its size.
-    /// Only what `test` reads of the slot is recorded.
+    /// Sends `buf` into the receive of one buffer announced in free `slot` (at `remote`:
+    /// address and key on the QP's rail, holding `room` bytes), which it fits, over
+    /// connection QP `qp`: one WRITE_WITH_IMM carrying the data and its size. Only what
+    /// `test` reads of the slot is recorded.
     #[inline(always)] // into `isend`: once per message
     fn post_single(
         &mut self,
         slot: usize,
-        entry: &CtsEntry,
+        (remote, room): ((u64, u32), u32),
         qp: usize,
         buf: UserBuffer,
         keys: &impl BufferKeys,
@@ -285,10 +289,7 @@ impl<N: Nic> SendState<N> {
         let post = self.chain.post_write_imm(
             &*rail.nic,
             qp_r,
-            (
-                (buf.addr() as u64, len, mem.lkey(r)),
-                (entry.addr, entry.rkeys[modulo(qp, self.remote_sizes.2)]),
-            ),
+            ((buf.addr() as u64, len, mem.lkey(r)), remote),
             len,
             WrKind::Send.id(slot),
             max_inline,
@@ -299,7 +300,7 @@ impl<N: Nic> SendState<N> {
         rail.stats.messages += 1;
         let st = &mut self.slots[slot];
         st.start(1);
-        st.room = entry.size as usize;
+        st.room = room as usize;
         st.matched = 1;
         st.sizes[0] = buf.len();
         self.posted(slot, 1)?;
