@@ -39,7 +39,8 @@
 # phase (callgrind_annotate can read them). Environment: CPU_COST_ROUNDS (a multiple of 256 keeps the plugin's
 # every-n-th-call work in every phase alike), CPU_COST_WINDOW (1..32), CPU_COST_IDLE,
 # CPU_COST_WAIT_US, OUT, CPU_COST_REPORT_ONLY=1 (no runs: report again from the profiles
-# already in $OUT), and rxe-vm.sh's RXE_VM_*.
+# already in $OUT), and rxe-vm.sh's RXE_VM_*. scripts/perf/cost-annotate.py breaks one profile
+# down per instruction and per source line.
 set -Eeuo pipefail
 trap 'echo "cpu-cost: error: line $LINENO: \`$BASH_COMMAND\` failed (exit $?)" >&2; exit 1' ERR
 
