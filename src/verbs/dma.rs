@@ -119,6 +119,18 @@ impl<T: Copy, R> DmaBuffer<T, R> {
         unsafe { std::ptr::read(self.ptr.add(i)) }
     }
 
+    /// What `f` reads of element `i`, which the NIC has finished writing (as for
+    /// [`Self::get`]), without copying the rest of the element.
+    #[inline(always)]
+    pub(crate) fn read<U>(&self, i: usize, f: impl FnOnce(&T) -> U) -> U {
+        assert!(i < self.len);
+        // Nothing here may move before the read that said the element has landed.
+        atomic::fence(atomic::Ordering::Acquire);
+        // SAFETY: i < len inside our allocation, and nothing writes the element while the
+        // reference lives (as for `get`).
+        f(unsafe { &*self.ptr.add(i) })
+    }
+
     /// Reads the `u64` at byte `offset` of element `i` as the NIC last wrote it, before any
     /// later read: the sequence number a peer's write places in the last bytes of an element,
     /// checked before the rest of it is read. (A read of the whole element is several loads in

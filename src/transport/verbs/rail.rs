@@ -136,7 +136,9 @@ pub(crate) fn summary<N: Nic>(rails: &[Rail<N>]) -> String {
 /// The rail and rail-local index of connection QP `q` over `rails` rails.
 #[inline(always)]
 pub(crate) fn locate(q: usize, rails: usize) -> (usize, usize) {
-    if rails.is_power_of_two() {
+    if rails == 1 {
+        (0, q)
+    } else if rails.is_power_of_two() {
         (q & (rails - 1), q >> rails.trailing_zeros())
     } else {
         (q % rails, q / rails)

@@ -350,41 +350,49 @@ impl<N: Nic> RecvState<N> {
         // Data arrived, so its clear-to-send had been posted.
         self.announced = self.announced.saturating_sub(1);
         self.waiting = self.waiting.saturating_sub(1);
-        let sizes = &mut sizes[..st.n];
         if st.n == 1 {
+            // NCCL's usual receive: one size, from the immediate.
             sizes[0] = st.size0;
+            if st.size0 == TRUNCATED {
+                return Err(self.truncated());
+            }
         } else {
-            for (i, size) in sizes.iter_mut().enumerate() {
+            for (i, size) in sizes[..st.n].iter_mut().enumerate() {
                 *size = self.sizes_record.get(cts_index(id, i));
             }
+            if sizes[..st.n].contains(&TRUNCATED) {
+                return Err(self.truncated());
+            }
         }
-        if sizes.contains(&TRUNCATED) {
-            return Err(Error::truncated(format!(
-                "{} sent more bytes than the receive posted for them",
-                self.peer
-            )));
-        }
-        self.count_rails(st.span, sizes);
-        Ok(Some(st.n))
-    }
-
-    /// Adds a receive of `sizes`, which used `span`, to the counters of the rails its pieces
-    /// came on (the sender cut them as `post_slot` does).
-    #[inline(always)] // into `test`: once per receive
-    fn count_rails(&mut self, (first, used, seq): QpSpan, sizes: &[u32]) {
+        let (first, used, _) = st.span;
         if used == 1 {
             // All of it on one QP (the common case: no piece arithmetic).
-            let bytes = total_bytes(sizes);
+            let bytes = if st.n == 1 {
+                u64::from(st.size0)
+            } else {
+                total_bytes(&sizes[..st.n])
+            };
             let rail = modulo(first, self.rails.len());
             let stats = &mut self.rails[rail].stats;
             stats.bytes += bytes;
             stats.messages += u64::from(bytes > 0);
         } else {
-            self.count_pieces((first, used, seq), sizes);
+            self.count_pieces(st.span, &sizes[..st.n]);
         }
+        Ok(Some(st.n))
     }
 
-    /// [`Self::count_rails`] of a receive striped or split over several QPs.
+    /// The error of a receive the sender found too small for its message.
+    #[cold]
+    fn truncated(&self) -> Error {
+        Error::truncated(format!(
+            "{} sent more bytes than the receive posted for them",
+            self.peer
+        ))
+    }
+
+    /// Adds a receive of `sizes` striped or split over the QPs of `span` to the counters of
+    /// the rails its pieces came on (the sender cut them as `post_slot` does).
     #[inline(never)]
     fn count_pieces(&mut self, (first, used, seq): QpSpan, sizes: &[u32]) {
         let rails = self.rails.len();
@@ -488,35 +496,51 @@ impl<N: Nic> RecvState<N> {
     /// a slot announces, each checked by its sequence number).
     #[inline(always)] // into post_receive: once per receive at the default batch of 1
     fn post_pending_cts(&mut self) -> Result<()> {
+        if self.seq - self.cts_posted == 1 {
+            // The default batch of 1: the receive just posted, in one write.
+            return self.post_cts_run((self.cts_posted % SLOTS as u64) as usize, 1);
+        }
+        self.post_cts_runs()
+    }
+
+    /// [`Self::post_pending_cts`] of several receives (or none).
+    #[inline(never)]
+    fn post_cts_runs(&mut self) -> Result<()> {
         while self.cts_posted != self.seq {
             let first = (self.cts_posted % SLOTS as u64) as usize;
             let pending = (self.seq - self.cts_posted) as usize;
-            let k = pending.min(SLOTS - first);
-            let last = first + k - 1;
-            let bytes = ((k - 1) * MAX_RECVS + self.slots[last].n) * CTS_BYTES;
-            self.cts_unsignaled += 1;
-            let signaled = self.cts_unsignaled >= CTS_SIGNAL_EVERY;
-            if signaled {
-                self.cts_unsignaled = 0;
-            }
-            // The connection's QP 0: the receiver's rail 0 to the sender's rail 0.
-            let rail = &mut self.rails[0];
-            let qp = &rail.qps[0];
-            self.cts_write.post(
-                &*rail.nic,
-                qp,
-                (self.cts_local.addr(cts_index(first, 0)), bytes as u32),
-                self.remote_fifo.0 + (cts_index(first, 0) * CTS_BYTES) as u64,
-                WrKind::Cts.id(first),
-                signaled,
-                qp.max_inline(),
-            )?;
-            rail.in_flight += u32::from(signaled);
-            self.cts_posted += k as u64;
-            self.announced += k as u64;
-            self.cts_writes += 1;
-            self.cts_entries += k as u64;
+            self.post_cts_run(first, pending.min(SLOTS - first))?;
         }
+        Ok(())
+    }
+
+    /// Posts the clear-to-send entries of the `k` receives from slot `first` on, the next
+    /// ones due, in one write.
+    #[inline(always)]
+    fn post_cts_run(&mut self, first: usize, k: usize) -> Result<()> {
+        let bytes = ((k - 1) * MAX_RECVS + self.slots[first + k - 1].n) * CTS_BYTES;
+        self.cts_unsignaled += 1;
+        let signaled = self.cts_unsignaled >= CTS_SIGNAL_EVERY;
+        if signaled {
+            self.cts_unsignaled = 0;
+        }
+        // The connection's QP 0: the receiver's rail 0 to the sender's rail 0.
+        let rail = &mut self.rails[0];
+        let qp = &rail.qps[0];
+        self.cts_write.post(
+            &*rail.nic,
+            qp,
+            (self.cts_local.addr(cts_index(first, 0)), bytes as u32),
+            self.remote_fifo.0 + (cts_index(first, 0) * CTS_BYTES) as u64,
+            WrKind::Cts.id(first),
+            signaled,
+            qp.max_inline(),
+        )?;
+        rail.in_flight += u32::from(signaled);
+        self.cts_posted += k as u64;
+        self.announced += k as u64;
+        self.cts_writes += 1;
+        self.cts_entries += k as u64;
         Ok(())
     }
 

@@ -190,24 +190,31 @@ impl<N: Nic> SendState<N> {
         let slot = (self.seq % SLOTS as u64) as usize;
         let want = self.seq + 1;
         let base = cts_index(slot, 0);
-        let first = self.fifo.get(base);
-        let n = first.nreqs as usize;
+        // Not yet: the slot's previous use is not tested, or its clear-to-send has not come.
+        let st = &self.slots[slot];
+        if (st.busy && st.posted) || cts_landed(&self.fifo, base) != want {
+            return Ok(None);
+        }
+        // Only the fields used: a whole entry is a 64-byte-aligned copy.
+        let (n, first_tag, first_size) =
+            self.fifo.read(base, |e| (e.nreqs as usize, e.tag, e.size));
         if n == 0 || n > MAX_RECVS {
             return self.protocol_error(n);
         }
-        if n == 1 && first.tag == tag && buf.len() as u64 <= u64::from(first.size) {
+        if n == 1 && first_tag == tag && buf.len() as u64 <= u64::from(first_size) {
             // NCCL's usual receive, one buffer, which the send fits (the slot is free: a slot
             // of one buffer is posted as its send matches). On one QP: one write.
-            let (qp, used) = self.plan.qps(self.seq, first.size as usize);
+            let (qp, used) = self.plan.qps(self.seq, first_size as usize);
             if used == 1 {
-                let remote = (first.addr, first.rkeys[modulo(qp, self.remote_sizes.2)]);
-                return self.post_single(slot, (remote, first.size), qp, buf, keys);
+                let remote_rail = modulo(qp, self.remote_sizes.2);
+                let remote = self.fifo.read(base, |e| (e.addr, e.rkeys[remote_rail]));
+                return self.post_single(slot, (remote, first_size), qp, buf, keys);
             }
         }
         let st = &mut self.slots[slot];
         if !st.busy {
             st.start(n);
-            st.room = first.size as usize;
+            st.room = first_size as usize;
         }
         // The first unmatched entry with this tag; each entry is read only when reached, and
         // one that has not landed yet means "not yet".
@@ -219,12 +226,10 @@ impl<N: Nic> SendState<N> {
             if i != 0 && cts_landed(&self.fifo, base + i) != want {
                 return Ok(None);
             }
-            // Only the fields used: a whole entry is a 64-byte-aligned copy.
             let (entry_tag, size) = if i == 0 {
-                (first.tag, first.size)
+                (first_tag, first_size)
             } else {
-                let entry = self.fifo.get(base + i);
-                (entry.tag, entry.size)
+                self.fifo.read(base + i, |e| (e.tag, e.size))
             };
             if entry_tag == tag {
                 found = Some((i, size));
@@ -337,9 +342,19 @@ impl<N: Nic> SendState<N> {
         Ok(None)
     }
 
+    /// An `isend` that found nothing to post: it looks around when `gate` let it through
+    /// only for that (no clear-to-send had come), or when it is an idle call due to look.
+    #[inline(never)]
+    fn not_yet(&mut self, gate: &SendGate<N::Mr>) -> Result<Option<usize>> {
+        if !self.clear_to_send() || gate.idle_call_looks() {
+            self.look_around()
+        } else {
+            Ok(None)
+        }
+    }
+
     /// An idle isend's look around: drains the CQs (the watchdog and peer watch ride along)
     /// and returns the comm's failure or a vanished peer as the error.
-    #[inline(never)]
     fn look_around(&mut self) -> Result<Option<usize>> {
         let r = self.progress(true);
         self.failure.record(r)?;
@@ -456,15 +471,15 @@ impl<N: Nic> SendState<N> {
                     continue;
                 }
                 // Matched entries have landed and stay put until this slot completes.
-                let e = self.fifo.get(base + i);
+                let (addr, rkey) = self.fifo.read(base + i, |e| (e.addr, e.rkeys[remote_rail]));
                 let (off, len) = piece(st.sizes[i], k, used);
                 if len > 0 {
                     chain.write(
                         st.addrs[i] + off as u64,
                         len as u32,
                         st.lkeys[i][r],
-                        e.addr + off as u64,
-                        e.rkeys[remote_rail],
+                        addr + off as u64,
+                        rkey,
                     );
                     bytes += len as u64;
                 }
@@ -476,8 +491,8 @@ impl<N: Nic> SendState<N> {
                     st.sizes[0] as u32
                 };
                 if chain.is_empty() {
-                    let e = self.fifo.get(base);
-                    chain.write_imm(0, 0, 0, e.addr, e.rkeys[remote_rail], imm);
+                    let (addr, rkey) = self.fifo.read(base, |e| (e.addr, e.rkeys[remote_rail]));
+                    chain.write_imm(0, 0, 0, addr, rkey, imm);
                 } else {
                     chain.last_with_imm(imm);
                 }
@@ -641,16 +656,9 @@ impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
 
     fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
-        let r = if s.clear_to_send() {
-            match s.isend(buf, tag, keys) {
-                // A slot of several buffers whose entries have not all landed, or none
-                // with this tag yet.
-                Ok(None) if self.gate.idle_call_looks() => s.look_around(),
-                r => r,
-            }
-        } else {
-            // `may_send` counted this call and said it should look around.
-            s.look_around()
+        let r = match s.isend(buf, tag, keys) {
+            Ok(None) => s.not_yet(&self.gate),
+            r => r,
         };
         self.gate.publish(&s);
         r

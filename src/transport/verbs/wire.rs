@@ -153,7 +153,10 @@ pub(crate) const STRIPE_MIN: usize = 16 << 10;
 /// 8), which are powers of two, and a division (tens of cycles) only for the others.
 #[inline(always)]
 pub(crate) fn modulo(x: usize, n: usize) -> usize {
-    if n.is_power_of_two() {
+    if n == 1 {
+        // One QP, one rail: the common case, decided by one compare.
+        0
+    } else if n.is_power_of_two() {
         x & (n - 1)
     } else {
         x % n
@@ -178,7 +181,9 @@ impl QpPlan {
     /// QP group taking turns. Otherwise one QP, taking turns (so over every rail).
     #[inline(always)]
     pub(crate) fn qps(&self, seq: u64, posted: usize) -> (usize, usize) {
-        if self.split {
+        if self.nqps == 1 {
+            (0, 1)
+        } else if self.split {
             (0, self.nqps)
         } else if self.rails > 1 && posted >= STRIPE_MIN {
             let groups = self.nqps / self.rails;
