@@ -49,21 +49,27 @@ impl Registration {
     /// Whether `addr..addr+len` lies inside this registration.
     #[cfg(test)]
     pub(crate) fn covers(&self, addr: usize, len: usize) -> bool {
-        covers((self.addr, self.len, self.dev), addr, len)
+        covers(
+            (self.addr, self.addr.saturating_add(self.len), self.dev),
+            addr,
+            len,
+        )
     }
 }
 
-/// Whether `addr..addr+len` lies inside registration `(addr, len, device)`.
+/// Whether `addr..addr+len` lies inside registration `(start, end, device)` (an empty
+/// buffer lies anywhere). No sum that could overflow.
 #[inline(always)]
 fn covers(reg: (usize, usize, usize), addr: usize, len: usize) -> bool {
-    len == 0 || (addr >= reg.0 && addr.saturating_add(len) <= reg.0 + reg.1)
+    (addr >= reg.0 && addr <= reg.1 && len <= reg.1 - addr) || len == 0
 }
 
 #[cold]
 fn outside_registration(addr: usize, len: usize, reg: (usize, usize, usize)) -> Error {
     Error::invalid_argument(format!(
         "buffer {addr:#x}+{len} lies outside its registration {:#x}+{}",
-        reg.0, reg.1
+        reg.0,
+        reg.1 - reg.0
     ))
 }
 
@@ -270,11 +276,9 @@ impl MrTable {
         let mut keys = MemKeys::default();
         cache.reg = self.read(handle, |slot| {
             slot.keys_into(&mut keys);
-            (
-                slot.addr.load(Ordering::Relaxed) as usize,
-                slot.len.load(Ordering::Relaxed) as usize,
-                slot.device(),
-            )
+            let start = slot.addr.load(Ordering::Relaxed) as usize;
+            let len = slot.len.load(Ordering::Relaxed) as usize;
+            (start, start.saturating_add(len), slot.device())
         })?;
         cache.keys = keys;
         cache.handle = handle;

@@ -123,7 +123,7 @@ pub(crate) struct KeyCache {
     pub(crate) handle: u64,
     /// The table's release count when the handle was read (`u64::MAX`: nothing cached).
     pub(crate) releases: u64,
-    /// (address, length, device) of the registration.
+    /// (start, end, device) of the registration.
     pub(crate) reg: (usize, usize, usize),
     pub(crate) keys: MemKeys,
 }

@@ -459,16 +459,13 @@ impl Completion<'_> {
         self.0.qp_num
     }
 
-    /// Immediate data (host order), when present (else 0).
+    /// The immediate data (host order) of a receive consumed by a WRITE_WITH_IMM
+    /// (`IBV_WC_RECV_RDMA_WITH_IMM`), which always carries one: no flag to test.
     #[inline(always)]
-    pub(crate) fn imm(&self) -> u32 {
-        if self.0.wc_flags & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0 {
-            // SAFETY: the union holds imm_data when IBV_WC_WITH_IMM is set; any u32 is a
-            // valid value.
-            u32::from_be(unsafe { self.0.imm_data_invalidated_rkey_union.imm_data })
-        } else {
-            0
-        }
+    pub(crate) fn write_imm(&self) -> u32 {
+        debug_assert_eq!(self.0.opcode, WC_RECV_RDMA_WITH_IMM);
+        // SAFETY: a plain u32 in a union of u32s; any bits are a valid value.
+        u32::from_be(unsafe { self.0.imm_data_invalidated_rkey_union.imm_data })
     }
 }
 

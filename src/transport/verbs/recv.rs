@@ -169,11 +169,14 @@ impl<N: Nic> RecvState<N> {
         tags: &[i32],
         keys: &impl BufferKeys,
     ) -> Result<Option<usize>> {
-        self.failure.check()?;
-        // No CQ poll here: `test` polls, and a free slot depends only on `test`.
-        if self.rails[0].cq.peer_gone {
-            let e = self.rails[0].cq.gone_error(&self.peer);
-            return self.failure.record(Err(e));
+        if !self.quiet {
+            // Quiet: neither failed nor left by the peer (nor holding clear-to-sends).
+            self.failure.check()?;
+            // No CQ poll here: `test` polls, and a free slot depends only on `test`.
+            if self.rails[0].cq.peer_gone {
+                let e = self.rails[0].cq.gone_error(&self.peer);
+                return self.failure.record(Err(e));
+            }
         }
         let slot = (self.seq % SLOTS as u64) as usize;
         if self.slots[slot].busy {
@@ -278,30 +281,32 @@ impl<N: Nic> RecvState<N> {
         sizes: &mut Sizes,
         polled: bool,
     ) -> Result<Option<usize>> {
-        if !self.slots.get(id).is_some_and(|st| st.busy) {
-            return self.test_flush(id);
+        let r = if polled {
+            // `test` found receive `id` waiting (so busy) and `polled` set.
+            self.drain_polled()
+        } else {
+            if !self.slots.get(id).is_some_and(|st| st.busy) {
+                return self.test_flush(id);
+            }
+            self.polled = true;
+            // As for sends, the CQ is polled only for a receive not yet known to be done.
+            if self.slots[id].imm_pending == 0 {
+                return self.finish_receive(id, sizes);
+            }
+            self.progress()
+        };
+        let _ = self.failure.record(r);
+        // A receive still waiting needs its clear-to-send at the sender, and the sender
+        // should keep holding a few.
+        if self.cts_posted != self.seq && (self.cts_held(id) || self.announced < CTS_HOLD_MIN) {
+            let r = self.post_pending_cts();
+            self.failure.record(r)?;
         }
-        self.polled = true;
-        // As for sends, the CQ is polled only for a receive not yet known to be done.
         if self.slots[id].imm_pending > 0 {
-            let r = if polled {
-                self.drain_polled()
-            } else {
-                self.progress()
-            };
-            let _ = self.failure.record(r);
-            // A receive still waiting needs its clear-to-send at the sender, and the sender
-            // should keep holding a few.
-            if self.cts_posted != self.seq && (self.cts_held(id) || self.announced < CTS_HOLD_MIN) {
-                let r = self.post_pending_cts();
-                self.failure.record(r)?;
+            if !self.lost() {
+                return Ok(None);
             }
-            if self.slots[id].imm_pending > 0 {
-                if !self.lost() {
-                    return Ok(None);
-                }
-                return self.receive_lost(id, sizes);
-            }
+            return self.receive_lost(id, sizes);
         }
         self.finish_receive(id, sizes)
     }
@@ -582,7 +587,7 @@ impl<N: Nic> RecvState<N> {
                 // sender's work completes them.
                 let st = &mut slots[slot];
                 if st.n == 1 {
-                    st.size0 = c.imm();
+                    st.size0 = c.write_imm();
                 }
                 st.imm_pending = st.imm_pending.saturating_sub(1);
                 return false;
@@ -687,7 +692,13 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
     ) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         let r = s.irecv(bufs, tags, keys);
-        s.quiet = s.is_quiet();
+        // A quiet comm stays so through a receive that went well (it polls nothing) unless
+        // its clear-to-send is held back.
+        s.quiet = if s.quiet && r.is_ok() {
+            s.cts_posted == s.seq
+        } else {
+            s.is_quiet()
+        };
         r
     }
 
