@@ -131,6 +131,25 @@ impl<T: Copy, R> DmaBuffer<T, R> {
         f(unsafe { &*self.ptr.add(i) })
     }
 
+    /// What `f` reads of element `i` once a peer's write has placed all of it: when the
+    /// `u64` at byte `offset` (the sequence number such a write places last, see
+    /// [`Self::get_u64`]) reads `want`; else None. One bounds check for both reads.
+    #[inline(always)]
+    pub(crate) fn read_landed<U>(
+        &self,
+        i: usize,
+        offset: usize,
+        want: u64,
+        f: impl FnOnce(&T) -> U,
+    ) -> Option<U> {
+        if self.get_u64(i, offset) != want {
+            return None;
+        }
+        // SAFETY: i < len (checked by `get_u64`) inside our allocation, and nothing writes
+        // the element while the reference lives (as for `get`).
+        Some(f(unsafe { &*self.ptr.add(i) }))
+    }
+
     /// Reads the `u64` at byte `offset` of element `i` as the NIC last wrote it, before any
     /// later read: the sequence number a peer's write places in the last bytes of an element,
     /// checked before the rest of it is read. (A read of the whole element is several loads in
