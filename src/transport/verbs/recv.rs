@@ -452,6 +452,14 @@ impl<N: Nic> RecvState<N> {
         Ok(())
     }
 
+    /// Posts one receive `wr_id` on connection QP `q` (of `rails` rails).
+    #[inline(always)] // into `post_receive`: once per receive
+    fn post_recv_on(&self, q: usize, rails: usize, wr_id: u64) -> Result<()> {
+        let (r, i) = locate(q, rails);
+        let rail = &self.rails[r];
+        rail.nic.post_recv(&rail.qps[i], wr_id)
+    }
+
     /// Posts receive `slot` (announced) on the QPs it uses, then its clear-to-send unless
     /// held back.
     fn post_receive(&mut self, slot: usize, bufs: &[UserBuffer]) -> Result<()> {
@@ -460,15 +468,13 @@ impl<N: Nic> RecvState<N> {
         // The sender decides from the first entry's size, saturated as the entry holds it.
         let posted = bufs[0].len().min(u32::MAX as usize);
         let (first_qp, used) = self.plan.qps(self.seq, posted);
-        let post = |q| {
-            let (r, i) = locate(q, rails);
-            let rail = &self.rails[r];
-            rail.nic.post_recv(&rail.qps[i], WrKind::Recv.id(slot))
-        };
+        let wr_id = WrKind::Recv.id(slot);
         if used == 1 {
-            post(first_qp)?;
+            self.post_recv_on(first_qp, rails, wr_id)?;
         } else {
-            (first_qp..first_qp + used).try_for_each(post)?;
+            for q in first_qp..first_qp + used {
+                self.post_recv_on(q, rails, wr_id)?;
+            }
         }
         self.slots[slot] = RecvSlot {
             busy: true,
