@@ -65,7 +65,7 @@ fn covers(reg: (usize, usize, usize), addr: usize, len: usize) -> bool {
 }
 
 #[cold]
-fn outside_registration(addr: usize, len: usize, reg: (usize, usize, usize)) -> Error {
+fn outside_registration(addr: usize, len: usize, reg: &(usize, usize, usize)) -> Error {
     Error::invalid_argument(format!(
         "buffer {addr:#x}+{len} lies outside its registration {:#x}+{}",
         reg.0,
@@ -259,12 +259,12 @@ impl MrTable {
         if cache.handle != handle || cache.releases != releases {
             self.fill(cache, handle, releases)?;
         }
-        let reg = cache.reg;
-        if !covers(reg, addr, len) {
-            return Err(outside_registration(addr, len, reg));
+        let (start, end, reg_dev) = cache.reg;
+        if !covers((start, end, reg_dev), addr, len) {
+            return Err(outside_registration(addr, len, &cache.reg));
         }
-        if dev.is_some_and(|d| d != reg.2) {
-            return Err(wrong_device(reg.2, dev.unwrap_or(0)));
+        if dev.is_some_and(|d| d != reg_dev) {
+            return Err(wrong_device(reg_dev, dev.unwrap_or(0)));
         }
         Ok(&cache.keys)
     }

@@ -325,31 +325,6 @@ impl SendChain {
         last.send_flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
     }
 
-    /// Posts one signaled RDMA WRITE WITH IMMEDIATE (`imm` in host order) of `local`
-    /// (address, length, lkey) to `remote` (address, rkey), with `wr_id`, inline when a
-    /// non-empty write of at most `max_inline` bytes (0 for GPU memory, which the CPU cannot
-    /// copy at post): a single message's send, without the chain's per-request loops. The
-    /// chain then holds that one request.
-    pub(crate) fn post_write_imm<N: Nic>(
-        &mut self,
-        nic: &N,
-        qp: &N::Qp,
-        (local, remote): ((u64, u32, u32), (u64, u32)),
-        imm: u32,
-        wr_id: u64,
-        max_inline: u32,
-    ) -> Result<()> {
-        self.clear();
-        self.write_imm(local.0, local.1, local.2, remote.0, remote.1, imm);
-        let sge = &mut self.sges[0] as *mut ibv_sge;
-        let wr = &mut self.wrs[0];
-        wr.wr_id = wr_id;
-        wr.sg_list = sge;
-        wr.send_flags =
-            inline_flag(wr.opcode, local.1, max_inline) | ibv_send_flags::IBV_SEND_SIGNALED.0;
-        nic.post_send(qp, wr)
-    }
-
     /// Posts the chain on `qp` of `nic`.
     pub(crate) fn post<N: Nic>(&mut self, nic: &N, qp: &N::Qp) -> Result<()> {
         if self.len == 0 {
@@ -423,6 +398,65 @@ impl FixedWrite {
             flags |= ibv_send_flags::IBV_SEND_SIGNALED.0;
         }
         self.wr.send_flags = flags;
+        nic.post_send(qp, &mut self.wr)
+    }
+}
+
+/// One signaled RDMA WRITE WITH IMMEDIATE, built once: a post sets only what changes
+/// (addresses, keys, length, immediate, id, flags). A single message's send, without the
+/// chain's per-request bookkeeping.
+pub(crate) struct WriteImm {
+    wr: ibv_send_wr,
+    sge: ibv_sge,
+}
+
+// SAFETY: plain data; the one pointer (to its own SGE) is set again at every post.
+unsafe impl Send for WriteImm {}
+
+impl Default for WriteImm {
+    fn default() -> Self {
+        // SAFETY: all-zero is a valid (empty) work request and SGE.
+        let mut w: WriteImm = unsafe { std::mem::zeroed() };
+        w.wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM;
+        w
+    }
+}
+
+impl WriteImm {
+    /// Posts the write of `local` (address, length, lkey) to `remote` (address, rkey) on
+    /// `qp` of `nic`, carrying `imm` (host order), with `wr_id`; inline when a non-empty
+    /// write of at most `max_inline` bytes (0 for GPU memory, which the CPU cannot copy at
+    /// post).
+    #[inline(always)]
+    pub(crate) fn post<N: Nic>(
+        &mut self,
+        nic: &N,
+        qp: &N::Qp,
+        (local, remote): ((u64, u32, u32), (u64, u32)),
+        imm: u32,
+        wr_id: u64,
+        max_inline: u32,
+    ) -> Result<()> {
+        self.sge = ibv_sge {
+            addr: local.0,
+            length: local.1,
+            lkey: local.2,
+        };
+        // The value may have moved since the last post.
+        self.wr.sg_list = &mut self.sge;
+        self.wr.num_sge = i32::from(local.1 > 0);
+        self.wr.wr.rdma = rdma_t {
+            remote_addr: remote.0,
+            rkey: remote.1,
+        };
+        self.wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
+        self.wr.wr_id = wr_id;
+        let inline = if local.1 > 0 && local.1 <= max_inline {
+            ibv_send_flags::IBV_SEND_INLINE.0
+        } else {
+            0
+        };
+        self.wr.send_flags = inline | ibv_send_flags::IBV_SEND_SIGNALED.0;
         nic.post_send(qp, &mut self.wr)
     }
 }
@@ -519,12 +553,6 @@ impl WcBatch {
     /// How many completions the last poll returned.
     pub(crate) fn polled(&self) -> usize {
         self.n
-    }
-
-    /// Completion `i` (below [`Self::polled`]) of the last poll.
-    #[inline(always)]
-    pub(crate) fn get(&self, i: usize) -> Completion<'_> {
-        Completion(&self.wcs[..self.n][i])
     }
 
     /// The completions of the last poll, in order.

@@ -25,7 +25,7 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, MAX_RECVS};
-use crate::verbs::dma::{DmaBuffer, SendChain};
+use crate::verbs::dma::{DmaBuffer, SendChain, WriteImm};
 use crate::verbs::nic::{Nic, QueuePair};
 
 /// An `isend` that finds nothing to post looks around (polls the CQs) once in this many
@@ -126,6 +126,8 @@ pub(crate) struct SendState<N: Nic> {
     seq: u64,
     slots: [SendSlot; SLOTS],
     chain: SendChain,
+    /// The write of a single message's send.
+    single: WriteImm,
     /// The last registration handle `isend` looked up.
     key_cache: KeyCache,
     failure: Failure,
@@ -151,6 +153,7 @@ impl<N: Nic> SendState<N> {
             seq: 0,
             slots: [SendSlot::FREE; SLOTS],
             chain: SendChain::new(),
+            single: WriteImm::default(),
             key_cache: KeyCache::default(),
             failure: Failure::default(),
             peer,
@@ -295,7 +298,7 @@ impl<N: Nic> SendState<N> {
         let len = buf.len() as u32;
         // Inline data is copied by the CPU at post: never from GPU memory.
         let max_inline = if mem.host { qp_r.max_inline() } else { 0 };
-        let post = self.chain.post_write_imm(
+        let post = self.single.post(
             &*rail.nic,
             qp_r,
             ((buf.addr() as u64, len, mem.lkey(r)), remote),
