@@ -555,6 +555,12 @@ impl WcBatch {
         self.n
     }
 
+    /// Completion `i` (below [`Self::polled`]) of the last poll.
+    #[inline(always)]
+    pub(crate) fn get(&self, i: usize) -> Completion<'_> {
+        Completion(&self.wcs[..self.n][i])
+    }
+
     /// The completions of the last poll, in order.
     #[inline(always)]
     pub(crate) fn iter(&self) -> impl Iterator<Item = Completion<'_>> {

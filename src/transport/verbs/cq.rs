@@ -103,6 +103,8 @@ pub(crate) struct CqPoller<N: Nic> {
     wc: WcBatch,
     /// The last poll's failure, for the drain to return.
     poll_error: Option<Error>,
+    /// Where in the batch [`Self::hand_out`] met a failed completion.
+    failed_at: Option<usize>,
     epoch: u64,
     calls: u32,
     oob: Option<TcpStream>,
@@ -120,6 +122,7 @@ impl<N: Nic> CqPoller<N> {
             cq,
             wc: WcBatch::new(),
             poll_error: None,
+            failed_at: None,
             epoch: 0,
             calls: 0,
             oob: None,
@@ -205,9 +208,9 @@ impl<N: Nic> CqPoller<N> {
         }
         loop {
             let n = self.wc.polled();
-            for c in self.wc.iter() {
+            for (i, c) in self.wc.iter().enumerate() {
                 if c.status() != WC_SUCCESS {
-                    // The batch stays as it is for `drain_error` to describe.
+                    self.failed_at = Some(i);
                     return false;
                 }
                 on(c);
@@ -230,10 +233,8 @@ impl<N: Nic> CqPoller<N> {
         if let Some(e) = self.poll_error.take() {
             return e;
         }
-        match self.wc.iter().find(|c| c.status() != WC_SUCCESS) {
-            Some(c) => cqe_error(nic, peer, c),
-            None => Error::misuse("a drain failed without a failed completion".into()),
-        }
+        let i = self.failed_at.take().unwrap_or(0);
+        cqe_error(nic, peer, self.wc.get(i))
     }
 
     /// Whether the slow checks (peer, asynchronous events, watchdog) are due after this
