@@ -51,12 +51,13 @@ fn callback() -> Option<Callback> {
     }
 }
 
-/// Starts an event for a request just posted under `phandle`.
+/// Starts an event, described by `event()`, for a request just posted under `phandle`.
 #[inline]
-pub(crate) fn start(token: &RequestToken, phandle: *mut c_void, event: NetEvent) {
-    // The data path's common case, profiler off, is one load.
+pub(crate) fn start(token: &RequestToken, phandle: *mut c_void, event: impl FnOnce() -> NetEvent) {
+    // The data path's common case, profiler off, is one load; the event is built only for
+    // a profiler.
     if !phandle.is_null() && CALLBACK.load(Ordering::Relaxed) != 0 {
-        start_event(token, phandle, event);
+        start_event(token, phandle, event());
     }
 }
 

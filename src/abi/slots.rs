@@ -272,7 +272,7 @@ fn post_send(
     let size = usize::try_from(size).map_err(|_| bad_send_size(size))?;
     let buf = user_buffer(data, size)?;
     if let Some(token) = comm.isend(buf, tag, mhandle as usize as u64)? {
-        let event = NetEvent {
+        let event = || NetEvent {
             kind: 0,
             n: 1,
             size: buf.len() as u64,
@@ -399,7 +399,7 @@ fn post_recv(
 ) -> Result<()> {
     if let Some(token) = comm.irecv(bufs, tags, mhandles)? {
         if !phandles.is_null() {
-            let event = NetEvent {
+            let event = || NetEvent {
                 kind: 1,
                 n: bufs.len() as u32,
                 size: bufs.iter().map(|b| b.len() as u64).sum(),

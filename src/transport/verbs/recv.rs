@@ -36,6 +36,7 @@ pub(crate) const CTS_HOLD_MIN: u64 = 2;
 /// before it; errors complete regardless. Each signaled one costs a completion to poll and
 /// hand out, in whichever `test` comes next.
 const CTS_SIGNAL_EVERY: u32 = SLOTS as u32;
+const _: () = assert!(CTS_SIGNAL_EVERY.is_power_of_two());
 /// Send queue depth of a receiver's QPs: up to `SLOTS` receives announced and not finished,
 /// each by its own write at worst, plus the unsignaled writes since the last signaled one,
 /// plus a probe, with room to spare.
@@ -245,7 +246,7 @@ impl<N: Nic> RecvState<N> {
                 return Ok(None);
             }
         }
-        self.test_further(id, sizes, waiting)
+        or_not_yet(self.test_further(id, sizes, waiting))
     }
 
     /// Whether nothing but data is awaited: the comm has not failed, the peer is there, and
@@ -261,16 +262,12 @@ impl<N: Nic> RecvState<N> {
 
     /// `test` of request `id` beyond the idle case; `polled`: the rails were just polled,
     /// and what they found is still to be drained.
+    /// Returns [`NOT_YET`] for "not done".
     #[inline(never)]
-    fn test_further(
-        &mut self,
-        id: usize,
-        sizes: &mut Sizes,
-        polled: bool,
-    ) -> Result<Option<usize>> {
+    fn test_further(&mut self, id: usize, sizes: &mut Sizes, polled: bool) -> Result<usize> {
         let r = self.test_request(id, sizes, polled);
         self.quiet = self.is_quiet();
-        r
+        r.map(|n| n.unwrap_or(NOT_YET))
     }
 
     /// The body of [`Self::test_further`].
@@ -530,11 +527,9 @@ impl<N: Nic> RecvState<N> {
     #[inline(always)]
     fn post_cts_run(&mut self, first: usize, k: usize) -> Result<()> {
         let bytes = ((k - 1) * MAX_RECVS + self.slots[first + k - 1].n) * CTS_BYTES;
-        self.cts_unsignaled += 1;
-        let signaled = self.cts_unsignaled >= CTS_SIGNAL_EVERY;
-        if signaled {
-            self.cts_unsignaled = 0;
-        }
+        // Every CTS_SIGNAL_EVERY-th write (a power of two: a mask) is signaled.
+        self.cts_unsignaled = (self.cts_unsignaled + 1) % CTS_SIGNAL_EVERY;
+        let signaled = self.cts_unsignaled == 0;
         // The connection's QP 0: the receiver's rail 0 to the sender's rail 0.
         let rail = &mut self.rails[0];
         let qp = &rail.qps[0];
@@ -651,6 +646,17 @@ fn too_many_flushes() -> Error {
     ))
 }
 
+/// What the receive path's out-of-line calls return for "not yet" (`Ok(None)`), a value
+/// no request id or message count takes: `Result<usize>` comes back in two registers,
+/// where `Result<Option<usize>>` would go through memory.
+const NOT_YET: usize = usize::MAX;
+
+/// A result with [`NOT_YET`] as the transport contract's `Option`.
+#[inline(always)]
+fn or_not_yet(r: Result<usize>) -> Result<Option<usize>> {
+    r.map(|v| (v != NOT_YET).then_some(v))
+}
+
 /// A receive comm over verbs.
 pub(crate) struct VerbsRecvComm<N: Nic> {
     inner: Mutex<RecvState<N>>,
@@ -672,6 +678,26 @@ impl<N: Nic> VerbsRecvComm<N> {
         (s.seq, s.cts_posted) = (seq, seq);
     }
 
+    /// `irecv` under the comm's lock; [`NOT_YET`] when 32 receives are in flight.
+    #[inline(never)]
+    fn irecv_locked(
+        &self,
+        bufs: &[UserBuffer],
+        tags: &[i32],
+        keys: &impl BufferKeys,
+    ) -> Result<usize> {
+        let mut s = self.inner.lock();
+        let r = s.irecv(bufs, tags, keys);
+        // A quiet comm stays so through a receive that went well (it polls nothing) unless
+        // its clear-to-send is held back.
+        s.quiet = if s.quiet && r.is_ok() {
+            s.cts_posted == s.seq
+        } else {
+            s.is_quiet()
+        };
+        r.map(|id| id.unwrap_or(NOT_YET))
+    }
+
     /// Clear-to-send writes posted, and the receives they announced.
     #[cfg(test)]
     pub(crate) fn cts_counts(&self) -> (u64, u64) {
@@ -690,22 +716,14 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         self.inner.lock().peer.clone()
     }
 
+    #[inline(always)] // the conversion; the call stays out of line
     fn irecv(
         &self,
         bufs: &[UserBuffer],
         tags: &[i32],
         keys: &impl BufferKeys,
     ) -> Result<Option<usize>> {
-        let mut s = self.inner.lock();
-        let r = s.irecv(bufs, tags, keys);
-        // A quiet comm stays so through a receive that went well (it polls nothing) unless
-        // its clear-to-send is held back.
-        s.quiet = if s.quiet && r.is_ok() {
-            s.cts_posted == s.seq
-        } else {
-            s.is_quiet()
-        };
-        r
+        or_not_yet(self.irecv_locked(bufs, tags, keys))
     }
 
     fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>> {
