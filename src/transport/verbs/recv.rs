@@ -246,7 +246,7 @@ impl<N: Nic> RecvState<N> {
                 return Ok(None);
             }
         }
-        or_not_yet(self.test_further(id, sizes, waiting))
+        self.test_further(id, sizes, waiting)
     }
 
     /// Whether nothing but data is awaited: the comm has not failed, the peer is there, and
@@ -262,12 +262,16 @@ impl<N: Nic> RecvState<N> {
 
     /// `test` of request `id` beyond the idle case; `polled`: the rails were just polled,
     /// and what they found is still to be drained.
-    /// Returns [`NOT_YET`] for "not done".
     #[inline(never)]
-    fn test_further(&mut self, id: usize, sizes: &mut Sizes, polled: bool) -> Result<usize> {
+    fn test_further(
+        &mut self,
+        id: usize,
+        sizes: &mut Sizes,
+        polled: bool,
+    ) -> Result<Option<usize>> {
         let r = self.test_request(id, sizes, polled);
         self.quiet = self.is_quiet();
-        r.map(|n| n.unwrap_or(NOT_YET))
+        r
     }
 
     /// The body of [`Self::test_further`].
@@ -646,17 +650,6 @@ fn too_many_flushes() -> Error {
     ))
 }
 
-/// What the receive path's out-of-line calls return for "not yet" (`Ok(None)`), a value
-/// no request id or message count takes: `Result<usize>` comes back in two registers,
-/// where `Result<Option<usize>>` would go through memory.
-const NOT_YET: usize = usize::MAX;
-
-/// A result with [`NOT_YET`] as the transport contract's `Option`.
-#[inline(always)]
-fn or_not_yet(r: Result<usize>) -> Result<Option<usize>> {
-    r.map(|v| (v != NOT_YET).then_some(v))
-}
-
 /// A receive comm over verbs.
 pub(crate) struct VerbsRecvComm<N: Nic> {
     inner: Mutex<RecvState<N>>,
@@ -678,26 +671,6 @@ impl<N: Nic> VerbsRecvComm<N> {
         (s.seq, s.cts_posted) = (seq, seq);
     }
 
-    /// `irecv` under the comm's lock; [`NOT_YET`] when 32 receives are in flight.
-    #[inline(never)]
-    fn irecv_locked(
-        &self,
-        bufs: &[UserBuffer],
-        tags: &[i32],
-        keys: &impl BufferKeys,
-    ) -> Result<usize> {
-        let mut s = self.inner.lock();
-        let r = s.irecv(bufs, tags, keys);
-        // A quiet comm stays so through a receive that went well (it polls nothing) unless
-        // its clear-to-send is held back.
-        s.quiet = if s.quiet && r.is_ok() {
-            s.cts_posted == s.seq
-        } else {
-            s.is_quiet()
-        };
-        r.map(|id| id.unwrap_or(NOT_YET))
-    }
-
     /// Clear-to-send writes posted, and the receives they announced.
     #[cfg(test)]
     pub(crate) fn cts_counts(&self) -> (u64, u64) {
@@ -716,14 +689,22 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         self.inner.lock().peer.clone()
     }
 
-    #[inline(always)] // the conversion; the call stays out of line
     fn irecv(
         &self,
         bufs: &[UserBuffer],
         tags: &[i32],
         keys: &impl BufferKeys,
     ) -> Result<Option<usize>> {
-        or_not_yet(self.irecv_locked(bufs, tags, keys))
+        let mut s = self.inner.lock();
+        let r = s.irecv(bufs, tags, keys);
+        // A quiet comm stays so through a receive that went well (it polls nothing) unless
+        // its clear-to-send is held back.
+        s.quiet = if s.quiet && r.is_ok() {
+            s.cts_posted == s.seq
+        } else {
+            s.is_quiet()
+        };
+        r
     }
 
     fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>> {
