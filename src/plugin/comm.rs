@@ -126,20 +126,19 @@ fn tokens(owner: RequestOwner, n: usize) -> Box<[RequestToken]> {
         .collect()
 }
 
-/// The lookup of a call's buffers `bufs`, registered as NCCL's `mhandles`, on device
-/// `dev`, which the transport makes per buffer it needs (see `BufferKeys`).
+/// The lookup of a call's buffers, registered as NCCL's `mhandles`, on device `dev`, which
+/// the transport makes per buffer it needs (see `BufferKeys`).
 struct HandleKeys<'a> {
     plugin: &'a Plugin,
     dev: usize,
-    bufs: &'a [UserBuffer],
     mhandles: &'a [u64],
 }
 
 impl BufferKeys for HandleKeys<'_> {
     #[inline(always)]
-    fn keys<'c>(&self, i: usize, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
+    fn keys<'c>(&self, i: usize, buf: UserBuffer, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
         self.plugin
-            .buffer_keys(cache, self.mhandles[i], self.dev, self.bufs[i])
+            .buffer_keys(cache, self.mhandles[i], self.dev, buf)
     }
 }
 
@@ -204,7 +203,6 @@ impl SendComm {
         let keys = HandleKeys {
             plugin: &self.plugin,
             dev: self.dev,
-            bufs: std::slice::from_ref(&buf),
             mhandles: std::slice::from_ref(&mhandle),
         };
         let id = self.inner.isend(buf, tag, &keys);
@@ -270,13 +268,12 @@ impl RecvComm {
         (&self.plugin, self.dev)
     }
 
-    /// The lookup of the keys of `bufs`, registered as `mhandles`.
+    /// The lookup of the keys of buffers registered as `mhandles`.
     #[inline(always)]
-    fn keys<'a>(&'a self, bufs: &'a [UserBuffer], mhandles: &'a [u64]) -> HandleKeys<'a> {
+    fn keys<'a>(&'a self, mhandles: &'a [u64]) -> HandleKeys<'a> {
         HandleKeys {
             plugin: &self.plugin,
             dev: self.dev,
-            bufs,
             mhandles,
         }
     }
@@ -290,7 +287,7 @@ impl RecvComm {
         tags: &[i32],
         mhandles: &[u64],
     ) -> Result<Option<&RequestToken>> {
-        let keys = self.keys(bufs, mhandles);
+        let keys = self.keys(mhandles);
         let id = self.inner.irecv(bufs, tags, &keys);
         if id.is_err() {
             self.stats.failed();
@@ -304,7 +301,7 @@ impl RecvComm {
         bufs: &[UserBuffer],
         mhandles: &[u64],
     ) -> Result<Option<&RequestToken>> {
-        let keys = self.keys(bufs, mhandles);
+        let keys = self.keys(mhandles);
         let id = self.inner.iflush(bufs, &keys)?;
         Ok(id.map(|id| &self.tokens[id]))
     }

@@ -108,10 +108,10 @@ impl MemKeys {
 /// and a retry that finds none should cost no lookup; `irecv` looks up only the buffers it
 /// has. (The plugin passes a lookup of NCCL's handles; tests pass the keys themselves.)
 pub(crate) trait BufferKeys {
-    /// The keys of buffer `i`, or the error of a handle that does not cover it, through
-    /// `cache`: the comm's last lookup, which the transport keeps under the comm's lock (a
-    /// repeated handle is then two compares, and the keys are read in place).
-    fn keys<'c>(&self, i: usize, cache: &'c mut KeyCache) -> Result<&'c MemKeys>;
+    /// The keys of buffer `i`, `buf`, or the error of a handle that does not cover it,
+    /// through `cache`: the comm's last lookup, which the transport keeps under the comm's
+    /// lock (a repeated handle is then two compares, and the keys are read in place).
+    fn keys<'c>(&self, i: usize, buf: UserBuffer, cache: &'c mut KeyCache) -> Result<&'c MemKeys>;
 }
 
 /// The last registration handle one comm looked up, and what it found. Filled by the
@@ -153,21 +153,21 @@ impl KeyCache {
 
 #[cfg(test)]
 impl BufferKeys for MemKeys {
-    fn keys<'c>(&self, _: usize, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
+    fn keys<'c>(&self, _: usize, _: UserBuffer, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
         Ok(cache.hold(*self))
     }
 }
 
 #[cfg(test)]
 impl<const N: usize> BufferKeys for [MemKeys; N] {
-    fn keys<'c>(&self, i: usize, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
+    fn keys<'c>(&self, i: usize, _: UserBuffer, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
         Ok(cache.hold(self[i]))
     }
 }
 
 #[cfg(test)]
 impl BufferKeys for Vec<MemKeys> {
-    fn keys<'c>(&self, i: usize, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
+    fn keys<'c>(&self, i: usize, _: UserBuffer, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
         Ok(cache.hold(self[i]))
     }
 }

@@ -22,6 +22,7 @@ use std::{
 
 use socket2::Socket;
 
+use crate::buffer::UserBuffer;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::oob::{
@@ -49,11 +50,15 @@ pub(super) fn send_nosignal(sock: &Socket, bufs: &[IoSlice<'_>]) -> io::Result<u
     sock.send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
 }
 
-/// Checks that NCCL's handles cover the call's first `n` buffers. Sockets need no keys, but a
+/// Checks that NCCL's handles cover the call's buffers `bufs`. Sockets need no keys, but a
 /// handle that does not cover its buffer is NCCL's error on every transport.
-pub(super) fn check_handles(keys: &dyn BufferKeys, n: usize, cache: &mut KeyCache) -> Result<()> {
-    for i in 0..n {
-        keys.keys(i, cache)?;
+pub(super) fn check_handles(
+    keys: &dyn BufferKeys,
+    bufs: &[UserBuffer],
+    cache: &mut KeyCache,
+) -> Result<()> {
+    for (i, buf) in bufs.iter().enumerate() {
+        keys.keys(i, *buf, cache)?;
     }
     Ok(())
 }

@@ -112,7 +112,7 @@ impl RecvEndpoint for TcpRecvComm {
 
     fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>> {
         // Data is copied by the CPU: nothing to flush.
-        check_handles(keys, bufs.len(), &mut KeyCache::default())?;
+        check_handles(keys, bufs, &mut KeyCache::default())?;
         Ok(None)
     }
 
@@ -129,7 +129,7 @@ impl RecvEndpoint for TcpRecvComm {
         if s.reqs[slot].state != RecvState::Free {
             return Ok(None);
         }
-        check_handles(keys, bufs.len(), &mut s.key_cache)?;
+        check_handles(keys, bufs, &mut s.key_cache)?;
         let seq = s.next_seq;
         let n = bufs.len();
         let req = &mut s.reqs[slot];

@@ -130,7 +130,7 @@ impl SendEndpoint for TcpSendComm {
         else {
             return Ok(None);
         };
-        check_handles(keys, 1, &mut s.key_cache)?;
+        check_handles(keys, std::slice::from_ref(&buf), &mut s.key_cache)?;
         let group = &mut s.cts[g];
         group.matched |= 1 << entry;
         let (group_seq, posted) = (group.seq, group.sizes[entry]);

@@ -202,7 +202,7 @@ impl<N: Nic> RecvState<N> {
         let Some(last) = (0..bufs.len()).rev().find(|&i| !bufs[i].is_empty()) else {
             return Ok(None);
         };
-        let mem = *keys.keys(last, &mut self.key_cache)?;
+        let mem = *keys.keys(last, bufs[last], &mut self.key_cache)?;
         // NULL would tell NCCL "no flush needed" and it would not retry, so a busy slot
         // (a flush of another sub still untested) means taking the next free one. NCCL keeps
         // at most 32 requests in flight per comm, so one is free unless the caller broke that.
@@ -445,7 +445,7 @@ impl<N: Nic> RecvState<N> {
         tag: i32,
         keys: &impl BufferKeys,
     ) -> Result<()> {
-        let mem = keys.keys(i, &mut self.key_cache)?;
+        let mem = keys.keys(i, buf, &mut self.key_cache)?;
         // All of them, as the registration holds them: the sender reads those of this
         // comm's rails.
         let entry = CtsEntry::new(buf.addr() as u64, buf.len(), mem.rkeys, tag, n, self.seq);

@@ -246,7 +246,7 @@ impl<N: Nic> SendState<N> {
         let Some((e, room)) = found else {
             return Ok(None);
         };
-        let mem = keys.keys(0, &mut self.key_cache)?;
+        let mem = keys.keys(0, buf, &mut self.key_cache)?;
         let st = &mut self.slots[slot];
         st.matched |= 1 << e;
         st.sizes[e] = buf.len();
@@ -291,7 +291,7 @@ impl<N: Nic> SendState<N> {
         buf: UserBuffer,
         keys: &impl BufferKeys,
     ) -> Result<Option<usize>> {
-        let mem = keys.keys(0, &mut self.key_cache)?;
+        let mem = keys.keys(0, buf, &mut self.key_cache)?;
         let (r, i) = locate(qp, self.plan.rails);
         let rail = &mut self.rails[r];
         let qp_r = &rail.qps[i];

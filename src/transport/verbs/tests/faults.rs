@@ -234,7 +234,7 @@ fn a_connect_to_a_device_of_another_link_layer_is_refused_with_both_names() {
 struct BadHandle;
 
 impl BufferKeys for BadHandle {
-    fn keys<'c>(&self, _: usize, _: &'c mut KeyCache) -> Result<&'c MemKeys> {
+    fn keys<'c>(&self, _: usize, _: UserBuffer, _: &'c mut KeyCache) -> Result<&'c MemKeys> {
         Err(Error::misuse("bad handle".into()))
     }
 }
