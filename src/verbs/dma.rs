@@ -610,4 +610,33 @@ mod tests {
             assert_eq!(b.get(len - 1), 7);
         }
     }
+
+    #[test]
+    fn an_element_is_read_only_once_its_sequence_number_has_landed() {
+        #[derive(Clone, Copy)]
+        #[repr(C, align(8))]
+        struct Entry {
+            size: u32,
+            tag: i32,
+            seq: u64,
+        }
+        let b = DmaBuffer::<Entry, ()>::new(4, 1, |_, _, _| Ok(((), 1, 2))).unwrap();
+        let at = std::mem::offset_of!(Entry, seq);
+        let fields = |e: &Entry| (e.size, e.tag);
+        // Zeroed: no entry has landed, so nothing is read.
+        assert_eq!(b.read_landed(2, at, 1, fields), None);
+        b.set(
+            2,
+            Entry {
+                size: 64,
+                tag: 5,
+                seq: 1,
+            },
+        );
+        assert_eq!(b.read_landed(2, at, 1, fields), Some((64, 5)));
+        // An entry left over from an earlier round does not pass for the next.
+        assert_eq!(b.read_landed(2, at, 2, fields), None);
+        assert_eq!(b.read(2, |e| e.tag), 5);
+        assert_eq!(b.read_landed(3, at, 1, fields), None);
+    }
 }
