@@ -689,6 +689,7 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         self.inner.lock().peer.clone()
     }
 
+    #[inline(always)]
     fn irecv(
         &self,
         bufs: &[UserBuffer],
