@@ -111,12 +111,7 @@ impl<T: Copy, R> DmaBuffer<T, R> {
     /// sequence number [`Self::get_u64`] read, or one whose completion was polled).
     #[inline(always)]
     pub(crate) fn get(&self, i: usize) -> T {
-        assert!(i < self.len);
-        // Nothing here may move before the read that said the element has landed.
-        atomic::fence(atomic::Ordering::Acquire);
-        // SAFETY: i < len inside our allocation. A plain read: nothing writes the element
-        // now, and it lets the compiler load only the fields the caller uses.
-        unsafe { std::ptr::read(self.ptr.add(i)) }
+        self.read(i, |e| *e)
     }
 
     /// What `f` reads of element `i`, which the NIC has finished writing (as for
@@ -127,7 +122,7 @@ impl<T: Copy, R> DmaBuffer<T, R> {
         // Nothing here may move before the read that said the element has landed.
         atomic::fence(atomic::Ordering::Acquire);
         // SAFETY: i < len inside our allocation, and nothing writes the element while the
-        // reference lives (as for `get`).
+        // reference lives. Plain reads: they let the compiler load only the fields used.
         f(unsafe { &*self.ptr.add(i) })
     }
 
@@ -146,7 +141,7 @@ impl<T: Copy, R> DmaBuffer<T, R> {
             return None;
         }
         // SAFETY: i < len (checked by `get_u64`) inside our allocation, and nothing writes
-        // the element while the reference lives (as for `get`).
+        // the element while the reference lives (as for `read`).
         Some(f(unsafe { &*self.ptr.add(i) }))
     }
 
@@ -451,12 +446,11 @@ impl WriteImm {
         };
         self.wr.imm_data_invalidated_rkey_union.imm_data = imm.to_be();
         self.wr.wr_id = wr_id;
-        let inline = if local.1 > 0 && local.1 <= max_inline {
-            ibv_send_flags::IBV_SEND_INLINE.0
-        } else {
-            0
-        };
-        self.wr.send_flags = inline | ibv_send_flags::IBV_SEND_SIGNALED.0;
+        self.wr.send_flags = inline_flag(
+            ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM,
+            local.1,
+            max_inline,
+        ) | ibv_send_flags::IBV_SEND_SIGNALED.0;
         nic.post_send(qp, &mut self.wr)
     }
 }
