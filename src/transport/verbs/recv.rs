@@ -235,8 +235,7 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// `test` of receive or flush request `id`. The proxy's idle test, of a receive still
-    /// waiting on a quiet comm, is one CQ poll per rail that finds nothing; everything else
-    /// goes out of line.
+    /// waiting on a quiet comm, is one CQ poll per rail that finds nothing.
     #[inline(always)]
     fn test(&mut self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
         let waiting = self.quiet && self.slots.get(id).is_some_and(|st| st.imm_pending > 0);
@@ -246,7 +245,9 @@ impl<N: Nic> RecvState<N> {
                 return Ok(None);
             }
         }
-        self.test_further(id, sizes, waiting)
+        let r = self.test_request(id, sizes, waiting);
+        self.quiet = self.is_quiet();
+        r
     }
 
     /// Whether nothing but data is awaited: the comm has not failed, the peer is there, and
@@ -262,20 +263,7 @@ impl<N: Nic> RecvState<N> {
 
     /// `test` of request `id` beyond the idle case; `polled`: the rails were just polled,
     /// and what they found is still to be drained.
-    #[inline(never)]
-    fn test_further(
-        &mut self,
-        id: usize,
-        sizes: &mut Sizes,
-        polled: bool,
-    ) -> Result<Option<usize>> {
-        let r = self.test_request(id, sizes, polled);
-        self.quiet = self.is_quiet();
-        r
-    }
-
-    /// The body of [`Self::test_further`].
-    #[inline(always)]
+    #[inline(always)] // into `test`, which holds the idle case: its frame is paid already
     fn test_request(
         &mut self,
         id: usize,
