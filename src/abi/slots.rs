@@ -228,18 +228,17 @@ pub(super) fn user_buffer(data: *mut c_void, size: usize) -> Result<UserBuffer> 
     Ok(unsafe { UserBuffer::new(data as *mut u8, size) })
 }
 
-/// `isend` for any version. `size` is the version's C type widened: an `int` sign-extended
-/// (negative stays negative and is refused), a `size_t` as is (one beyond `i64::MAX` reads
-/// negative, and is refused too: no send is that large). One word, so the exports pass it
-/// on in a register.
+/// `isend` of v10+ (a `size_t` size and a profiler parent), which the older versions call
+/// with their `size` widened: an `int` sign-extended (negative stays negative and is
+/// refused), a `size_t` as is (one beyond `i64::MAX` reads negative, and is refused too: no
+/// send is that large).
 ///
 /// Most calls are NCCL's retries before the receiver's clear-to-send: they return NULL
 /// here after a few loads, without calling anything.
-#[inline(never)] // one copy for every version, so the panic boundary inlines into it
-fn isend(
+pub(super) extern "C" fn isend_v10(
     comm: *mut c_void,
     data: *mut c_void,
-    size: i64,
+    size: usize,
     tag: c_int,
     mhandle: *mut c_void,
     phandle: *mut c_void,
@@ -254,7 +253,7 @@ fn isend(
         if !comm.may_send() {
             return Ok(());
         }
-        post_send(comm, data, size, tag, mhandle, phandle, request)
+        post_send(comm, data, size as i64, tag, mhandle, phandle, request)
     })
 }
 
@@ -300,10 +299,10 @@ pub(super) extern "C" fn isend_int(
     mhandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    isend(
+    isend_v10(
         comm,
         data,
-        i64::from(size),
+        i64::from(size) as usize,
         tag,
         mhandle,
         std::ptr::null_mut(),
@@ -319,27 +318,15 @@ pub(super) extern "C" fn isend_size_t(
     mhandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    isend(
+    isend_v10(
         comm,
         data,
-        size as i64,
+        size,
         tag,
         mhandle,
         std::ptr::null_mut(),
         request,
     )
-}
-
-pub(super) extern "C" fn isend_v10(
-    comm: *mut c_void,
-    data: *mut c_void,
-    size: usize,
-    tag: c_int,
-    mhandle: *mut c_void,
-    phandle: *mut c_void,
-    request: *mut *mut c_void,
-) -> ncclResult_t {
-    isend(comm, data, size as i64, tag, mhandle, phandle, request)
 }
 
 /// `irecv` for any version; `size_at(i)` reads the i-th size in the version's integer type.
@@ -448,7 +435,7 @@ pub(super) extern "C" fn irecv_size_t(
     mhandles: *mut *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    irecv_sizes(
+    irecv_v10(
         comm,
         n,
         data,
@@ -462,7 +449,7 @@ pub(super) extern "C" fn irecv_size_t(
 
 /// `irecv` with `size_t` sizes (v9+), under profiler parents `phandles` (v10+, may be NULL).
 #[allow(clippy::too_many_arguments)] // the C signature's arguments
-pub(super) fn irecv_sizes(
+pub(super) extern "C" fn irecv_v10(
     comm: *mut c_void,
     n: c_int,
     data: *mut *mut c_void,
@@ -486,19 +473,6 @@ pub(super) fn irecv_sizes(
         phandles,
         request,
     )
-}
-
-pub(super) extern "C" fn irecv_v10(
-    comm: *mut c_void,
-    n: c_int,
-    data: *mut *mut c_void,
-    sizes: *mut usize,
-    tags: *mut c_int,
-    mhandles: *mut *mut c_void,
-    phandles: *mut *mut c_void,
-    request: *mut *mut c_void,
-) -> ncclResult_t {
-    irecv_sizes(comm, n, data, sizes, tags, mhandles, phandles, request)
 }
 
 pub(super) extern "C" fn iflush(
