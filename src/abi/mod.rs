@@ -55,10 +55,23 @@ pub(crate) fn to_nccl(e: &Error) -> ncclResult_t {
 /// Runs one export: panics and errors become result codes, each logged once.
 #[inline]
 pub(crate) fn boundary(call: &'static str, f: impl FnOnce() -> Result<()>) -> ncclResult_t {
+    match boundary_value(call, f) {
+        Ok(()) => ncclResult_t::ncclSuccess,
+        Err(code) => code,
+    }
+}
+
+/// [`boundary`] of the first step of an export: what it yields, or the result code to
+/// return (a panic or an error, logged once).
+#[inline]
+pub(crate) fn boundary_value<T>(
+    call: &'static str,
+    f: impl FnOnce() -> Result<T>,
+) -> std::result::Result<T, ncclResult_t> {
     match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(())) => ncclResult_t::ncclSuccess,
-        Ok(Err(e)) => failed(call, &e),
-        Err(_) => panicked(call),
+        Ok(Ok(v)) => Ok(v),
+        Ok(Err(e)) => Err(failed(call, &e)),
+        Err(_) => Err(panicked(call)),
     }
 }
 

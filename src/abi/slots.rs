@@ -10,7 +10,7 @@ use std::{
 };
 
 use super::profiler::{self, NetEvent};
-use super::{boundary, data_comm_owner, non_null, recv_comm, send_comm};
+use super::{boundary, boundary_value, data_comm_owner, non_null, recv_comm, send_comm};
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::ffi::*;
@@ -234,7 +234,8 @@ pub(super) fn user_buffer(data: *mut c_void, size: usize) -> Result<UserBuffer> 
 /// send is that large).
 ///
 /// Most calls are NCCL's retries before the receiver's clear-to-send: they return NULL
-/// here after a few loads, without calling anything.
+/// here after a few loads, without a stack frame; a send that may be posted goes on (as a
+/// tail call) to [`post_send`].
 pub(super) extern "C" fn isend_v10(
     comm: *mut c_void,
     data: *mut c_void,
@@ -244,44 +245,58 @@ pub(super) extern "C" fn isend_v10(
     phandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    boundary("isend", || {
+    let sendable = boundary_value("isend", || {
         non_null(request, "request")?;
         // SAFETY: checked non-NULL; writable pointer slot. NULL means "not now".
         unsafe { *request = std::ptr::null_mut() };
         // SAFETY: NCCL passes back a send comm we returned (checked by magic).
         let comm = unsafe { send_comm(comm)? };
-        if !comm.may_send() {
-            return Ok(());
-        }
-        post_send(comm, data, size as i64, tag, mhandle, phandle, request)
-    })
+        Ok(comm.may_send().then_some(comm))
+    });
+    match sendable {
+        Ok(Some(comm)) => post_send(comm, data, size, tag, mhandle, phandle, request),
+        Ok(None) => ncclResult_t::ncclSuccess,
+        Err(code) => code,
+    }
 }
 
-/// The rest of `isend`, once the comm may have a send to post.
+/// The rest of `isend`, once the comm may have a send to post (`request` checked non-NULL).
+/// The export's C signature (the comm resolved), so the export jumps here with its frame
+/// already gone.
 #[inline(never)]
-fn post_send(
+extern "C" fn post_send(
     comm: &SendComm,
     data: *mut c_void,
-    size: i64,
+    size: usize,
     tag: c_int,
     mhandle: *mut c_void,
     phandle: *mut c_void,
     request: *mut *mut c_void,
-) -> Result<()> {
-    let size = usize::try_from(size).map_err(|_| bad_send_size(size))?;
-    let buf = user_buffer(data, size)?;
-    if let Some(token) = comm.isend(buf, tag, mhandle as usize as u64)? {
-        let event = || NetEvent {
-            kind: 0,
-            n: 1,
-            size: buf.len() as u64,
-            tag,
-        };
-        profiler::start(token, phandle, event);
-        // SAFETY: checked non-NULL by the caller; writable pointer slot.
-        unsafe { *request = token as *const _ as *mut c_void };
+) -> ncclResult_t {
+    boundary("isend", || {
+        let buf = user_buffer(data, send_size(size)?)?;
+        if let Some(token) = comm.isend(buf, tag, mhandle as usize as u64)? {
+            let event = || NetEvent {
+                kind: 0,
+                n: 1,
+                size: buf.len() as u64,
+                tag,
+            };
+            profiler::start(token, phandle, event);
+            // SAFETY: checked non-NULL by the caller; writable pointer slot.
+            unsafe { *request = token as *const _ as *mut c_void };
+        }
+        Ok(())
+    })
+}
+
+/// A send's size as NCCL passed it (a `size_t`, or an `int` sign-extended): at most
+/// `i64::MAX`, so a negative `int` is refused.
+fn send_size(size: usize) -> Result<usize> {
+    if size > i64::MAX as usize {
+        return Err(bad_send_size(size as i64));
     }
-    Ok(())
+    Ok(size)
 }
 
 #[cold]
