@@ -234,8 +234,8 @@ pub(super) fn user_buffer(data: *mut c_void, size: usize) -> Result<UserBuffer> 
 /// send is that large).
 ///
 /// Most calls are NCCL's retries before the receiver's clear-to-send: they return NULL
-/// here after a few loads, without a stack frame; a send that may be posted goes on (as a
-/// tail call) to [`post_send`].
+/// here after a few loads, calling nothing; a send that may be posted goes on to
+/// [`post_send`] in a tail call.
 pub(super) extern "C" fn isend_v10(
     comm: *mut c_void,
     data: *mut c_void,
