@@ -154,14 +154,17 @@ pub(super) fn reg_mr(
 }
 
 pub(super) fn buffer_count(n: c_int, call: &str) -> Result<usize> {
-    usize::try_from(n)
-        .ok()
-        .filter(|n| (1..=MAX_RECVS).contains(n))
-        .ok_or_else(|| {
-            Error::invalid_argument(format!(
-                "{call} of {n} buffers; 1 to {MAX_RECVS} are allowed"
-            ))
-        })
+    match usize::try_from(n) {
+        Ok(n @ 1..=MAX_RECVS) => Ok(n),
+        _ => Err(bad_buffer_count(n, call)),
+    }
+}
+
+#[cold]
+fn bad_buffer_count(n: c_int, call: &str) -> Error {
+    Error::invalid_argument(format!(
+        "{call} of {n} buffers; 1 to {MAX_RECVS} are allowed"
+    ))
 }
 
 pub(super) fn int_size(size: c_int) -> Result<usize> {
