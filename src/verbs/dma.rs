@@ -538,10 +538,10 @@ impl WcBatch {
     /// Polls `cq` of `nic` into the batch; returns how many completions arrived.
     #[inline(always)]
     pub(crate) fn poll<N: Nic>(&mut self, nic: &N, cq: &N::Cq) -> Result<usize> {
+        let polled = nic.poll_cq(cq, &mut self.wcs);
         // Empty should the poll fail: nothing of an earlier poll is handed out twice.
-        self.n = 0;
-        self.n = nic.poll_cq(cq, &mut self.wcs)?;
-        Ok(self.n)
+        self.n = *polled.as_ref().unwrap_or(&0);
+        polled
     }
 
     /// How many completions the last poll returned.
