@@ -221,34 +221,49 @@ pub(crate) unsafe fn test_request(
     token.check()?;
     // A token lives in its comm's token table, so a live token's comm is live: its magic
     // needs no second check.
-    let mut sizes_v: Sizes = [0; MAX_RECVS];
-    let finished = match token.owner {
+    match token.owner {
         RequestOwner::Send(addr) => {
             // SAFETY: as above; the address is the SendComm whose table holds the token.
             let comm = unsafe { &*(addr as *const SendComm) };
-            comm.test(token.slot)?.map(|size| {
-                sizes_v[0] = size as u32;
-                1
-            })
+            let sent = comm.test(token.slot)?.map(|size| [size as u32]);
+            // SAFETY: forwarded contract.
+            unsafe { report(token, sent.as_ref().map(|s| &s[..]), done, sizes) };
         }
         RequestOwner::Recv(addr) => {
             // SAFETY: as above, for a RecvComm.
             let comm = unsafe { &*(addr as *const RecvComm) };
-            comm.test(token.slot, &mut sizes_v)?
+            let mut sizes_v: Sizes = [0; MAX_RECVS];
+            let received = comm.test(token.slot, &mut sizes_v)?;
+            // SAFETY: forwarded contract.
+            unsafe { report(token, received.map(|n| &sizes_v[..n]), done, sizes) };
         }
-    };
-    let Some(n) = finished else {
+    }
+    Ok(())
+}
+
+/// Writes NCCL's `done` and, once done, the request's `finished` sizes.
+///
+/// # Safety
+/// As [`test_request`], `done` checked non-NULL.
+#[inline(always)]
+unsafe fn report(
+    token: &RequestToken,
+    finished: Option<&[u32]>,
+    done: *mut c_int,
+    sizes: *mut c_int,
+) {
+    let Some(finished) = finished else {
         // SAFETY: checked non-NULL; writable by contract.
         unsafe { *done = 0 };
-        return Ok(());
+        return;
     };
     if !sizes.is_null() {
         let int = |size: u32| i32::try_from(size).unwrap_or(i32::MAX);
-        if n == 1 {
+        if let [size] = finished {
             // SAFETY: NCCL provides one int per message of the request.
-            unsafe { *sizes = int(sizes_v[0]) };
+            unsafe { *sizes = int(*size) };
         } else {
-            for (i, size) in sizes_v[..n].iter().enumerate() {
+            for (i, size) in finished.iter().enumerate() {
                 // SAFETY: as above.
                 unsafe { *sizes.add(i) = int(*size) };
             }
@@ -257,7 +272,6 @@ pub(crate) unsafe fn test_request(
     profiler::stop(token);
     // SAFETY: checked non-NULL; writable by contract.
     unsafe { *done = 1 };
-    Ok(())
 }
 
 #[cfg(test)]
