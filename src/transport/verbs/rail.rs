@@ -69,9 +69,10 @@ impl<N: Nic> Rail<N> {
     /// peer. Returns whether this rail should post a probe. A failure (of the poll too)
     /// counts as the rail's error.
     #[inline(always)]
+    #[allow(clippy::ptr_arg)] // one pointer, not two, held through the loop
     pub(crate) fn drain(
         &mut self,
-        peer: &str,
+        peer: &String,
         waiting: bool,
         mut on: impl FnMut(Completion<'_>) -> bool,
     ) -> Result<bool> {
