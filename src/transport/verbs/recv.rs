@@ -95,8 +95,9 @@ pub(crate) struct RecvState<N: Nic> {
     cts_batch: u64,
     /// Sequence number of the first receive whose clear-to-send is not posted yet.
     cts_posted: u64,
-    /// Receives whose clear-to-send is posted and that have not finished.
-    announced: u64,
+    /// Receives finished (reported done by `test`): all but `cts_posted - finished` of the
+    /// receives announced, and all but `seq - finished` of those posted, are done.
+    finished: u64,
     /// Clear-to-send writes posted unsignaled since the last signaled one.
     cts_unsignaled: u32,
     /// A receive was tested since the last `irecv`: the caller polls its receives (NCCL's
@@ -107,8 +108,6 @@ pub(crate) struct RecvState<N: Nic> {
     /// comm's summary.
     cts_writes: u64,
     cts_entries: u64,
-    /// Receives posted and not finished.
-    waiting: u32,
     /// [`Self::is_quiet`] as the last locked call left it: all an idle `test` checks.
     quiet: bool,
     chain: SendChain,
@@ -147,12 +146,11 @@ impl<N: Nic> RecvState<N> {
             flush_next: 0,
             cts_batch: u64::from(cts_batch.clamp(1, SLOTS as u32)),
             cts_posted: 0,
-            announced: 0,
+            finished: 0,
             cts_unsignaled: 0,
             polled: false,
             cts_writes: 0,
             cts_entries: 0,
-            waiting: 0,
             quiet: true,
             chain: SendChain::new(),
             cts_write,
@@ -287,7 +285,8 @@ impl<N: Nic> RecvState<N> {
         let _ = self.failure.record(r);
         // A receive still waiting needs its clear-to-send at the sender, and the sender
         // should keep holding a few.
-        if self.cts_posted != self.seq && (self.cts_held(id) || self.announced < CTS_HOLD_MIN) {
+        if self.cts_posted != self.seq && (self.cts_held(id) || self.announced() < CTS_HOLD_MIN)
+        {
             let r = self.post_pending_cts();
             self.failure.record(r)?;
         }
@@ -341,9 +340,7 @@ impl<N: Nic> RecvState<N> {
         // Freed by its flag alone: `post_receive` writes the whole slot at its next use.
         let st = self.slots[id];
         self.slots[id].busy = false;
-        // Data arrived, so its clear-to-send had been posted.
-        self.announced = self.announced.saturating_sub(1);
-        self.waiting = self.waiting.saturating_sub(1);
+        self.finished += 1;
         if st.n == 1 {
             // NCCL's usual receive: one size, from the immediate.
             sizes[0] = st.size0;
@@ -474,15 +471,20 @@ impl<N: Nic> RecvState<N> {
             span: (first_qp, used, self.seq),
         };
         self.seq += 1;
-        self.waiting += 1;
         // Held back while the sender holds enough to work on and the caller polls its
         // receives, up to the batch size: one RDMA write (and, on Soft-RoCE, one system
         // call) then announces several receives.
         let pending = self.seq - self.cts_posted;
-        if pending >= self.cts_batch || self.announced < CTS_HOLD_MIN || !self.polled {
+        if pending >= self.cts_batch || self.announced() < CTS_HOLD_MIN || !self.polled {
             self.post_pending_cts()?;
         }
         Ok(())
+    }
+
+    /// Receives whose clear-to-send is posted and that have not finished. (Data arrives only
+    /// for a receive announced, so no receive finishes before its clear-to-send is posted.)
+    fn announced(&self) -> u64 {
+        self.cts_posted - self.finished
     }
 
     /// Whether busy receive `slot`'s clear-to-send is still held back: it is among the last
@@ -537,7 +539,6 @@ impl<N: Nic> RecvState<N> {
         )?;
         rail.in_flight += u32::from(signaled);
         self.cts_posted += k as u64;
-        self.announced += k as u64;
         self.cts_writes += 1;
         self.cts_entries += k as u64;
         Ok(())
@@ -571,7 +572,7 @@ impl<N: Nic> RecvState<N> {
     /// completes.
     #[inline(always)] // into `drain_polled`
     fn drain_rail(&mut self, r: usize) -> Result<()> {
-        let waiting = self.waiting > 0;
+        let waiting = self.seq != self.finished;
         let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);
         let probe = self.rails[r].drain(&self.peer, waiting, |c| {
             let slot = WrKind::slot(c.wr_id());
