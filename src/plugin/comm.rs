@@ -11,8 +11,8 @@ use std::sync::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    total_bytes, BufferKeys, KeyCache, Listening, MemKeys, RecvEnd, RecvEndpoint, SendEnd,
-    SendEndpoint, Sizes, MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
+    BufferKeys, KeyCache, Listening, MemKeys, RecvEnd, RecvEndpoint, SendEnd, SendEndpoint, Sizes,
+    MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
 use super::stats::{CommStats, Direction};
@@ -219,13 +219,16 @@ impl SendComm {
     pub(crate) fn test(&self, id: usize) -> Result<Option<usize>> {
         let r = self.inner.test(id);
         match r {
-            Ok(Some(size)) => self.stats.completed(1, size as u64),
-            // Nothing to count, and no rate line from the proxy's idle polls.
+            // No rate line from the proxy's idle polls.
             Ok(None) => return r,
+            Ok(Some(_)) => {}
             Err(_) => self.stats.failed(),
         }
-        self.stats
-            .tick(|| self.plugin.totals(self.dev), || self.inner.summary());
+        self.stats.tick(
+            || self.plugin.totals(self.dev),
+            || self.inner.traffic(),
+            || self.inner.summary(),
+        );
         r
     }
 
@@ -312,16 +315,16 @@ impl RecvComm {
     pub(crate) fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
         let r = self.inner.test(id, sizes);
         match r {
-            Ok(Some(n)) if n > 0 => {
-                self.stats.completed(n as u64, total_bytes(&sizes[..n]));
-            }
-            Ok(Some(_)) => {}
-            // Nothing to count, and no rate line from the proxy's idle polls.
+            // No rate line from the proxy's idle polls.
             Ok(None) => return r,
+            Ok(Some(_)) => {}
             Err(_) => self.stats.failed(),
         }
-        self.stats
-            .tick(|| self.plugin.totals(self.dev), || self.inner.summary());
+        self.stats.tick(
+            || self.plugin.totals(self.dev),
+            || self.inner.traffic(),
+            || self.inner.summary(),
+        );
         r
     }
 
@@ -333,14 +336,16 @@ impl RecvComm {
 
 impl Drop for SendComm {
     fn drop(&mut self) {
+        let device = self.plugin.totals(self.dev);
         self.stats
-            .close(self.plugin.totals(self.dev), &self.inner.summary());
+            .close(device, self.inner.traffic(), &self.inner.summary());
     }
 }
 
 impl Drop for RecvComm {
     fn drop(&mut self) {
+        let device = self.plugin.totals(self.dev);
         self.stats
-            .close(self.plugin.totals(self.dev), &self.inner.summary());
+            .close(device, self.inner.traffic(), &self.inner.summary());
     }
 }

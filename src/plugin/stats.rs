@@ -1,7 +1,8 @@
 //! Traffic statistics per comm and per device, without a background thread.
 //!
-//! The data path bumps plain relaxed atomics of its own comm (one writer, so no contention).
-//! With `NCCL_ERDMA_STATS_INTERVAL=<s>` a comm logs a rate line through NCCL's logger, like
+//! The transport counts the messages and bytes a comm's `test` reports done (under the
+//! lock that `test` holds anyway); the plugin counts waits and errors in relaxed atomics of
+//! the comm (one writer, so no contention). With `NCCL_ERDMA_STATS_INTERVAL=<s>` a comm logs a rate line through NCCL's logger, like
 //! `eadm stat`, from its own `test` calls that finish or fail a request once the interval
 //! has passed (the clock is read every 64 such calls only; the proxy's idle polls never
 //! read it); every comm logs a summary when it closes, and adds its counts to
@@ -13,6 +14,8 @@ use std::{
 };
 
 use parking_lot::Mutex;
+
+use crate::transport::Traffic;
 
 /// Totals of one device over all its closed comms (and reported intervals).
 #[derive(Debug, Default)]
@@ -44,8 +47,6 @@ pub(crate) struct CommStats {
     dir: Direction,
     label: String,
     interval: Option<Duration>,
-    msgs: AtomicU64,
-    bytes: AtomicU64,
     waits: AtomicU64,
     errors: AtomicU64,
     calls: AtomicU32,
@@ -61,8 +62,6 @@ impl CommStats {
             dir,
             label,
             interval: (interval_s > 0).then(|| Duration::from_secs(interval_s)),
-            msgs: AtomicU64::new(0),
-            bytes: AtomicU64::new(0),
             waits: AtomicU64::new(0),
             errors: AtomicU64::new(0),
             calls: AtomicU32::new(0),
@@ -71,23 +70,17 @@ impl CommStats {
         }
     }
 
-    /// `n` messages of `bytes` in all completed.
-    #[inline]
-    pub(crate) fn completed(&self, n: u64, bytes: u64) {
-        self.msgs.fetch_add(n, Relaxed);
-        self.bytes.fetch_add(bytes, Relaxed);
-    }
-
-    /// After one `test`: logs a rate line when one is due, with `detail` from the comm's
-    /// transport (e.g. per-rail counters).
+    /// After one `test` that finished or failed a request: logs a rate line when one is due,
+    /// with the comm's `traffic` and `detail` (e.g. per-rail counters) from its transport.
     #[inline]
     pub(crate) fn tick<'d>(
         &self,
         device: impl FnOnce() -> &'d DeviceTotals,
+        traffic: impl Fn() -> Traffic,
         detail: impl Fn() -> String,
     ) {
         if let Some(interval) = self.interval {
-            self.tick_every(interval, device(), &detail);
+            self.tick_every(interval, device(), &traffic, &detail);
         }
     }
 
@@ -110,7 +103,13 @@ impl CommStats {
 
     /// Logs a rate line when the interval has passed (checked every 64 calls that count).
     #[inline(never)]
-    fn tick_every(&self, interval: Duration, device: &DeviceTotals, detail: &dyn Fn() -> String) {
+    fn tick_every(
+        &self,
+        interval: Duration,
+        device: &DeviceTotals,
+        traffic: &dyn Fn() -> Traffic,
+        detail: &dyn Fn() -> String,
+    ) {
         if self.calls.fetch_add(1, Relaxed) % 64 != 0 {
             return;
         }
@@ -121,7 +120,8 @@ impl CommStats {
         if elapsed < interval {
             return;
         }
-        let (msgs, bytes) = (self.msgs.load(Relaxed), self.bytes.load(Relaxed));
+        let now = traffic();
+        let (msgs, bytes) = (now.messages, now.bytes);
         let secs = elapsed.as_secs_f64();
         tracing::info!(
             "stats {} {}: {:.3} MB/s {:.0} msg/s (total {} bytes in {} messages, {} clear-to-send \
@@ -138,17 +138,14 @@ impl CommStats {
         );
         *last = (Instant::now(), msgs, bytes);
         drop(last);
-        self.credit(device);
+        self.credit(device, now);
     }
 
-    /// Adds what is new since the last credit to the device's totals.
-    fn credit(&self, device: &DeviceTotals) {
+    /// Adds what is new in `traffic` (the comm's so far) and the errors since the last credit
+    /// to the device's totals.
+    fn credit(&self, device: &DeviceTotals, traffic: Traffic) {
         let mut c = self.credited.lock();
-        let now = (
-            self.msgs.load(Relaxed),
-            self.bytes.load(Relaxed),
-            self.errors.load(Relaxed),
-        );
+        let now = (traffic.messages, traffic.bytes, self.errors.load(Relaxed));
         let (msgs, bytes) = match self.dir {
             Direction::Tx => (&device.tx_msgs, &device.tx_bytes),
             Direction::Rx => (&device.rx_msgs, &device.rx_bytes),
@@ -159,11 +156,11 @@ impl CommStats {
         *c = now;
     }
 
-    /// Logs the comm's summary (with `detail` from its transport) and credits its device;
-    /// called when the comm closes.
-    pub(crate) fn close(&self, device: &DeviceTotals, detail: &str) {
-        self.credit(device);
-        let (msgs, errors) = (self.msgs.load(Relaxed), self.errors.load(Relaxed));
+    /// Logs the comm's summary (with its `traffic` and `detail` from its transport) and
+    /// credits its device; called when the comm closes.
+    pub(crate) fn close(&self, device: &DeviceTotals, traffic: Traffic, detail: &str) {
+        self.credit(device, traffic);
+        let (msgs, errors) = (traffic.messages, self.errors.load(Relaxed));
         if msgs == 0 && errors == 0 {
             return;
         }
@@ -172,7 +169,7 @@ impl CommStats {
              errors; device totals: tx {} bytes / {} messages, rx {} bytes / {} messages",
             self.name(),
             self.label,
-            self.bytes.load(Relaxed),
+            traffic.bytes,
             msgs,
             self.waits.load(Relaxed),
             errors,
@@ -192,11 +189,22 @@ mod tests {
     fn device_totals_get_each_byte_once() {
         let dev = DeviceTotals::default();
         let s = CommStats::new(Direction::Tx, "x".into(), 0);
-        s.completed(2, 300);
-        s.credit(&dev);
-        s.completed(1, 5);
+        s.credit(
+            &dev,
+            Traffic {
+                messages: 2,
+                bytes: 300,
+            },
+        );
         s.failed();
-        s.close(&dev, "");
+        s.close(
+            &dev,
+            Traffic {
+                messages: 3,
+                bytes: 305,
+            },
+            "",
+        );
         assert_eq!(dev.tx_msgs.load(Relaxed), 3);
         assert_eq!(dev.tx_bytes.load(Relaxed), 305);
         assert_eq!(dev.errors.load(Relaxed), 1);

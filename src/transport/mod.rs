@@ -186,6 +186,24 @@ pub(crate) fn total_bytes(sizes: &[u32]) -> u64 {
     sizes.iter().map(|s| u64::from(*s)).sum()
 }
 
+/// What a comm has moved: the messages and bytes of the requests `test` reported done.
+/// Kept by the transport under the lock its `test` holds anyway, read for the plugin's rate
+/// lines and close summary.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Traffic {
+    pub(crate) messages: u64,
+    pub(crate) bytes: u64,
+}
+
+impl Traffic {
+    /// `messages` more, of `bytes` in all.
+    #[inline(always)]
+    pub(crate) fn add(&mut self, messages: usize, bytes: u64) {
+        self.messages += messages as u64;
+        self.bytes += bytes;
+    }
+}
+
 /// The per-process backend of a transport.
 pub(crate) trait Transport: Send + Sync {
     /// Which transport this is (it travels in handles, so both ends must agree).
@@ -264,6 +282,8 @@ pub(crate) trait SendEndpoint: Send + Sync {
     fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>>;
     /// Tests send request `id`: once done, the bytes it sent.
     fn test(&self, id: usize) -> Result<Option<usize>>;
+    /// The sends `test` has reported done.
+    fn traffic(&self) -> Traffic;
     /// What the comm's close summary adds (e.g. per-rail counters).
     fn summary(&self) -> String {
         String::new()
@@ -289,6 +309,8 @@ pub(crate) trait RecvEndpoint: Send + Sync {
     /// Tests receive or flush request `id`: once done, how many messages it had (0 for a
     /// flush), their sizes written into `sizes`.
     fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>>;
+    /// The receives `test` has reported done.
+    fn traffic(&self) -> Traffic;
     /// What the comm's close summary adds (e.g. clear-to-send batching, per-rail counters).
     fn summary(&self) -> String {
         String::new()
@@ -344,6 +366,13 @@ impl SendEndpoint for SendEnd {
         }
     }
 
+    fn traffic(&self) -> Traffic {
+        match self {
+            SendEnd::Verbs(c) => c.traffic(),
+            SendEnd::Tcp(c) => c.traffic(),
+        }
+    }
+
     fn summary(&self) -> String {
         match self {
             SendEnd::Verbs(c) => c.summary(),
@@ -385,6 +414,13 @@ impl RecvEndpoint for RecvEnd {
         match self {
             RecvEnd::Verbs(c) => c.test(id, sizes),
             RecvEnd::Tcp(c) => c.test(id, sizes),
+        }
+    }
+
+    fn traffic(&self) -> Traffic {
+        match self {
+            RecvEnd::Verbs(c) => c.traffic(),
+            RecvEnd::Tcp(c) => c.traffic(),
         }
     }
 

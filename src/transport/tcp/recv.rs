@@ -18,7 +18,8 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, total_bytes, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, Traffic,
+    MAX_RECVS, MAX_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -77,6 +78,7 @@ struct RecvInner {
     failure: Failure,
     /// The last registration handle looked up (see `KeyCache`).
     key_cache: KeyCache,
+    traffic: Traffic,
 }
 
 /// A receive comm over TCP.
@@ -100,6 +102,7 @@ impl TcpRecvComm {
                 },
                 failure: Failure::default(),
                 key_cache: KeyCache::default(),
+                traffic: Traffic::default(),
             }),
         }
     }
@@ -175,7 +178,9 @@ impl RecvEndpoint for TcpRecvComm {
                 for (out, size) in sizes.iter_mut().zip(&req.sizes[..req.n]) {
                     *out = *size as u32;
                 }
-                Ok(Some(req.n))
+                let n = req.n;
+                s.traffic.add(n, total_bytes(&sizes[..n]));
+                Ok(Some(n))
             }
             RecvState::Active => {
                 s.failure.check()?;
@@ -183,6 +188,10 @@ impl RecvEndpoint for TcpRecvComm {
             }
             RecvState::Free => Err(not_in_flight("receive", slot)),
         }
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.inner.lock().traffic
     }
 }
 

@@ -17,7 +17,7 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, Traffic, MAX_RECVS, MAX_REQUESTS,
     MAX_SEND_REQUESTS,
 };
 
@@ -75,6 +75,7 @@ struct SendInner {
     failure: Failure,
     /// The last registration handle looked up (see `KeyCache`).
     key_cache: KeyCache,
+    traffic: Traffic,
 }
 
 /// A send comm over TCP.
@@ -104,6 +105,7 @@ impl TcpSendComm {
                 tx_seq: 0,
                 failure: Failure::default(),
                 key_cache: KeyCache::default(),
+                traffic: Traffic::default(),
             }),
         }
     }
@@ -176,7 +178,9 @@ impl SendEndpoint for TcpSendComm {
         match req.state {
             SendState::Written => {
                 req.state = SendState::Free;
-                Ok(Some(req.size))
+                let size = req.size;
+                s.traffic.add(1, size as u64);
+                Ok(Some(size))
             }
             SendState::Queued => {
                 s.failure.check()?;
@@ -184,6 +188,10 @@ impl SendEndpoint for TcpSendComm {
             }
             SendState::Free => Err(not_in_flight("send", slot)),
         }
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.inner.lock().traffic
     }
 }
 

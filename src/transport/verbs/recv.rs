@@ -21,7 +21,8 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, total_bytes, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, MAX_RECVS,
+    not_in_flight, total_bytes, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, Traffic,
+    MAX_RECVS,
 };
 use crate::verbs::dma::{DmaBuffer, FixedWrite, SendChain, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
@@ -95,8 +96,8 @@ pub(crate) struct RecvState<N: Nic> {
     cts_batch: u64,
     /// Sequence number of the first receive whose clear-to-send is not posted yet.
     cts_posted: u64,
-    /// Receives finished (reported done by `test`): all but `cts_posted - finished` of the
-    /// receives announced, and all but `seq - finished` of those posted, are done.
+    /// Receives finished (reported done by `test`): of the receives posted, `seq - finished`
+    /// are still waiting, and of those announced, `cts_posted - finished`.
     finished: u64,
     /// Clear-to-send writes posted unsignaled since the last signaled one.
     cts_unsignaled: u32,
@@ -116,6 +117,7 @@ pub(crate) struct RecvState<N: Nic> {
     /// The last registration handle `irecv` or `iflush` looked up.
     key_cache: KeyCache,
     failure: Failure,
+    traffic: Traffic,
     pub(crate) peer: String,
 }
 
@@ -156,6 +158,7 @@ impl<N: Nic> RecvState<N> {
             cts_write,
             key_cache: KeyCache::default(),
             failure: Failure::default(),
+            traffic: Traffic::default(),
             peer,
         }
     }
@@ -285,8 +288,7 @@ impl<N: Nic> RecvState<N> {
         let _ = self.failure.record(r);
         // A receive still waiting needs its clear-to-send at the sender, and the sender
         // should keep holding a few.
-        if self.cts_posted != self.seq && (self.cts_held(id) || self.announced() < CTS_HOLD_MIN)
-        {
+        if self.cts_posted != self.seq && (self.cts_held(id) || self.announced() < CTS_HOLD_MIN) {
             let r = self.post_pending_cts();
             self.failure.record(r)?;
         }
@@ -355,14 +357,15 @@ impl<N: Nic> RecvState<N> {
                 return Err(self.truncated());
             }
         }
+        let bytes = if st.n == 1 {
+            u64::from(st.size0)
+        } else {
+            total_bytes(&sizes[..st.n])
+        };
+        self.traffic.add(st.n, bytes);
         let (first, used, _) = st.span;
         if used == 1 {
             // All of it on one QP (the common case: no piece arithmetic).
-            let bytes = if st.n == 1 {
-                u64::from(st.size0)
-            } else {
-                total_bytes(&sizes[..st.n])
-            };
             let rail = modulo(first, self.rails.len());
             let stats = &mut self.rails[rail].stats;
             stats.bytes += bytes;
@@ -658,7 +661,7 @@ impl<N: Nic> VerbsRecvComm<N> {
     pub(crate) fn skip_to(&self, seq: u64) {
         let mut s = self.inner.lock();
         assert!(s.slots.iter().all(|st| !st.busy) && s.cts_posted == s.seq);
-        (s.seq, s.cts_posted) = (seq, seq);
+        (s.seq, s.cts_posted, s.finished) = (seq, seq, seq);
     }
 
     /// Clear-to-send writes posted, and the receives they announced.
@@ -708,6 +711,10 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
     #[inline(always)]
     fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
         self.inner.lock().test(id, sizes)
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.inner.lock().traffic
     }
 
     fn summary(&self) -> String {

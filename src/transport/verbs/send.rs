@@ -24,7 +24,9 @@ use super::wire::{
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
-use crate::transport::{not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, MAX_RECVS};
+use crate::transport::{
+    not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, Traffic, MAX_RECVS,
+};
 use crate::verbs::dma::{DmaBuffer, SendChain, WriteImm};
 use crate::verbs::nic::{Nic, QueuePair};
 
@@ -131,6 +133,7 @@ pub(crate) struct SendState<N: Nic> {
     /// The last registration handle `isend` looked up.
     key_cache: KeyCache,
     failure: Failure,
+    traffic: Traffic,
     pub(crate) peer: String,
 }
 
@@ -156,6 +159,7 @@ impl<N: Nic> SendState<N> {
             single: WriteImm::default(),
             key_cache: KeyCache::default(),
             failure: Failure::default(),
+            traffic: Traffic::default(),
             peer,
         }
     }
@@ -339,6 +343,7 @@ impl<N: Nic> SendState<N> {
             if st.tested == st.all {
                 st.busy = false;
             }
+            self.traffic.add(1, size as u64);
             return Ok(Some(size));
         }
         self.failure.check()?;
@@ -679,6 +684,10 @@ impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
             self.gate.publish(&s);
         }
         r
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.inner.lock().traffic
     }
 
     fn summary(&self) -> String {
