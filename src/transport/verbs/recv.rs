@@ -105,10 +105,9 @@ pub(crate) struct RecvState<N: Nic> {
     /// proxy tests its oldest one on every pass), so entries held back now will be posted
     /// by a later `test`. Receives posted back to back are announced at once.
     polled: bool,
-    /// Clear-to-send writes posted, and the entries they carried (one per receive), for the
-    /// comm's summary.
+    /// Clear-to-send writes posted, for the comm's summary (with the receives they
+    /// announced, `cts_posted`).
     cts_writes: u64,
-    cts_entries: u64,
     /// [`Self::is_quiet`] as the last locked call left it: all an idle `test` checks.
     quiet: bool,
     chain: SendChain,
@@ -152,7 +151,6 @@ impl<N: Nic> RecvState<N> {
             cts_unsignaled: 0,
             polled: false,
             cts_writes: 0,
-            cts_entries: 0,
             quiet: true,
             chain: SendChain::new(),
             cts_write,
@@ -543,7 +541,6 @@ impl<N: Nic> RecvState<N> {
         rail.in_flight += u32::from(signaled);
         self.cts_posted += k as u64;
         self.cts_writes += 1;
-        self.cts_entries += k as u64;
         Ok(())
     }
 
@@ -632,7 +629,7 @@ impl<N: Nic> RecvState<N> {
 
     /// Clear-to-send writes posted so far, and the receives they announced.
     fn clear_to_send_counts(&self) -> (u64, u64) {
-        (self.cts_writes, self.cts_entries)
+        (self.cts_writes, self.cts_posted)
     }
 }
 
