@@ -31,8 +31,10 @@ pub(crate) struct Rail<N: Nic> {
     pub(crate) flush_qp: Option<N::Qp>,
     pub(crate) cq: CqPoller<N>,
     pub(crate) nic: Arc<N>,
-    /// Signaled work requests posted on this rail and not completed yet.
-    pub(crate) in_flight: u32,
+    /// Signaled work requests posted on this rail and not completed yet. Signed, so taking
+    /// completions off needs no saturation: exact bookkeeping never goes below zero, and a
+    /// count that did would read as nothing in flight.
+    pub(crate) in_flight: i32,
     pub(crate) stats: RailStats,
 }
 
@@ -67,20 +69,20 @@ impl<N: Nic> Rail<N> {
 
     /// Hands what the last [`Self::poll`] found to `on` (see [`CqPoller::hand_out`]), which
     /// says whether a completion retires signaled work of this side (then it leaves
-    /// `in_flight`); then runs the slow checks when due, `waiting`: the comm waits for its
-    /// peer. Returns whether this rail should post a probe. A failure (of the poll too)
+    /// `in_flight`); then runs the slow checks when due, `waiting`: whether the comm waits for
+    /// its peer (asked only then). Returns whether this rail should post a probe. A failure (of the poll too)
     /// counts as the rail's error.
     #[inline(always)]
     #[allow(clippy::ptr_arg)] // one pointer, not two, held through the loop
     pub(crate) fn drain(
         &mut self,
         peer: &String,
-        waiting: bool,
+        waiting: impl FnOnce() -> bool,
         mut on: impl FnMut(Completion<'_>) -> bool,
     ) -> Result<bool> {
         let mut done = 0;
-        let ok = self.cq.hand_out(&self.nic, |c| done += u32::from(on(c)));
-        self.in_flight = self.in_flight.saturating_sub(done);
+        let ok = self.cq.hand_out(&self.nic, |c| done += i32::from(on(c)));
+        self.in_flight -= done;
         if !ok {
             self.stats.errors += 1;
             return Err(self.cq.drain_error(&self.nic, peer));
@@ -91,7 +93,7 @@ impl<N: Nic> Rail<N> {
         let work = self.in_flight > 0;
         let r = self
             .cq
-            .slow_checks(&self.nic, &self.qps, peer, work, waiting);
+            .slow_checks(&self.nic, &self.qps, peer, work, waiting());
         if r.is_err() {
             self.stats.errors += 1;
         }

@@ -538,7 +538,7 @@ impl<N: Nic> RecvState<N> {
             signaled,
             qp.max_inline(),
         )?;
-        rail.in_flight += u32::from(signaled);
+        rail.in_flight += i32::from(signaled);
         self.cts_posted += k as u64;
         self.cts_writes += 1;
         Ok(())
@@ -572,9 +572,9 @@ impl<N: Nic> RecvState<N> {
     /// completes.
     #[inline(always)] // into `drain_polled`
     fn drain_rail(&mut self, r: usize) -> Result<()> {
-        let waiting = self.seq != self.finished;
+        let (seq, finished) = (&self.seq, &self.finished);
         let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);
-        let probe = self.rails[r].drain(&self.peer, waiting, |c| {
+        let probe = self.rails[r].drain(&self.peer, || seq != finished, |c| {
             let slot = WrKind::slot(c.wr_id());
             if c.opcode() == WC_RECV_RDMA_WITH_IMM {
                 // The common case first: a sender's write landed, consuming one of our

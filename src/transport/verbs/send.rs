@@ -419,7 +419,7 @@ impl<N: Nic> SendState<N> {
     #[inline(always)] // into `drain_polled`
     fn drain_rail(&mut self, r: usize, waiting: bool) -> Result<()> {
         let slots = &mut self.slots;
-        let probe = self.rails[r].drain(&self.peer, waiting, |c| match WrKind::of(c.wr_id()) {
+        let probe = self.rails[r].drain(&self.peer, || waiting, |c| match WrKind::of(c.wr_id()) {
             Some(WrKind::Send) => {
                 let st = &mut slots[WrKind::slot(c.wr_id())];
                 st.cqe_pending = st.cqe_pending.saturating_sub(1);
