@@ -23,7 +23,7 @@ use crate::plugin::{
     comm::check_magic, Plugin, RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC,
     SEND_MAGIC,
 };
-use crate::transport::{Sizes, MAX_RECVS};
+use crate::transport::{Sizes, Tested, MAX_RECVS};
 
 /// The one mapping from our errors to NCCL's result codes, following NCCL's plugin README
 /// (`ncclSystemError` for kernel, library or hardware failures, `ncclInternalError` when NCCL
@@ -225,17 +225,25 @@ pub(crate) unsafe fn test_request(
         RequestOwner::Send(addr) => {
             // SAFETY: as above; the address is the SendComm whose table holds the token.
             let comm = unsafe { &*(addr as *const SendComm) };
-            let sent = comm.test(token.slot)?.map(|size| [size as u32]);
+            let size = match comm.test(token.slot) {
+                Tested::Pending => None,
+                Tested::Done(size) => Some([size as u32]),
+                Tested::Failed(e) => return Err(e),
+            };
             // SAFETY: forwarded contract.
-            unsafe { report(token, sent.as_ref().map(|s| &s[..]), done, sizes) };
+            unsafe { report(token, size.as_ref().map(|s| &s[..]), done, sizes) };
         }
         RequestOwner::Recv(addr) => {
             // SAFETY: as above, for a RecvComm.
             let comm = unsafe { &*(addr as *const RecvComm) };
             let mut sizes_v: Sizes = [0; MAX_RECVS];
-            let received = comm.test(token.slot, &mut sizes_v)?;
+            let n = match comm.test(token.slot, &mut sizes_v) {
+                Tested::Pending => None,
+                Tested::Done(n) => Some(n),
+                Tested::Failed(e) => return Err(e),
+            };
             // SAFETY: forwarded contract.
-            unsafe { report(token, received.map(|n| &sizes_v[..n]), done, sizes) };
+            unsafe { report(token, n.map(|n| &sizes_v[..n]), done, sizes) };
         }
     }
     Ok(())

@@ -12,7 +12,7 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
     BufferKeys, KeyCache, Listening, MemKeys, RecvEnd, RecvEndpoint, SendEnd, SendEndpoint, Sizes,
-    MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
+    Tested, MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
 use super::stats::{CommStats, Direction};
@@ -216,13 +216,13 @@ impl SendComm {
 
     /// `test` of one of this comm's requests: once done, the bytes it sent.
     #[inline(always)] // into the boundary: one call layer less per message
-    pub(crate) fn test(&self, id: usize) -> Result<Option<usize>> {
+    pub(crate) fn test(&self, id: usize) -> Tested {
         let r = self.inner.test(id);
         match r {
             // No rate line from the proxy's idle polls.
-            Ok(None) => return r,
-            Ok(Some(_)) => {}
-            Err(_) => self.stats.failed(),
+            Tested::Pending => return r,
+            Tested::Done(_) => {}
+            Tested::Failed(_) => self.stats.failed(),
         }
         self.stats.tick(
             || self.plugin.totals(self.dev),
@@ -312,13 +312,13 @@ impl RecvComm {
     /// `test` of one of this comm's requests: once done, how many messages it had (0 for a
     /// flush), their sizes written into `sizes`.
     #[inline(always)] // into the boundary: one call layer less per message
-    pub(crate) fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
+    pub(crate) fn test(&self, id: usize, sizes: &mut Sizes) -> Tested {
         let r = self.inner.test(id, sizes);
         match r {
             // No rate line from the proxy's idle polls.
-            Ok(None) => return r,
-            Ok(Some(_)) => {}
-            Err(_) => self.stats.failed(),
+            Tested::Pending => return r,
+            Tested::Done(_) => {}
+            Tested::Failed(_) => self.stats.failed(),
         }
         self.stats.tick(
             || self.plugin.totals(self.dev),

@@ -186,6 +186,42 @@ pub(crate) fn total_bytes(sizes: &[u32]) -> u64 {
     sizes.iter().map(|s| u64::from(*s)).sum()
 }
 
+/// What testing a request found. An enum of its own rather than `Result<Option<usize>>`:
+/// its two words travel in registers, where the nested type (an `Option` inside a `Result`)
+/// is moved through the stack at every layer it crosses.
+#[derive(Debug)]
+pub(crate) enum Tested {
+    /// Not done yet.
+    Pending,
+    /// Done: the bytes a send sent, or how many messages a receive got (0 for a flush).
+    Done(usize),
+    /// The request, or its comm, failed.
+    Failed(Error),
+}
+
+impl From<Result<Option<usize>>> for Tested {
+    #[inline(always)]
+    fn from(r: Result<Option<usize>>) -> Self {
+        match r {
+            Ok(None) => Tested::Pending,
+            Ok(Some(n)) => Tested::Done(n),
+            Err(e) => Tested::Failed(e),
+        }
+    }
+}
+
+impl Tested {
+    /// As a `Result`, for `?`.
+    #[cfg(test)]
+    pub(crate) fn into_result(self) -> Result<Option<usize>> {
+        match self {
+            Tested::Pending => Ok(None),
+            Tested::Done(n) => Ok(Some(n)),
+            Tested::Failed(e) => Err(e),
+        }
+    }
+}
+
 /// What a comm has moved: the messages and bytes of the requests `test` reported done.
 /// Kept by the transport under the lock its `test` holds anyway, read for the plugin's rate
 /// lines and close summary.
@@ -281,7 +317,7 @@ pub(crate) trait SendEndpoint: Send + Sync {
     /// matching receive. Returns a request id below `MAX_SEND_REQUESTS`.
     fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>>;
     /// Tests send request `id`: once done, the bytes it sent.
-    fn test(&self, id: usize) -> Result<Option<usize>>;
+    fn test(&self, id: usize) -> Tested;
     /// The sends `test` has reported done.
     fn traffic(&self) -> Traffic;
     /// What the comm's close summary adds (e.g. per-rail counters).
@@ -308,7 +344,7 @@ pub(crate) trait RecvEndpoint: Send + Sync {
     fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>>;
     /// Tests receive or flush request `id`: once done, how many messages it had (0 for a
     /// flush), their sizes written into `sizes`.
-    fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>>;
+    fn test(&self, id: usize, sizes: &mut Sizes) -> Tested;
     /// The receives `test` has reported done.
     fn traffic(&self) -> Traffic;
     /// What the comm's close summary adds (e.g. clear-to-send batching, per-rail counters).
@@ -359,7 +395,7 @@ impl SendEndpoint for SendEnd {
     }
 
     #[inline(always)]
-    fn test(&self, id: usize) -> Result<Option<usize>> {
+    fn test(&self, id: usize) -> Tested {
         match self {
             SendEnd::Verbs(c) => c.test(id),
             SendEnd::Tcp(c) => c.test(id),
@@ -410,7 +446,7 @@ impl RecvEndpoint for RecvEnd {
     }
 
     #[inline(always)]
-    fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
+    fn test(&self, id: usize, sizes: &mut Sizes) -> Tested {
         match self {
             RecvEnd::Verbs(c) => c.test(id, sizes),
             RecvEnd::Tcp(c) => c.test(id, sizes),

@@ -18,8 +18,8 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, total_bytes, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, Traffic,
-    MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, total_bytes, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, Tested,
+    Traffic, MAX_RECVS, MAX_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,8 +159,18 @@ impl RecvEndpoint for TcpRecvComm {
         Ok(Some(slot))
     }
 
-    /// Tests a receive; `Ok(Some)` once every message of the group has arrived.
-    fn test(&self, slot: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
+    /// Tests a receive: done once every message of the group has arrived.
+    fn test(&self, slot: usize, sizes: &mut Sizes) -> Tested {
+        self.test_receive(slot, sizes).into()
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.inner.lock().traffic
+    }
+}
+
+impl TcpRecvComm {
+    fn test_receive(&self, slot: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.progress();
         let req = s
@@ -188,10 +198,6 @@ impl RecvEndpoint for TcpRecvComm {
             }
             RecvState::Free => Err(not_in_flight("receive", slot)),
         }
-    }
-
-    fn traffic(&self) -> Traffic {
-        self.inner.lock().traffic
     }
 }
 

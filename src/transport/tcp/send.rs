@@ -17,8 +17,8 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, Traffic, MAX_RECVS, MAX_REQUESTS,
-    MAX_SEND_REQUESTS,
+    not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, Tested, Traffic, MAX_RECVS,
+    MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy)]
@@ -167,8 +167,18 @@ impl SendEndpoint for TcpSendComm {
         Ok(Some(slot))
     }
 
-    /// Tests a send; done once all of its bytes are in the socket.
-    fn test(&self, slot: usize) -> Result<Option<usize>> {
+    /// Tests a send: done once all of its bytes are in the socket.
+    fn test(&self, slot: usize) -> Tested {
+        self.test_send(slot).into()
+    }
+
+    fn traffic(&self) -> Traffic {
+        self.inner.lock().traffic
+    }
+}
+
+impl TcpSendComm {
+    fn test_send(&self, slot: usize) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.progress();
         let req = s
@@ -188,10 +198,6 @@ impl SendEndpoint for TcpSendComm {
             }
             SendState::Free => Err(not_in_flight("send", slot)),
         }
-    }
-
-    fn traffic(&self) -> Traffic {
-        self.inner.lock().traffic
     }
 }
 

@@ -21,8 +21,8 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, total_bytes, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, Traffic,
-    MAX_RECVS,
+    not_in_flight, total_bytes, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, Tested,
+    Traffic, MAX_RECVS,
 };
 use crate::verbs::dma::{DmaBuffer, FixedWrite, SendChain, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
@@ -236,12 +236,12 @@ impl<N: Nic> RecvState<N> {
     /// `test` of receive or flush request `id`. The proxy's idle test, of a receive still
     /// waiting on a quiet comm, is one CQ poll per rail that finds nothing.
     #[inline(always)]
-    fn test(&mut self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
+    fn test(&mut self, id: usize, sizes: &mut Sizes) -> Tested {
         let waiting = self.quiet && self.slots.get(id).is_some_and(|st| st.imm_pending > 0);
         if waiting {
             self.polled = true;
             if !rail::poll_all(&mut self.rails) {
-                return Ok(None);
+                return Tested::Pending;
             }
         }
         let r = self.test_request(id, sizes, waiting);
@@ -268,13 +268,13 @@ impl<N: Nic> RecvState<N> {
         id: usize,
         sizes: &mut Sizes,
         polled: bool,
-    ) -> Result<Option<usize>> {
+    ) -> Tested {
         let r = if polled {
             // `test` found receive `id` waiting (so busy) and `polled` set.
             self.drain_polled()
         } else {
             if !self.slots.get(id).is_some_and(|st| st.busy) {
-                return self.test_flush(id);
+                return self.test_flush(id).into();
             }
             self.polled = true;
             // As for sends, the CQ is polled only for a receive not yet known to be done.
@@ -288,11 +288,13 @@ impl<N: Nic> RecvState<N> {
         // should keep holding a few.
         if self.cts_posted != self.seq && (self.cts_held(id) || self.announced() < CTS_HOLD_MIN) {
             let r = self.post_pending_cts();
-            self.failure.record(r)?;
+            if let Err(e) = self.failure.record(r) {
+                return Tested::Failed(e);
+            }
         }
         if self.slots[id].imm_pending > 0 {
             if !self.lost() {
-                return Ok(None);
+                return Tested::Pending;
             }
             return self.receive_lost(id, sizes);
         }
@@ -301,15 +303,18 @@ impl<N: Nic> RecvState<N> {
 
     /// Receive `id` has not finished and the comm failed or the peer is gone.
     #[cold]
-    fn receive_lost(&mut self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
-        self.failure.check()?;
+    fn receive_lost(&mut self, id: usize, sizes: &mut Sizes) -> Tested {
+        if let Err(e) = self.failure.check() {
+            return Tested::Failed(e);
+        }
         // Completions the peer caused before it left are already in the CQ: look once more
         // before calling the request lost.
         let r = self.progress();
         let _ = self.failure.record(r);
         if self.slots[id].imm_pending > 0 {
             let e = self.rails[0].cq.gone_error(&self.peer);
-            return self.failure.record(Err(e));
+            self.failure.note(&e);
+            return Tested::Failed(e);
         }
         self.finish_receive(id, sizes)
     }
@@ -336,7 +341,7 @@ impl<N: Nic> RecvState<N> {
 
     /// Frees receive `id`, whose data has all arrived, and reports its sizes.
     #[inline(always)] // into `test`: once per receive
-    fn finish_receive(&mut self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
+    fn finish_receive(&mut self, id: usize, sizes: &mut Sizes) -> Tested {
         // Freed by its flag alone: `post_receive` writes the whole slot at its next use.
         let st = self.slots[id];
         self.slots[id].busy = false;
@@ -345,14 +350,14 @@ impl<N: Nic> RecvState<N> {
             // NCCL's usual receive: one size, from the immediate.
             sizes[0] = st.size0;
             if st.size0 == TRUNCATED {
-                return Err(self.truncated());
+                return Tested::Failed(self.truncated());
             }
         } else {
             for (i, size) in sizes[..st.n].iter_mut().enumerate() {
                 *size = self.sizes_record.get(cts_index(id, i));
             }
             if sizes[..st.n].contains(&TRUNCATED) {
-                return Err(self.truncated());
+                return Tested::Failed(self.truncated());
             }
         }
         let bytes = if st.n == 1 {
@@ -371,7 +376,7 @@ impl<N: Nic> RecvState<N> {
         } else {
             self.count_pieces(st.span, &sizes[..st.n]);
         }
-        Ok(Some(st.n))
+        Tested::Done(st.n)
     }
 
     /// The error of a receive the sender found too small for its message.
@@ -574,31 +579,35 @@ impl<N: Nic> RecvState<N> {
     fn drain_rail(&mut self, r: usize) -> Result<()> {
         let (seq, finished) = (&self.seq, &self.finished);
         let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);
-        let probe = self.rails[r].drain(&self.peer, || seq != finished, |c| {
-            let slot = WrKind::slot(c.wr_id());
-            if c.opcode() == WC_RECV_RDMA_WITH_IMM {
-                // The common case first: a sender's write landed, consuming one of our
-                // receives (the only requests that complete so). Not counted in flight: the
-                // sender's work completes them.
-                let st = &mut slots[slot];
-                if st.n == 1 {
-                    st.size0 = c.write_imm();
+        let probe = self.rails[r].drain(
+            &self.peer,
+            || seq != finished,
+            |c| {
+                let slot = WrKind::slot(c.wr_id());
+                if c.opcode() == WC_RECV_RDMA_WITH_IMM {
+                    // The common case first: a sender's write landed, consuming one of our
+                    // receives (the only requests that complete so). Not counted in flight: the
+                    // sender's work completes them.
+                    let st = &mut slots[slot];
+                    if st.n == 1 {
+                        st.size0 = c.write_imm();
+                    }
+                    st.imm_pending = st.imm_pending.saturating_sub(1);
+                    return false;
                 }
-                st.imm_pending = st.imm_pending.saturating_sub(1);
-                return false;
-            }
-            match WrKind::of(c.wr_id()) {
-                Some(WrKind::Flush) => {
-                    flush_slots[slot] = match flush_slots[slot] {
-                        FlushSlot::Pending(n) if n > 1 => FlushSlot::Pending(n - 1),
-                        _ => FlushSlot::Done,
-                    };
-                    true
+                match WrKind::of(c.wr_id()) {
+                    Some(WrKind::Flush) => {
+                        flush_slots[slot] = match flush_slots[slot] {
+                            FlushSlot::Pending(n) if n > 1 => FlushSlot::Pending(n - 1),
+                            _ => FlushSlot::Done,
+                        };
+                        true
+                    }
+                    Some(WrKind::Cts | WrKind::Probe) => true,
+                    _ => false,
                 }
-                Some(WrKind::Cts | WrKind::Probe) => true,
-                _ => false,
-            }
-        })?;
+            },
+        )?;
         if probe {
             self.post_probe(r)?;
         }
@@ -706,7 +715,7 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
     }
 
     #[inline(always)]
-    fn test(&self, id: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
+    fn test(&self, id: usize, sizes: &mut Sizes) -> Tested {
         self.inner.lock().test(id, sizes)
     }
 

@@ -25,7 +25,7 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, Traffic, MAX_RECVS,
+    not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, Tested, Traffic, MAX_RECVS,
 };
 use crate::verbs::dma::{DmaBuffer, SendChain, WriteImm};
 use crate::verbs::nic::{Nic, QueuePair};
@@ -324,10 +324,10 @@ impl<N: Nic> SendState<N> {
     }
 
     /// `test` of send request `id`.
-    fn test(&mut self, id: usize) -> Result<Option<usize>> {
+    fn test(&mut self, id: usize) -> Tested {
         let (slot, e) = (id / MAX_RECVS, id % MAX_RECVS);
         if slot >= SLOTS || !self.slots[slot].busy || self.slots[slot].matched & (1 << e) == 0 {
-            return Err(not_in_flight("send", id));
+            return Tested::Failed(not_in_flight("send", id));
         }
         // The CQ is polled only for a request not yet known to be done: a drain that
         // completed it also completed the ones behind it.
@@ -347,14 +347,17 @@ impl<N: Nic> SendState<N> {
                 st.busy = false;
             }
             self.traffic.bytes += size as u64;
-            return Ok(Some(size));
+            return Tested::Done(size);
         }
-        self.failure.check()?;
+        if let Err(e) = self.failure.check() {
+            return Tested::Failed(e);
+        }
         if self.rails[0].cq.peer_gone {
             let e = self.rails[0].cq.gone_error(&self.peer);
-            return self.failure.record(Err(e));
+            self.failure.note(&e);
+            return Tested::Failed(e);
         }
-        Ok(None)
+        Tested::Pending
     }
 
     /// An `isend` that found nothing to post: it looks around when `gate` let it through
@@ -419,15 +422,19 @@ impl<N: Nic> SendState<N> {
     #[inline(always)] // into `drain_polled`
     fn drain_rail(&mut self, r: usize, waiting: bool) -> Result<()> {
         let slots = &mut self.slots;
-        let probe = self.rails[r].drain(&self.peer, || waiting, |c| match WrKind::of(c.wr_id()) {
-            Some(WrKind::Send) => {
-                let st = &mut slots[WrKind::slot(c.wr_id())];
-                st.cqe_pending = st.cqe_pending.saturating_sub(1);
-                true
-            }
-            Some(WrKind::Probe) => true,
-            _ => false,
-        })?;
+        let probe = self.rails[r].drain(
+            &self.peer,
+            || waiting,
+            |c| match WrKind::of(c.wr_id()) {
+                Some(WrKind::Send) => {
+                    let st = &mut slots[WrKind::slot(c.wr_id())];
+                    st.cqe_pending = st.cqe_pending.saturating_sub(1);
+                    true
+                }
+                Some(WrKind::Probe) => true,
+                _ => false,
+            },
+        )?;
         if probe {
             self.post_probe(r)?;
         }
@@ -679,11 +686,11 @@ impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
         r
     }
 
-    fn test(&self, id: usize) -> Result<Option<usize>> {
+    fn test(&self, id: usize) -> Tested {
         let mut s = self.inner.lock();
         let r = s.test(id);
         // A send not done yet freed no slot and found the comm alive: nothing to publish.
-        if !matches!(r, Ok(None)) {
+        if !matches!(r, Tested::Pending) {
             self.gate.publish(&s);
         }
         r

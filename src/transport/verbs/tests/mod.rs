@@ -189,7 +189,7 @@ impl Conn {
 
     /// `test` of send request `id`.
     fn test_send(&self, id: usize) -> Result<Option<Completion>> {
-        Ok(self.send.test(id)?.map(Completion::single))
+        Ok(self.send.test(id).into_result()?.map(Completion::single))
     }
 
     /// `test` of receive or flush request `id`.
@@ -201,7 +201,10 @@ impl Conn {
 /// `test` of receive or flush request `id` of `recv`.
 fn test_recv(recv: &impl RecvEndpoint, id: usize) -> Result<Option<Completion>> {
     let mut sizes = [0; MAX_RECVS];
-    Ok(recv.test(id, &mut sizes)?.map(|n| Completion { n, sizes }))
+    Ok(recv
+        .test(id, &mut sizes)
+        .into_result()?
+        .map(|n| Completion { n, sizes }))
 }
 
 /// What a finished request reported, as the tests compare it.
