@@ -11,8 +11,8 @@ use std::sync::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    BufferKeys, KeyCache, Listening, MemKeys, RecvEnd, RecvEndpoint, SendEnd, SendEndpoint, Sizes,
-    Tested, MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
+    BufferKeys, Endpoint, KeyCache, Listening, MemKeys, RecvEnd, RecvEndpoint, SendEnd,
+    SendEndpoint, Sizes, Tested, MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
 use super::stats::{CommStats, Direction};
@@ -218,17 +218,8 @@ impl SendComm {
     #[inline(always)] // into the boundary: one call layer less per message
     pub(crate) fn test(&self, id: usize) -> Tested {
         let r = self.inner.test(id);
-        match r {
-            // No rate line from the proxy's idle polls.
-            Tested::Pending => return r,
-            Tested::Done(_) => {}
-            Tested::Failed(_) => self.stats.failed(),
-        }
-        self.stats.tick(
-            || self.plugin.totals(self.dev),
-            || self.inner.traffic(),
-            || self.inner.summary(),
-        );
+        self.stats
+            .tested(&r, || self.plugin.totals(self.dev), &self.inner);
         r
     }
 
@@ -314,17 +305,8 @@ impl RecvComm {
     #[inline(always)] // into the boundary: one call layer less per message
     pub(crate) fn test(&self, id: usize, sizes: &mut Sizes) -> Tested {
         let r = self.inner.test(id, sizes);
-        match r {
-            // No rate line from the proxy's idle polls.
-            Tested::Pending => return r,
-            Tested::Done(_) => {}
-            Tested::Failed(_) => self.stats.failed(),
-        }
-        self.stats.tick(
-            || self.plugin.totals(self.dev),
-            || self.inner.traffic(),
-            || self.inner.summary(),
-        );
+        self.stats
+            .tested(&r, || self.plugin.totals(self.dev), &self.inner);
         r
     }
 
@@ -336,16 +318,12 @@ impl RecvComm {
 
 impl Drop for SendComm {
     fn drop(&mut self) {
-        let device = self.plugin.totals(self.dev);
-        self.stats
-            .close(device, self.inner.traffic(), &self.inner.summary());
+        self.stats.close(self.plugin.totals(self.dev), &self.inner);
     }
 }
 
 impl Drop for RecvComm {
     fn drop(&mut self) {
-        let device = self.plugin.totals(self.dev);
-        self.stats
-            .close(device, self.inner.traffic(), &self.inner.summary());
+        self.stats.close(self.plugin.totals(self.dev), &self.inner);
     }
 }

@@ -15,7 +15,7 @@ use std::{
 
 use parking_lot::Mutex;
 
-use crate::transport::Traffic;
+use crate::transport::{Endpoint, Tested, Traffic};
 
 /// Totals of one device over all its closed comms (and reported intervals).
 #[derive(Debug, Default)]
@@ -70,17 +70,23 @@ impl CommStats {
         }
     }
 
-    /// After one `test` that finished or failed a request: logs a rate line when one is due,
-    /// with the comm's `traffic` and `detail` (e.g. per-rail counters) from its transport.
-    #[inline]
-    pub(crate) fn tick<'d>(
+    /// After a `test` of the comm over `end` found `r`: counts a failure, and logs a rate
+    /// line when one is due, with what `end` tells; the proxy's idle polls (a request not
+    /// done) count nothing and never log.
+    #[inline(always)]
+    pub(crate) fn tested<'d>(
         &self,
+        r: &Tested,
         device: impl FnOnce() -> &'d DeviceTotals,
-        traffic: impl Fn() -> Traffic,
-        detail: impl Fn() -> String,
+        end: &impl Endpoint,
     ) {
+        match r {
+            Tested::Pending => return,
+            Tested::Done(_) => {}
+            Tested::Failed(_) => self.failed(),
+        }
         if let Some(interval) = self.interval {
-            self.tick_every(interval, device(), &traffic, &detail);
+            self.tick_every(interval, device(), end);
         }
     }
 
@@ -103,13 +109,7 @@ impl CommStats {
 
     /// Logs a rate line when the interval has passed (checked every 64 calls that count).
     #[inline(never)]
-    fn tick_every(
-        &self,
-        interval: Duration,
-        device: &DeviceTotals,
-        traffic: &dyn Fn() -> Traffic,
-        detail: &dyn Fn() -> String,
-    ) {
+    fn tick_every(&self, interval: Duration, device: &DeviceTotals, end: &impl Endpoint) {
         if self.calls.fetch_add(1, Relaxed) % 64 != 0 {
             return;
         }
@@ -120,7 +120,7 @@ impl CommStats {
         if elapsed < interval {
             return;
         }
-        let now = traffic();
+        let now = end.traffic();
         let (msgs, bytes) = (now.messages, now.bytes);
         let secs = elapsed.as_secs_f64();
         tracing::info!(
@@ -133,7 +133,7 @@ impl CommStats {
             bytes,
             msgs,
             self.waits.load(Relaxed),
-            detail(),
+            end.summary(),
             self.errors.load(Relaxed)
         );
         *last = (Instant::now(), msgs, bytes);
@@ -156,14 +156,16 @@ impl CommStats {
         *c = now;
     }
 
-    /// Logs the comm's summary (with its `traffic` and `detail` from its transport) and
-    /// credits its device; called when the comm closes.
-    pub(crate) fn close(&self, device: &DeviceTotals, traffic: Traffic, detail: &str) {
+    /// Logs the comm's summary (with what its end `end` tells) and credits its device;
+    /// called when the comm closes.
+    pub(crate) fn close(&self, device: &DeviceTotals, end: &impl Endpoint) {
+        let traffic = end.traffic();
         self.credit(device, traffic);
         let (msgs, errors) = (traffic.messages, self.errors.load(Relaxed));
         if msgs == 0 && errors == 0 {
             return;
         }
+        let detail = end.summary();
         tracing::info!(
             "closed {} comm {}: {} bytes in {} messages, {} clear-to-send waits{detail}, {} \
              errors; device totals: tx {} bytes / {} messages, rx {} bytes / {} messages",
@@ -185,6 +187,19 @@ impl CommStats {
 mod tests {
     use super::*;
 
+    /// An end that has moved what it holds.
+    struct Moved(Traffic);
+
+    impl Endpoint for Moved {
+        fn peer(&self) -> String {
+            "peer".into()
+        }
+
+        fn traffic(&self) -> Traffic {
+            self.0
+        }
+    }
+
     #[test]
     fn device_totals_get_each_byte_once() {
         let dev = DeviceTotals::default();
@@ -199,11 +214,10 @@ mod tests {
         s.failed();
         s.close(
             &dev,
-            Traffic {
+            &Moved(Traffic {
                 messages: 3,
                 bytes: 305,
-            },
-            "",
+            }),
         );
         assert_eq!(dev.tx_msgs.load(Relaxed), 3);
         assert_eq!(dev.tx_bytes.load(Relaxed), 305);

@@ -301,10 +301,20 @@ pub(crate) trait Connecting: Send {
     fn poll(&mut self) -> Result<Option<SendEnd>>;
 }
 
-/// The sending end of a connection.
-pub(crate) trait SendEndpoint: Send + Sync {
+/// What either end of a connection tells about it.
+pub(crate) trait Endpoint: Send + Sync {
     /// The peer, for messages.
     fn peer(&self) -> String;
+    /// The requests `test` has reported done.
+    fn traffic(&self) -> Traffic;
+    /// What the comm's close summary adds (e.g. clear-to-send batching, per-rail counters).
+    fn summary(&self) -> String {
+        String::new()
+    }
+}
+
+/// The sending end of a connection.
+pub(crate) trait SendEndpoint: Endpoint {
     /// Whether an `isend` now has anything to do. False: it would return `Ok(None)`, so the
     /// caller answers "not yet" without converting its arguments (NCCL retries `isend`
     /// until the receiver's clear-to-send has come, and most calls are such retries).
@@ -318,18 +328,10 @@ pub(crate) trait SendEndpoint: Send + Sync {
     fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>>;
     /// Tests send request `id`: once done, the bytes it sent.
     fn test(&self, id: usize) -> Tested;
-    /// The sends `test` has reported done.
-    fn traffic(&self) -> Traffic;
-    /// What the comm's close summary adds (e.g. per-rail counters).
-    fn summary(&self) -> String {
-        String::new()
-    }
 }
 
 /// The receiving end of a connection.
-pub(crate) trait RecvEndpoint: Send + Sync {
-    /// The peer, for messages.
-    fn peer(&self) -> String;
+pub(crate) trait RecvEndpoint: Endpoint {
     /// Posts a grouped receive of `bufs` (1..=8, their keys asked of `keys`: an error there
     /// fails the call, not the comm) with `tags`; `Ok(None)` when 32 are in flight. Returns a
     /// request id below `2 * MAX_REQUESTS`.
@@ -345,12 +347,6 @@ pub(crate) trait RecvEndpoint: Send + Sync {
     /// Tests receive or flush request `id`: once done, how many messages it had (0 for a
     /// flush), their sizes written into `sizes`.
     fn test(&self, id: usize, sizes: &mut Sizes) -> Tested;
-    /// The receives `test` has reported done.
-    fn traffic(&self) -> Traffic;
-    /// What the comm's close summary adds (e.g. clear-to-send batching, per-rail counters).
-    fn summary(&self) -> String {
-        String::new()
-    }
 }
 
 /// A connection's sending end as the plugin holds it: the transports are a closed set, so
@@ -370,7 +366,7 @@ pub(crate) enum RecvEnd {
     Tcp(tcp::TcpRecvComm),
 }
 
-impl SendEndpoint for SendEnd {
+impl Endpoint for SendEnd {
     fn peer(&self) -> String {
         match self {
             SendEnd::Verbs(c) => c.peer(),
@@ -378,6 +374,22 @@ impl SendEndpoint for SendEnd {
         }
     }
 
+    fn traffic(&self) -> Traffic {
+        match self {
+            SendEnd::Verbs(c) => c.traffic(),
+            SendEnd::Tcp(c) => c.traffic(),
+        }
+    }
+
+    fn summary(&self) -> String {
+        match self {
+            SendEnd::Verbs(c) => c.summary(),
+            SendEnd::Tcp(c) => c.summary(),
+        }
+    }
+}
+
+impl SendEndpoint for SendEnd {
     #[inline(always)]
     fn may_send(&self) -> bool {
         match self {
@@ -401,23 +413,9 @@ impl SendEndpoint for SendEnd {
             SendEnd::Tcp(c) => c.test(id),
         }
     }
-
-    fn traffic(&self) -> Traffic {
-        match self {
-            SendEnd::Verbs(c) => c.traffic(),
-            SendEnd::Tcp(c) => c.traffic(),
-        }
-    }
-
-    fn summary(&self) -> String {
-        match self {
-            SendEnd::Verbs(c) => c.summary(),
-            SendEnd::Tcp(c) => c.summary(),
-        }
-    }
 }
 
-impl RecvEndpoint for RecvEnd {
+impl Endpoint for RecvEnd {
     fn peer(&self) -> String {
         match self {
             RecvEnd::Verbs(c) => c.peer(),
@@ -425,6 +423,22 @@ impl RecvEndpoint for RecvEnd {
         }
     }
 
+    fn traffic(&self) -> Traffic {
+        match self {
+            RecvEnd::Verbs(c) => c.traffic(),
+            RecvEnd::Tcp(c) => c.traffic(),
+        }
+    }
+
+    fn summary(&self) -> String {
+        match self {
+            RecvEnd::Verbs(c) => c.summary(),
+            RecvEnd::Tcp(c) => c.summary(),
+        }
+    }
+}
+
+impl RecvEndpoint for RecvEnd {
     #[inline(always)]
     fn irecv(
         &self,
@@ -450,20 +464,6 @@ impl RecvEndpoint for RecvEnd {
         match self {
             RecvEnd::Verbs(c) => c.test(id, sizes),
             RecvEnd::Tcp(c) => c.test(id, sizes),
-        }
-    }
-
-    fn traffic(&self) -> Traffic {
-        match self {
-            RecvEnd::Verbs(c) => c.traffic(),
-            RecvEnd::Tcp(c) => c.traffic(),
-        }
-    }
-
-    fn summary(&self) -> String {
-        match self {
-            RecvEnd::Verbs(c) => c.summary(),
-            RecvEnd::Tcp(c) => c.summary(),
         }
     }
 }

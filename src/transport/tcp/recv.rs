@@ -18,8 +18,8 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, total_bytes, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, Tested,
-    Traffic, MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, BufferKeys, Endpoint, Failure, KeyCache, RecvEndpoint, Sizes, Tested, Traffic,
+    MAX_RECVS, MAX_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -108,11 +108,17 @@ impl TcpRecvComm {
     }
 }
 
-impl RecvEndpoint for TcpRecvComm {
+impl Endpoint for TcpRecvComm {
     fn peer(&self) -> String {
         self.inner.lock().peer.to_string()
     }
 
+    fn traffic(&self) -> Traffic {
+        self.inner.lock().traffic
+    }
+}
+
+impl RecvEndpoint for TcpRecvComm {
     fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>> {
         // Data is copied by the CPU: nothing to flush.
         check_handles(keys, bufs, &mut KeyCache::default())?;
@@ -163,13 +169,10 @@ impl RecvEndpoint for TcpRecvComm {
     fn test(&self, slot: usize, sizes: &mut Sizes) -> Tested {
         self.test_receive(slot, sizes).into()
     }
-
-    fn traffic(&self) -> Traffic {
-        self.inner.lock().traffic
-    }
 }
 
 impl TcpRecvComm {
+    #[inline(always)] // into `test`, which turns its result into a `Tested`
     fn test_receive(&self, slot: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.progress();
@@ -185,11 +188,13 @@ impl TcpRecvComm {
                         "the peer sent {sent} bytes to a receive of {posted} bytes"
                     )));
                 }
+                let mut bytes = 0;
                 for (out, size) in sizes.iter_mut().zip(&req.sizes[..req.n]) {
                     *out = *size as u32;
+                    bytes += *size as u64;
                 }
                 let n = req.n;
-                s.traffic.add(n, total_bytes(&sizes[..n]));
+                s.traffic.add(n, bytes);
                 Ok(Some(n))
             }
             RecvState::Active => {

@@ -17,8 +17,8 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, Tested, Traffic, MAX_RECVS,
-    MAX_REQUESTS, MAX_SEND_REQUESTS,
+    not_in_flight, BufferKeys, Endpoint, Failure, KeyCache, SendEndpoint, Tested, Traffic,
+    MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy)]
@@ -111,11 +111,17 @@ impl TcpSendComm {
     }
 }
 
-impl SendEndpoint for TcpSendComm {
+impl Endpoint for TcpSendComm {
     fn peer(&self) -> String {
         self.inner.lock().peer.to_string()
     }
 
+    fn traffic(&self) -> Traffic {
+        self.inner.lock().traffic
+    }
+}
+
+impl SendEndpoint for TcpSendComm {
     /// Posts a send; `Ok(None)` until the receiver has posted a matching receive.
     fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
@@ -171,13 +177,10 @@ impl SendEndpoint for TcpSendComm {
     fn test(&self, slot: usize) -> Tested {
         self.test_send(slot).into()
     }
-
-    fn traffic(&self) -> Traffic {
-        self.inner.lock().traffic
-    }
 }
 
 impl TcpSendComm {
+    #[inline(always)] // into `test`, which turns its result into a `Tested`
     fn test_send(&self, slot: usize) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.progress();

@@ -21,8 +21,8 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, total_bytes, BufferKeys, Failure, KeyCache, RecvEndpoint, Sizes, Tested,
-    Traffic, MAX_RECVS,
+    not_in_flight, total_bytes, BufferKeys, Endpoint, Failure, KeyCache, RecvEndpoint, Sizes,
+    Tested, Traffic, MAX_RECVS,
 };
 use crate::verbs::dma::{DmaBuffer, FixedWrite, SendChain, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
@@ -263,12 +263,7 @@ impl<N: Nic> RecvState<N> {
     /// `test` of request `id` beyond the idle case; `polled`: the rails were just polled,
     /// and what they found is still to be drained.
     #[inline(always)] // into `test`, which holds the idle case: its frame is paid already
-    fn test_request(
-        &mut self,
-        id: usize,
-        sizes: &mut Sizes,
-        polled: bool,
-    ) -> Tested {
+    fn test_request(&mut self, id: usize, sizes: &mut Sizes, polled: bool) -> Tested {
         let r = if polled {
             // `test` found receive `id` waiting (so busy) and `polled` set.
             self.drain_polled()
@@ -683,11 +678,27 @@ impl<N: Nic> VerbsRecvComm<N> {
     }
 }
 
-impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
+impl<N: Nic> Endpoint for VerbsRecvComm<N> {
     fn peer(&self) -> String {
         self.inner.lock().peer.clone()
     }
 
+    fn traffic(&self) -> Traffic {
+        self.inner.lock().traffic
+    }
+
+    fn summary(&self) -> String {
+        // How well clear-to-sends were batched (NCCL_ERDMA_CTS_BATCH), and the rails.
+        let s = self.inner.lock();
+        let (writes, entries) = s.clear_to_send_counts();
+        format!(
+            " ({writes} clear-to-send writes for {entries} receives){}",
+            rail::summary(&s.rails)
+        )
+    }
+}
+
+impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
     #[inline(always)]
     fn irecv(
         &self,
@@ -717,19 +728,5 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
     #[inline(always)]
     fn test(&self, id: usize, sizes: &mut Sizes) -> Tested {
         self.inner.lock().test(id, sizes)
-    }
-
-    fn traffic(&self) -> Traffic {
-        self.inner.lock().traffic
-    }
-
-    fn summary(&self) -> String {
-        // How well clear-to-sends were batched (NCCL_ERDMA_CTS_BATCH), and the rails.
-        let s = self.inner.lock();
-        let (writes, entries) = s.clear_to_send_counts();
-        format!(
-            " ({writes} clear-to-send writes for {entries} receives){}",
-            rail::summary(&s.rails)
-        )
     }
 }

@@ -25,7 +25,8 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, BufferKeys, Failure, KeyCache, SendEndpoint, Tested, Traffic, MAX_RECVS,
+    not_in_flight, BufferKeys, Endpoint, Failure, KeyCache, SendEndpoint, Tested, Traffic,
+    MAX_RECVS,
 };
 use crate::verbs::dma::{DmaBuffer, SendChain, WriteImm};
 use crate::verbs::nic::{Nic, QueuePair};
@@ -667,11 +668,21 @@ impl<N: Nic> VerbsSendComm<N> {
     }
 }
 
-impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
+impl<N: Nic> Endpoint for VerbsSendComm<N> {
     fn peer(&self) -> String {
         self.inner.lock().peer.clone()
     }
 
+    fn traffic(&self) -> Traffic {
+        self.inner.lock().traffic
+    }
+
+    fn summary(&self) -> String {
+        rail::summary(&self.inner.lock().rails)
+    }
+}
+
+impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
     fn may_send(&self) -> bool {
         self.gate.may_send()
     }
@@ -694,13 +705,5 @@ impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
             self.gate.publish(&s);
         }
         r
-    }
-
-    fn traffic(&self) -> Traffic {
-        self.inner.lock().traffic
-    }
-
-    fn summary(&self) -> String {
-        rail::summary(&self.inner.lock().rails)
     }
 }

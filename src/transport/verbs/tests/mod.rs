@@ -20,7 +20,7 @@ use crate::buffer::{TestMem, UserBuffer};
 use crate::error::{Error, ErrorKind, Result};
 use crate::oob::Timeouts;
 use crate::transport::{
-    BufferKeys, KeyCache, MemKeys, RecvEndpoint, SendEndpoint, Sizes, MAX_RECVS,
+    BufferKeys, Endpoint, KeyCache, MemKeys, RecvEndpoint, SendEndpoint, Sizes, MAX_RECVS,
 };
 use crate::verbs::fake::{Cut, Fabric, FakeMr, FakeNic, REMOTE_ACCESS_ERROR, RETRY_EXCEEDED};
 use crate::verbs::nic::{MemoryRegion, Nic};
