@@ -2,11 +2,11 @@
 //!
 //! The transport counts the messages and bytes a comm's `test` reports done (under the
 //! lock that `test` holds anyway); the plugin counts waits and errors in relaxed atomics of
-//! the comm (one writer, so no contention). With `NCCL_ERDMA_STATS_INTERVAL=<s>` a comm logs a rate line through NCCL's logger, like
-//! `eadm stat`, from its own `test` calls that finish or fail a request once the interval
-//! has passed (the clock is read every 64 such calls only; the proxy's idle polls never
-//! read it); every comm logs a summary when it closes, and adds its counts to
-//! its device's totals.
+//! the comm (one writer, so no contention). With `NCCL_ERDMA_STATS_INTERVAL=<s>` a comm
+//! logs a rate line through NCCL's logger, like `eadm stat`, from its own `test` calls that
+//! finish or fail a request once the interval has passed (the clock is read every 64 such
+//! calls only; the proxy's idle polls never read it); every comm logs a summary when it
+//! closes, and adds its counts to its device's totals.
 
 use std::{
     sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed},

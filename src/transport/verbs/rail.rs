@@ -70,8 +70,8 @@ impl<N: Nic> Rail<N> {
     /// Hands what the last [`Self::poll`] found to `on` (see [`CqPoller::hand_out`]), which
     /// says whether a completion retires signaled work of this side (then it leaves
     /// `in_flight`); then runs the slow checks when due, `waiting`: whether the comm waits for
-    /// its peer (asked only then). Returns whether this rail should post a probe. A failure (of the poll too)
-    /// counts as the rail's error.
+    /// its peer (asked only then). Returns whether this rail should post a probe. A failure
+    /// (of the poll too) counts as the rail's error.
     #[inline(always)]
     #[allow(clippy::ptr_arg)] // one pointer, not two, held through the loop
     pub(crate) fn drain(
