@@ -10,7 +10,10 @@
 //!   retried for ever as with `rnr_retry = 7`), and so does everything posted after it;
 //! - a send queue of the depth the QP was created with: a request holds its place until a
 //!   completion of it or of a later request of its QP is polled (unsignaled requests leave
-//!   only that way), and a post that does not fit fails, as `ibv_post_send` does.
+//!   only that way), and a post that does not fit fails, as `ibv_post_send` does;
+//! - a receive queue of the depth the QP was created with: a receive holds its place until
+//!   a WRITE WITH IMMEDIATE consumes it, and a post that does not fit fails, as
+//!   `ibv_post_recv` does.
 //!
 //! and the faults of a real network: work held back and placed later, or only in part
 //! ([`Fabric::hold`], [`Fabric::place_partial`]), a link cut that makes
@@ -80,6 +83,8 @@ struct QpEntry {
     send_depth: u64,
     posted: u64,
     retired: u64,
+    /// Receive queue depth: `recvs` holds at most this many.
+    recv_depth: usize,
 }
 
 struct MrEntry {
@@ -483,7 +488,7 @@ impl Nic for FakeNic {
         })
     }
 
-    fn create_qp(&self, cq: &FakeCq, send: u32, _recv: u32, max_inline: u32) -> Result<FakeQp> {
+    fn create_qp(&self, cq: &FakeCq, send: u32, recv: u32, max_inline: u32) -> Result<FakeQp> {
         let mut w = self.world.lock();
         let qpn = w.id();
         w.qps.insert(
@@ -498,6 +503,7 @@ impl Nic for FakeNic {
                 send_depth: u64::from(send),
                 posted: 0,
                 retired: 0,
+                recv_depth: recv as usize,
             },
         );
         Ok(FakeQp {
@@ -613,6 +619,15 @@ impl Nic for FakeNic {
             w.complete(cq, wc, None);
             return Ok(());
         }
+        if q.recvs.len() >= q.recv_depth {
+            return Err(Error::io(
+                format!(
+                    "fake fabric: ibv_post_recv(qp {}): receive queue full",
+                    qp.qpn
+                ),
+                std::io::Error::from_raw_os_error(libc::ENOMEM),
+            ));
+        }
         q.recvs.push_back(wr_id);
         if !w.hold {
             w.deliver(usize::MAX);
@@ -659,5 +674,22 @@ impl Nic for FakeNic {
             _ => "other error",
         }
         .to_string()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_receive_beyond_the_queue_depth_fails_as_ibv_post_recv_does() {
+        let fabric = Fabric::new();
+        let nic = fabric.nic("fake0");
+        let cq = nic.create_cq(16).unwrap();
+        let qp = nic.create_qp(&cq, 4, 2, 0).unwrap();
+        nic.post_recv(&qp, 1).unwrap();
+        nic.post_recv(&qp, 2).unwrap();
+        let e = nic.post_recv(&qp, 3).unwrap_err();
+        assert!(e.to_string().contains("receive queue full"), "{e}");
     }
 }
