@@ -12,11 +12,16 @@
 # `cluster: RESULT case=... host=N ...` line per host (what the plugin did, time to
 # completion or error, bytes verified) and one `cluster-tier: PASS|FAIL case (seconds)` line.
 # The last case powers host 2 off (a host vanishing). The exit code is non-zero if a case
-# failed on either host, or the pair did not boot.
+# failed on either host, or the pair did not boot. After a case that failed, both hosts check
+# that their three links still reach the peer (ARP); when one has died (`cluster-tier: LOST
+# case`, with the links' counters), that case and the rest run again on a freshly booted
+# pair, three rounds at most.
 #
 # Without arguments every case runs, in the order of tests/cluster; CASE names pick some.
-# Environment: CLUSTER_TIER_CASE_TIMEOUT (seconds per case and host, 300), and
-# scripts/cluster-vm.sh's CLUSTER_VM_* settings (CLUSTER_VM_TIMEOUT: the whole run).
+# Environment: CLUSTER_TIER_CASE_TIMEOUT (seconds per case and host, 300),
+# CLUSTER_TIER_LOSE_LINKS_AFTER=CASE (tests the rerun: in round 1, host 2's raila drops
+# everything after CASE), and scripts/cluster-vm.sh's CLUSTER_VM_* settings
+# (CLUSTER_VM_TIMEOUT: each round).
 set -Eeuo pipefail
 trap 'echo "cluster-tier: error: line $LINENO: \`$BASH_COMMAND\` failed (exit $?)" >&2; exit 1' ERR
 
@@ -74,7 +79,12 @@ fi
 }
 case_timeout=${CLUSTER_TIER_CASE_TIMEOUT:-300}
 
-# What each host runs: every case in order, one process each, with a result line per case.
+# What each host runs: the cases it is given, in order, one process each, with a result line
+# per case. Before the first case, and after each that fails (but the one that powers host 2
+# off), the host checks that all three links still reach the peer: a link that died under the
+# emulation (it has happened in CI: a qemu socket link that stopped carrying frames mid-run,
+# so every later case failed) is reported as `LOST case` with the links' counters, and the
+# host stops (exit 99) so that the tier reruns the case and the rest on a freshly booted pair.
 cat >"$stage/run-cases.sh" <<INNER
 # shellcheck shell=bash
 export NCCL_ERDMA_PLUGIN_LIB=/opt/work/libnccl-net-erdma.so
@@ -91,35 +101,120 @@ reset() {
   done
   echo "cluster-tier: rxe ports not ACTIVE after the reset"
 }
-for c in ${cases[*]}; do
-  reset
+# Each link answers a fresh ARP exchange with the peer (both directions) within 30 s: the
+# peer may still be finishing the case, with its faults in place, for a while. Forks are
+# slow in the VM (~70 ms), so one `ip neigh` a round.
+links_ok() {
+  local left="mgmt:\$CLUSTER_PEER_MGMT raila:\$CLUSTER_PEER_RAILA railb:\$CLUSTER_PEER_RAILB" n i up still
+  for n in \$left; do ip neigh flush to "\${n#*:}" dev "\${n%%:*}" 2>/dev/null; done
+  for i in \$(seq 150); do
+    # A link that answered once is done: its entry may go stale again before the others answer.
+    up=\$(ip neigh show nud reachable)
+    still=
+    for n in \$left; do
+      [[ \$'\n'\$up == *\$'\n'"\${n#*:} dev \${n%%:*} "* ]] && continue
+      still+=" \$n"
+      { echo probe >"/dev/udp/\${n#*:}/9"; } 2>/dev/null # the discard port: only the ARP matters
+    done
+    left=\$still
+    [[ -z \$left ]] && return 0
+    sleep 0.2
+  done
+  for n in \$left; do echo -n " \${n%%:*}"; done
+  return 1
+}
+lost() { # CASE WHY
+  echo "cluster-tier: LOST \$1 (\$2)"
+  for n in mgmt raila railb; do
+    ip -s link show dev "\$n"
+    ip neigh show dev "\$n"
+  done | sed 's/^/  /'
+  cat /sys/class/infiniband/rxe*/ports/1/hw_counters/{rcvd_pkts,sent_pkts,retry_exceeded_err} 2>/dev/null |
+    paste -sd' ' | sed 's/^/  rxe0, rxe1 received, sent, retries exceeded: /'
+  exit 99
+}
+reset
+dead=\$(links_ok) || lost "\$1" "before it: no ARP answer from the peer on\$dead within 30 s"
+for c in "\$@"; do
   t0=\$(date +%s.%N)
-  if timeout -k 5 $case_timeout ./$exe_name --exact "\$c" --ignored --nocapture --test-threads=1 \
+  if timeout -k 5 $case_timeout ./$exe_name --exact "\$c" --ignored --nocapture --test-threads=1 \\
       >"/tmp/\$c.log" 2>&1; then
     status=PASS
   else
     status=FAIL
     failed=\$((failed + 1))
   fi
+  t1=\$(date +%s.%N)
   grep -oE 'cluster: RESULT.*' "/tmp/\$c.log" || true
   if [[ \$status == FAIL ]]; then
     tail -n 40 "/tmp/\$c.log"
   fi
-  echo "cluster-tier: \$status \$c (\$(awk -v a="\$t0" -v b="\$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }') s)"
+  reset # the next case starts from a clean host
+  # Test hook of this script's rerun: the links "die" after this case in the first round.
+  if [[ \$c == "\${CLUSTER_TIER_LOSE_LINKS_AFTER:-}" && \$CLUSTER_TIER_ROUND == 1 && \$CLUSTER_HOST_ID == 2 ]]; then
+    tc qdisc add dev raila root netem loss 100%
+    status=FAIL
+  fi
+  # A case that passed has shown the links work (if they die at its end, the next case fails
+  # and finds out); after one that failed, links that died are the likelier cause.
+  if [[ \$status == FAIL && \$c != *vanish* ]]; then
+    dead=\$(links_ok) || lost "\$c" "it failed, and no ARP answer came from the peer on\$dead within 30 s"
+  fi
+  echo "cluster-tier: \$status \$c (\$(awk -v a="\$t0" -v b="\$t1" 'BEGIN { printf "%.1f", b - a }') s)"
 done
 exit \$failed
 INNER
 
-echo "== cluster-tier: two hosts (scripts/cluster-vm.sh), ${#cases[@]} cases"
+# Rounds: each boots a fresh pair and runs the cases left. A case LOST on either host (the
+# earliest in the list, if both lost one) and every case after it go to the next round; what
+# came before it counts. Three rounds at most: a case that loses the links every time fails.
+todo=("${cases[@]}")
+rounds=3
+passes=0
+fails=0
+reruns=()
 t=$(now)
-rc=0
-bash scripts/cluster-vm.sh "$stage" 'bash run-cases.sh' 'bash run-cases.sh' | tee "$work/run.log" || rc=$?
-passes=$(grep -cE '^\[h1\] cluster-tier: PASS' "$work/run.log" || true)
-fails=$(grep -cE '^\[h[12]\] cluster-tier: FAIL' "$work/run.log" || true)
-if [[ $rc -eq 0 && $fails -eq 0 ]]; then
-  result PASS "cases" "$t" "$passes of ${#cases[@]} passed on both hosts"
+for ((round = 1; ; round++)); do
+  echo "== cluster-tier: two hosts (scripts/cluster-vm.sh), ${#todo[@]} cases (round $round)"
+  log=$work/run-$round.log
+  rc=0
+  cmd="CLUSTER_TIER_ROUND=$round CLUSTER_TIER_LOSE_LINKS_AFTER=${CLUSTER_TIER_LOSE_LINKS_AFTER:-} bash run-cases.sh ${todo[*]}"
+  bash scripts/cluster-vm.sh "$stage" "$cmd" "$cmd" | tee "$log" || rc=$?
+  cut=${#todo[@]} # the position in todo of the first case lost
+  while read -r c; do
+    for i in "${!todo[@]}"; do
+      if [[ ${todo[i]} == "$c" ]] && ((i < cut)); then cut=$i; fi
+    done
+  done < <(sed -n 's/^\[h[12]\] cluster-tier: LOST \([^ ]*\) .*/\1/p' "$log")
+  round_fails=0
+  for ((i = 0; i < cut; i++)); do
+    c=${todo[i]}
+    # A pass on host 1 and no failure on host 2 (the vanishing host prints nothing).
+    if grep -qF "[h1] cluster-tier: PASS $c (" "$log" && ! grep -qF "[h2] cluster-tier: FAIL $c (" "$log"; then
+      passes=$((passes + 1))
+    else
+      round_fails=$((round_fails + 1))
+    fi
+  done
+  fails=$((fails + round_fails))
+  if ((cut == ${#todo[@]})); then
+    if ((rc != 0 && round_fails == 0)); then fails=$((fails + 1)); fi # the pair failed (boot, time limit)
+    break
+  fi
+  reruns+=("${todo[cut]}")
+  if ((round == rounds)); then
+    echo "cluster-tier: the links died in $rounds rounds; ${#todo[@]} - $cut cases left unrun count as failed"
+    fails=$((fails + ${#todo[@]} - cut))
+    break
+  fi
+  echo "cluster-tier: the links to the peer died at ${todo[cut]} (LOST lines above); rerunning it and the $((${#todo[@]} - cut - 1)) after it on a fresh pair"
+  todo=("${todo[@]:cut}")
+done
+how="${reruns[*]:+; links lost at ${reruns[*]}, rerun on a fresh pair}"
+if ((fails == 0)); then
+  result PASS "cases" "$t" "$passes of ${#cases[@]} passed on both hosts$how"
 else
-  result FAIL "cases" "$t" "$fails failed (cluster-vm exit $rc)"
+  result FAIL "cases" "$t" "$fails failed, $passes passed$how"
 fi
 echo "cluster-tier: $passed passed, $failed failed in $(since "$tier_start") s"
 [[ $failed -eq 0 ]]
