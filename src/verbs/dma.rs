@@ -6,6 +6,7 @@
 use std::{
     alloc::{self, Layout},
     marker::PhantomData,
+    mem::MaybeUninit,
     sync::atomic,
 };
 
@@ -466,9 +467,12 @@ fn inline_flag(opcode: ibv_wr_opcode::Type, length: u32, max_inline: u32) -> u32
     }
 }
 
-/// Up to [`WcBatch::CAPACITY`] work completions from one poll.
+/// Up to [`WcBatch::CAPACITY`] work completions from one poll. A batch lives on the stack of
+/// the call that polls: it starts unwritten (making one costs no stores), and only what a
+/// poll wrote is ever read.
 pub(crate) struct WcBatch {
-    wcs: [ibv_wc; WcBatch::CAPACITY],
+    wcs: [MaybeUninit<ibv_wc>; WcBatch::CAPACITY],
+    /// The first `n` entries hold what the last poll returned.
     n: usize,
 }
 
@@ -527,10 +531,10 @@ impl WcBatch {
     pub(crate) const CAPACITY: usize = 16;
 
     /// An empty batch.
+    #[inline(always)]
     pub(crate) fn new() -> Self {
         WcBatch {
-            // SAFETY: all-zero is a valid ibv_wc.
-            wcs: unsafe { std::mem::zeroed() },
+            wcs: [const { MaybeUninit::uninit() }; WcBatch::CAPACITY],
             n: 0,
         }
     }
@@ -545,20 +549,29 @@ impl WcBatch {
     }
 
     /// How many completions the last poll returned.
+    #[inline(always)]
     pub(crate) fn polled(&self) -> usize {
         self.n
+    }
+
+    /// The completions of the last poll.
+    #[inline(always)]
+    fn written(&self) -> &[ibv_wc] {
+        // SAFETY: `n` is 0 until a poll succeeds, and then how many entries `poll_cq` wrote,
+        // from the first: at most the capacity, as `Nic` promises.
+        unsafe { std::slice::from_raw_parts(self.wcs.as_ptr().cast::<ibv_wc>(), self.n) }
     }
 
     /// Completion `i` (below [`Self::polled`]) of the last poll.
     #[inline(always)]
     pub(crate) fn get(&self, i: usize) -> Completion<'_> {
-        Completion(&self.wcs[..self.n][i])
+        Completion(&self.written()[i])
     }
 
     /// The completions of the last poll, in order.
     #[inline(always)]
     pub(crate) fn iter(&self) -> impl Iterator<Item = Completion<'_>> {
-        self.wcs[..self.n].iter().map(Completion)
+        self.written().iter().map(Completion)
     }
 }
 

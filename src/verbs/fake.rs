@@ -23,6 +23,7 @@
 
 use std::{
     collections::{HashMap, VecDeque},
+    mem::MaybeUninit,
     sync::Arc,
 };
 
@@ -469,26 +470,27 @@ impl Drop for FakeMr {
     }
 }
 
-impl Nic for FakeNic {
+// SAFETY: `poll_cq` writes and returns at most `wcs.len()` queued completions.
+unsafe impl Nic for FakeNic {
     type Qp = FakeQp;
-    type Cq = FakeCq;
+    type Cq = Arc<FakeCq>;
     type Mr = FakeMr;
 
     fn local(&self) -> &LocalPort {
         &self.local
     }
 
-    fn create_cq(&self, _entries: usize) -> Result<FakeCq> {
+    fn create_cq(&self, _entries: usize) -> Result<Arc<FakeCq>> {
         let mut w = self.world.lock();
         let id = w.id();
         w.cqs.insert(id, VecDeque::new());
-        Ok(FakeCq {
+        Ok(Arc::new(FakeCq {
             world: Arc::clone(&self.world),
             id,
-        })
+        }))
     }
 
-    fn create_qp(&self, cq: &FakeCq, send: u32, recv: u32, max_inline: u32) -> Result<FakeQp> {
+    fn create_qp(&self, cq: &Arc<FakeCq>, send: u32, recv: u32, max_inline: u32) -> Result<FakeQp> {
         let mut w = self.world.lock();
         let qpn = w.id();
         w.qps.insert(
@@ -635,13 +637,13 @@ impl Nic for FakeNic {
         Ok(())
     }
 
-    fn poll_cq(&self, cq: &FakeCq, wcs: &mut [ibv_wc]) -> Result<usize> {
+    fn poll_cq(&self, cq: &Arc<FakeCq>, wcs: &mut [MaybeUninit<ibv_wc>]) -> Result<usize> {
         let mut w = self.world.lock();
         let q = w.cqs.get_mut(&cq.id).expect("live CQ");
         let n = wcs.len().min(q.len());
         let polled: Vec<_> = q.drain(..n).collect();
         for (to, (wc, retires)) in wcs.iter_mut().zip(polled) {
-            *to = wc;
+            to.write(wc);
             if let Some((qpn, seq)) = retires {
                 if let Some(q) = w.qps.get_mut(&qpn) {
                     // It and every request of its QP before it leave the send queue.
@@ -656,7 +658,7 @@ impl Nic for FakeNic {
         self.world.lock().fatal.len() as u64
     }
 
-    fn fatal_for(&self, _cq: &FakeCq, qpns: &[u32]) -> Option<String> {
+    fn fatal_for(&self, _cq: &Arc<FakeCq>, qpns: &[u32]) -> Option<String> {
         let w = self.world.lock();
         w.fatal
             .iter()

@@ -4,6 +4,8 @@
 //! implements it with libibverbs; unit tests use the in-memory fabric of [`super::fake`], so
 //! the transport's send and receive logic runs on any host.
 
+use std::mem::MaybeUninit;
+
 use rdma_sys::{ibv_send_wr, ibv_wc};
 
 use super::device::VerbsDevice;
@@ -49,11 +51,15 @@ pub(crate) trait MemoryRegion {
 }
 
 /// An RDMA device as the verbs transport uses it.
-pub(crate) trait Nic: Send + Sync + 'static {
+///
+/// # Safety
+/// `poll_cq` returns at most `wcs.len()`, having written that many entries from the first:
+/// [`super::dma::WcBatch`] reads them without checking again.
+pub(crate) unsafe trait Nic: Send + Sync + 'static {
     /// Its queue pairs.
     type Qp: QueuePair + Send + Sync;
     /// Its completion queues.
-    type Cq: Send + Sync;
+    type Cq: Clone + Send + Sync;
     /// Its memory registrations (deregistered on drop).
     type Mr: MemoryRegion + Send + Sync;
 
@@ -78,7 +84,7 @@ pub(crate) trait Nic: Send + Sync + 'static {
     /// Posts one zero-SGE receive (a WRITE_WITH_IMM consumes one).
     fn post_recv(&self, qp: &Self::Qp, wr_id: u64) -> Result<()>;
     /// Polls up to `wcs.len()` completions; returns how many were written.
-    fn poll_cq(&self, cq: &Self::Cq, wcs: &mut [ibv_wc]) -> Result<usize>;
+    fn poll_cq(&self, cq: &Self::Cq, wcs: &mut [MaybeUninit<ibv_wc>]) -> Result<usize>;
     /// Reads pending asynchronous events; returns how many fatal ones were seen so far.
     fn drain_async_events(&self) -> u64;
     /// The fatal asynchronous event that breaks a comm polling `cq` with QPs `qpns`.
@@ -108,7 +114,8 @@ impl MemoryRegion for Mr {
     }
 }
 
-impl Nic for VerbsDevice {
+// SAFETY: `Cq::poll` returns what the provider wrote, failing a count beyond the room given.
+unsafe impl Nic for VerbsDevice {
     type Qp = Qp;
     type Cq = std::sync::Arc<Cq>;
     type Mr = Mr;
@@ -153,7 +160,7 @@ impl Nic for VerbsDevice {
     }
 
     #[inline(always)]
-    fn poll_cq(&self, cq: &Self::Cq, wcs: &mut [ibv_wc]) -> Result<usize> {
+    fn poll_cq(&self, cq: &Self::Cq, wcs: &mut [MaybeUninit<ibv_wc>]) -> Result<usize> {
         cq.poll(wcs)
     }
 

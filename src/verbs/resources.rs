@@ -4,6 +4,7 @@
 
 use std::{
     ffi::c_void,
+    mem::MaybeUninit,
     sync::{
         atomic::{AtomicU64, Ordering},
         Arc,
@@ -484,20 +485,30 @@ impl Cq {
         }))
     }
 
-    /// Polls up to `wcs.len()` completions; returns how many were written. Inlined: it is
-    /// the whole of an idle poll, its errors out of line.
+    /// Polls up to `wcs.len()` completions; returns how many were written, never more than
+    /// that (as `Nic` promises). Inlined: it is the whole of an idle poll, its errors out of
+    /// line.
     #[inline(always)]
-    pub(crate) fn poll(&self, wcs: &mut [ibv_wc]) -> Result<usize> {
-        // SAFETY: raw is live, poll_fn its provider's; wcs has room for len entries.
-        let n = unsafe { (self.poll_fn)(self.raw, wcs.len() as i32, wcs.as_mut_ptr()) };
-        if n < 0 {
-            return Err(self.poll_error(n));
+    pub(crate) fn poll(&self, wcs: &mut [MaybeUninit<ibv_wc>]) -> Result<usize> {
+        let room = wcs.len().min(i32::MAX as usize) as i32;
+        // SAFETY: raw is live, poll_fn its provider's; wcs has room for `room` entries, which
+        // the provider only writes.
+        let n = unsafe { (self.poll_fn)(self.raw, room, wcs.as_mut_ptr().cast()) };
+        // One comparison for both: an error (negative) and a count beyond the room.
+        if n as u32 > room as u32 {
+            return Err(self.poll_error(n, room));
         }
         Ok(n as usize)
     }
 
     #[cold]
-    fn poll_error(&self, n: i32) -> Error {
+    fn poll_error(&self, n: i32, room: i32) -> Error {
+        if n > room {
+            return Error::device(format!(
+                "ibv_poll_cq({}) returned {n} completions, for room for {room}",
+                self.ctx.name
+            ));
+        }
         Error::io(
             format!("ibv_poll_cq({})", self.ctx.name),
             std::io::Error::from_raw_os_error(-n),

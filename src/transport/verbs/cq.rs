@@ -26,6 +26,11 @@ use crate::verbs::nic::{Nic, QueuePair};
 
 /// How often (in polls) the slow checks run.
 const CHECK_EVERY: u32 = 256;
+/// An idle call (an `isend` with nothing to post, a `test` of a receive still waiting) that
+/// is answered without the comm's lock takes it once in this many calls, to look around
+/// (poll the CQs, and so run the slow checks in their turn): NCCL retries in a tight loop,
+/// so that is still every few microseconds.
+pub(crate) const IDLE_LOOK_EVERY: u32 = 64;
 
 /// What the watchdog concluded at a check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -100,7 +105,6 @@ impl Watchdog {
 /// never on an idle receiving side).
 pub(crate) struct CqPoller<N: Nic> {
     pub(crate) cq: N::Cq,
-    wc: WcBatch,
     /// The last poll's failure, for the drain to return.
     poll_error: Option<Error>,
     /// Where in the batch [`Self::hand_out`] met a failed completion.
@@ -120,7 +124,6 @@ impl<N: Nic> CqPoller<N> {
     pub(crate) fn new(cq: N::Cq, work_timeout: Option<Duration>) -> Self {
         CqPoller {
             cq,
-            wc: WcBatch::new(),
             poll_error: None,
             failed_at: None,
             epoch: 0,
@@ -176,14 +179,13 @@ impl<N: Nic> CqPoller<N> {
         ))
     }
 
-    /// Polls the CQ once into the batch; returns whether there is anything for
-    /// the drain to do: completions arrived, the slow checks are due, or the poll
-    /// failed (the drain reports the error). The proxy's idle `test` is this poll and
-    /// nothing else.
+    /// Polls the CQ once into `wc` (the caller's, on its stack); returns whether there is
+    /// anything for the drain to do: completions arrived, the slow checks are due, or the
+    /// poll failed (the drain reports the error).
     #[inline(always)]
-    pub(crate) fn poll(&mut self, nic: &N) -> bool {
+    pub(crate) fn poll(&mut self, nic: &N, wc: &mut WcBatch) -> bool {
         self.calls = self.calls.wrapping_add(1);
-        match self.wc.poll(nic, &self.cq) {
+        match wc.poll(nic, &self.cq) {
             Ok(n) => n > 0 || self.calls % CHECK_EVERY == 0,
             Err(e) => {
                 self.poll_error = Some(e);
@@ -192,23 +194,29 @@ impl<N: Nic> CqPoller<N> {
         }
     }
 
-    /// Whether the last [`Self::poll`] left [`Self::drain`] anything to do.
+    /// Counts a poll made without the comm's lock, which found completions (now in the
+    /// caller's batch, for [`Self::hand_out`]).
     #[inline(always)]
-    pub(crate) fn polled_work(&self) -> bool {
-        self.wc.polled() > 0 || self.calls % CHECK_EVERY == 0 || self.poll_error.is_some()
+    pub(crate) fn polled_unlocked(&mut self) {
+        self.calls = self.calls.wrapping_add(1);
     }
 
-    /// After [`Self::poll`] found something: hands every successful completion to `on`,
-    /// polling again while batches come full. Returns false at a failed completion or poll,
-    /// which [`Self::drain_error`] then describes (the comm's error).
+    /// After [`Self::poll`] found something: hands every successful completion in `wc` to
+    /// `on`, polling again while batches come full. Returns false at a failed completion or
+    /// poll, which [`Self::drain_error`] then describes (the comm's error).
     #[inline(always)]
-    pub(crate) fn hand_out(&mut self, nic: &N, mut on: impl FnMut(Completion<'_>)) -> bool {
+    pub(crate) fn hand_out(
+        &mut self,
+        nic: &N,
+        wc: &mut WcBatch,
+        mut on: impl FnMut(Completion<'_>),
+    ) -> bool {
         if self.poll_error.is_some() {
             return false;
         }
         loop {
-            let n = self.wc.polled();
-            for (i, c) in self.wc.iter().enumerate() {
+            let n = wc.polled();
+            for (i, c) in wc.iter().enumerate() {
                 if c.status() != WC_SUCCESS {
                     self.failed_at = Some(i);
                     return false;
@@ -219,22 +227,22 @@ impl<N: Nic> CqPoller<N> {
             if n < WcBatch::CAPACITY {
                 return true;
             }
-            if let Err(e) = self.wc.poll(nic, &self.cq) {
+            if let Err(e) = wc.poll(nic, &self.cq) {
                 self.poll_error = Some(e);
                 return false;
             }
         }
     }
 
-    /// Why [`Self::hand_out`] stopped: the failed poll, or the failed completion.
+    /// Why [`Self::hand_out`] stopped: the failed poll, or the failed completion in `wc`.
     #[cold]
     #[inline(never)]
-    pub(crate) fn drain_error(&mut self, nic: &N, peer: &str) -> Error {
+    pub(crate) fn drain_error(&mut self, nic: &N, peer: &str, wc: &WcBatch) -> Error {
         if let Some(e) = self.poll_error.take() {
             return e;
         }
         let i = self.failed_at.take().unwrap_or(0);
-        cqe_error(nic, peer, self.wc.get(i))
+        cqe_error(nic, peer, wc.get(i))
     }
 
     /// Whether the slow checks (peer, asynchronous events, watchdog) are due after this

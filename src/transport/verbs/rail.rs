@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::cq::CqPoller;
 use crate::error::Result;
-use crate::verbs::dma::Completion;
+use crate::verbs::dma::{Completion, WcBatch};
 use crate::verbs::nic::Nic;
 
 /// What one rail carried.
@@ -60,14 +60,14 @@ impl<N: Nic> Rail<N> {
         &self.nic.local().name
     }
 
-    /// Polls this rail's CQ once (see [`CqPoller::poll`]): whether [`Self::drain`] has
-    /// anything to do.
+    /// Polls this rail's CQ once into `wc` (see [`CqPoller::poll`]): whether [`Self::drain`]
+    /// has anything to do.
     #[inline(always)]
-    pub(crate) fn poll(&mut self) -> bool {
-        self.cq.poll(&self.nic)
+    pub(crate) fn poll(&mut self, wc: &mut WcBatch) -> bool {
+        self.cq.poll(&self.nic, wc)
     }
 
-    /// Hands what the last [`Self::poll`] found to `on` (see [`CqPoller::hand_out`]), which
+    /// Hands what a poll put in `wc` to `on` (see [`CqPoller::hand_out`]), which
     /// says whether a completion retires signaled work of this side (then it leaves
     /// `in_flight`); then runs the slow checks when due, `waiting`: whether the comm waits for
     /// its peer (asked only then). Returns whether this rail should post a probe. A failure
@@ -76,16 +76,19 @@ impl<N: Nic> Rail<N> {
     #[allow(clippy::ptr_arg)] // one pointer, not two, held through the loop
     pub(crate) fn drain(
         &mut self,
+        wc: &mut WcBatch,
         peer: &String,
         waiting: impl FnOnce() -> bool,
         mut on: impl FnMut(Completion<'_>) -> bool,
     ) -> Result<bool> {
         let mut done = 0;
-        let ok = self.cq.hand_out(&self.nic, |c| done += i32::from(on(c)));
+        let ok = self
+            .cq
+            .hand_out(&self.nic, wc, |c| done += i32::from(on(c)));
         self.in_flight -= done;
         if !ok {
             self.stats.errors += 1;
-            return Err(self.cq.drain_error(&self.nic, peer));
+            return Err(self.cq.drain_error(&self.nic, peer, wc));
         }
         if !self.cq.checks_due() {
             return Ok(false);
@@ -99,25 +102,6 @@ impl<N: Nic> Rail<N> {
         }
         r
     }
-}
-
-/// Polls every rail's CQ once: whether any rail's [`Rail::drain`] has anything to do (then
-/// [`CqPoller::polled_work`] says which). One rail, the common case, is polled inline.
-#[inline(always)]
-pub(crate) fn poll_all<N: Nic>(rails: &mut [Rail<N>]) -> bool {
-    match rails {
-        [rail] => rail.poll(),
-        rails => poll_each(rails),
-    }
-}
-
-#[inline(never)]
-fn poll_each<N: Nic>(rails: &mut [Rail<N>]) -> bool {
-    let mut found = false;
-    for rail in rails {
-        found |= rail.poll();
-    }
-    found
 }
 
 /// The rails of `rails` with their counters, for a comm's summary: ` (rxe0: B bytes in M

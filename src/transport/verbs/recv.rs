@@ -9,11 +9,22 @@
 //! receive the caller tests while its entry is held sends everything held at once, so no
 //! receive ever waits on batching.
 //!
+//! The proxy polls a receive with `test` in a tight loop while its data is on the way. Such an
+//! idle `test` takes no lock: the comm's [`RecvGate`] knows (as the last locked call left it)
+//! which receives still wait, polls the CQs, and answers "not done" when they are empty.
+//! Completions it finds go to the locked call in the batch it polled them into.
+//!
 //! `iflush` (GPUDirect): on each rail, a 1-byte RDMA READ through a QP connected to itself,
 //! which completes only after the NIC's earlier writes to GPU memory are visible.
 
+use std::sync::{
+    atomic::{AtomicU32, Ordering::Relaxed},
+    Arc,
+};
+
 use parking_lot::Mutex;
 
+use super::cq::IDLE_LOOK_EVERY;
 use super::rail::{self, locate, Rail};
 use super::wire::{
     cts_index, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_BYTES, MAX_RAILS, SLOTS, TRUNCATED,
@@ -24,11 +35,14 @@ use crate::transport::{
     not_in_flight, total_bytes, BufferKeys, Endpoint, Failure, KeyCache, RecvEndpoint, Sizes,
     Tested, Traffic, MAX_RECVS,
 };
-use crate::verbs::dma::{DmaBuffer, FixedWrite, SendChain, WC_RECV_RDMA_WITH_IMM};
+use crate::verbs::dma::{DmaBuffer, FixedWrite, SendChain, WcBatch, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
 
 /// A receive's QPs: (first, how many), and its sequence number (which rotates its pieces).
 type QpSpan = (usize, usize, u64);
+
+/// A rail whose CQ the gate polled, finding completions, and the batch holding them.
+type Found<'a> = Option<(usize, &'a mut WcBatch)>;
 
 /// Clear-to-send entries are held back (to be posted together) only while the sender holds
 /// at least this many posted receives it can fill.
@@ -105,11 +119,16 @@ pub(crate) struct RecvState<N: Nic> {
     /// proxy tests its oldest one on every pass), so entries held back now will be posted
     /// by a later `test`. Receives posted back to back are announced at once.
     polled: bool,
+    /// The gate's count of idle tests as the last `irecv` saw it: when it has moved since,
+    /// the caller tested (without the lock), which counts as [`Self::polled`].
+    idle_seen: u32,
     /// Clear-to-send writes posted, for the comm's summary (with the receives they
     /// announced, `cts_posted`).
     cts_writes: u64,
-    /// [`Self::is_quiet`] as the last locked call left it: all an idle `test` checks.
+    /// [`Self::is_quiet`] as the last locked call left it.
     quiet: bool,
+    /// One bit per slot whose receive still waits for data (WRITE_WITH_IMMs to arrive).
+    waiting: u32,
     chain: SendChain,
     /// Clear-to-send writes: from `cts_local` to the sender's FIFO over rail 0.
     cts_write: FixedWrite,
@@ -150,8 +169,10 @@ impl<N: Nic> RecvState<N> {
             finished: 0,
             cts_unsignaled: 0,
             polled: false,
+            idle_seen: 0,
             cts_writes: 0,
             quiet: true,
+            waiting: 0,
             chain: SendChain::new(),
             cts_write,
             key_cache: KeyCache::default(),
@@ -233,18 +254,12 @@ impl<N: Nic> RecvState<N> {
         Ok(Some(FLUSH_ID_BASE + fslot))
     }
 
-    /// `test` of receive or flush request `id`. The proxy's idle test, of a receive still
-    /// waiting on a quiet comm, is one CQ poll per rail that finds nothing.
+    /// `test` of receive or flush request `id`; `found`: the comm's [`RecvGate`] found
+    /// receive `id` waiting and polled this rail's CQ into this batch, which holds
+    /// completions.
     #[inline(always)]
-    fn test(&mut self, id: usize, sizes: &mut Sizes) -> Tested {
-        let waiting = self.quiet && self.slots.get(id).is_some_and(|st| st.imm_pending > 0);
-        if waiting {
-            self.polled = true;
-            if !rail::poll_all(&mut self.rails) {
-                return Tested::Pending;
-            }
-        }
-        let r = self.test_request(id, sizes, waiting);
+    fn test(&mut self, id: usize, sizes: &mut Sizes, found: Found<'_>) -> Tested {
+        let r = self.test_request(id, sizes, found);
         self.quiet = self.is_quiet();
         r
     }
@@ -260,24 +275,32 @@ impl<N: Nic> RecvState<N> {
         self.failure.is_set() || self.rails[0].cq.peer_gone
     }
 
-    /// `test` of request `id` beyond the idle case; `polled`: the rails were just polled,
-    /// and what they found is still to be drained.
-    #[inline(always)] // into `test`, which holds the idle case: its frame is paid already
-    fn test_request(&mut self, id: usize, sizes: &mut Sizes, polled: bool) -> Tested {
-        let r = if polled {
-            // `test` found receive `id` waiting (so busy) and `polled` set.
-            self.drain_polled()
+    /// [`Self::test`], before the quiet flag is brought up to date.
+    #[inline(always)] // into `test`
+    fn test_request(&mut self, id: usize, sizes: &mut Sizes, found: Found<'_>) -> Tested {
+        let r = if let Some((rail, wc)) = found {
+            // Drained whatever becomes of the request: the completions are off the CQ.
+            self.rails[rail].cq.polled_unlocked();
+            let r = self.drain_rail(rail, wc);
+            if !self.slots.get(id).is_some_and(|st| st.busy) {
+                // Finished since the gate looked, by a test from another thread (NCCL tests
+                // a comm from its one proxy thread).
+                let _ = self.failure.record(r);
+                return Tested::Failed(not_in_flight("receive", id));
+            }
+            r
         } else {
             if !self.slots.get(id).is_some_and(|st| st.busy) {
                 return self.test_flush(id).into();
             }
-            self.polled = true;
             // As for sends, the CQ is polled only for a receive not yet known to be done.
             if self.slots[id].imm_pending == 0 {
+                self.polled = true;
                 return self.finish_receive(id, sizes);
             }
             self.progress()
         };
+        self.polled = true;
         let _ = self.failure.record(r);
         // A receive still waiting needs its clear-to-send at the sender, and the sender
         // should keep holding a few.
@@ -471,6 +494,7 @@ impl<N: Nic> RecvState<N> {
             size0: 0,
             span: (first_qp, used, self.seq),
         };
+        self.waiting |= 1 << slot;
         self.seq += 1;
         // Held back while the sender holds enough to work on and the caller polls its
         // receives, up to the batch size: one RDMA write (and, on Soft-RoCE, one system
@@ -545,36 +569,40 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// Polls every rail's CQ once; what arrived is handled out of line.
-    #[inline(always)] // into `test`: an idle test is one poll per rail
+    #[inline(always)] // into `test`
     fn progress(&mut self) -> Result<()> {
-        if rail::poll_all(&mut self.rails) {
-            self.drain_polled()
+        if self.rails.len() != 1 {
+            return self.progress_rails();
+        }
+        let mut wc = WcBatch::new();
+        if self.rails[0].poll(&mut wc) {
+            self.drain_rail(0, &mut wc)
         } else {
             Ok(())
         }
     }
 
-    /// Drains every rail whose last poll found something (one rail: it did).
-    #[inline(always)]
-    fn drain_polled(&mut self) -> Result<()> {
-        if self.rails.len() == 1 {
-            return self.drain_rail(0);
-        }
+    /// [`Self::progress`] of a comm over several rails: each polled and drained in turn.
+    #[inline(never)]
+    fn progress_rails(&mut self) -> Result<()> {
+        let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
-            if self.rails[r].cq.polled_work() {
-                self.drain_rail(r)?;
+            if self.rails[r].poll(&mut wc) {
+                self.drain_rail(r, &mut wc)?;
             }
         }
         Ok(())
     }
 
-    /// Hands what rail `r`'s last poll found to the receives, flushes and probes it
+    /// Hands what rail `r`'s poll put in `wc` to the receives, flushes and probes it
     /// completes.
-    #[inline(always)] // into `drain_polled`
-    fn drain_rail(&mut self, r: usize) -> Result<()> {
+    #[inline(always)] // into `progress` and `test`
+    fn drain_rail(&mut self, r: usize, wc: &mut WcBatch) -> Result<()> {
         let (seq, finished) = (&self.seq, &self.finished);
-        let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);
+        let (slots, flush_slots, waiting) =
+            (&mut self.slots, &mut self.flush_slots, &mut self.waiting);
         let probe = self.rails[r].drain(
+            wc,
             &self.peer,
             || seq != finished,
             |c| {
@@ -588,6 +616,9 @@ impl<N: Nic> RecvState<N> {
                         st.size0 = c.write_imm();
                     }
                     st.imm_pending = st.imm_pending.saturating_sub(1);
+                    if st.imm_pending == 0 {
+                        *waiting &= !(1 << slot);
+                    }
                     return false;
                 }
                 match WrKind::of(c.wr_id()) {
@@ -644,14 +675,148 @@ fn too_many_flushes() -> Error {
     ))
 }
 
+/// What [`RecvGate::look`] concluded.
+enum Look {
+    /// The receive still waits and rail 0's CQ had nothing, on a comm of one rail: "not
+    /// done", without the lock.
+    Idle,
+    /// Rail 0's CQ had completions, now in the caller's batch for the locked call.
+    Found,
+    /// Rail 0's CQ had nothing, and the comm has more rails: see [`RecvGate::look_further`].
+    Further,
+    /// Anything else: the locked call decides (and polls itself).
+    Lock,
+}
+
+/// What [`RecvGate::look_further`] concluded.
+enum LookFurther {
+    Idle,
+    /// This rail's CQ had completions, now in the caller's batch for the locked call.
+    Found(usize),
+    Lock,
+}
+
+/// A rail's NIC and CQ, as the gate polls it. The CQ handle is a clone, so the CQ outlives
+/// the QPs in the comm's state.
+type GateCq<N> = (Arc<N>, <N as Nic>::Cq);
+
+/// What an idle `test` reads without taking the comm's lock: which receives still wait for
+/// their data, as the last locked call left them, and the CQs the data's completions come
+/// to. One progress thread drives a comm, so these are its own writes; were they stale, the
+/// lock decides.
+struct RecvGate<N: Nic> {
+    /// Rail 0's CQ, and the other rails'.
+    first: GateCq<N>,
+    others: Box<[GateCq<N>]>,
+    /// One bit per slot whose receive waits for data, while the comm is quiet; else 0, and
+    /// every test takes the lock.
+    waiting: AtomicU32,
+    /// Tests answered [`Look::Idle`].
+    idle_calls: AtomicU32,
+}
+
+impl<N: Nic> RecvGate<N> {
+    fn new(s: &RecvState<N>) -> Self {
+        let cq = |r: &Rail<N>| (Arc::clone(&r.nic), r.cq.cq.clone());
+        let gate = RecvGate {
+            first: cq(&s.rails[0]),
+            others: s.rails[1..].iter().map(cq).collect(),
+            waiting: AtomicU32::new(0),
+            idle_calls: AtomicU32::new(0),
+        };
+        gate.publish(s);
+        gate
+    }
+
+    /// Whether `test` of request `id` can be answered without the lock: the receive waits,
+    /// and a poll of rail 0's CQ into `wc` finds nothing (with more rails, see
+    /// [`Self::look_further`]). Every [`IDLE_LOOK_EVERY`]th such test takes the lock anyway,
+    /// to run what the locked poll does besides (the slow checks).
+    #[inline(always)]
+    fn look(&self, id: usize, wc: &mut WcBatch) -> Look {
+        if id >= SLOTS || self.waiting.load(Relaxed) & (1 << id) == 0 {
+            return Look::Lock;
+        }
+        let (nic, cq) = &self.first;
+        match wc.poll(&**nic, cq) {
+            Ok(0) if self.others.is_empty() => {}
+            Ok(0) => return Look::Further,
+            Ok(_) => return Look::Found,
+            // The locked poll meets the error again and fails the comm with it.
+            Err(_) => return Look::Lock,
+        }
+        if self.idle_call() {
+            Look::Lock
+        } else {
+            Look::Idle
+        }
+    }
+
+    /// [`Self::look`] of a comm over several rails, rail 0 found empty: the CQs of the rest.
+    fn look_further(&self, wc: &mut WcBatch) -> LookFurther {
+        for (r, (nic, cq)) in self.others.iter().enumerate() {
+            match wc.poll(&**nic, cq) {
+                Ok(0) => {}
+                Ok(_) => return LookFurther::Found(r + 1),
+                Err(_) => return LookFurther::Lock,
+            }
+        }
+        if self.idle_call() {
+            LookFurther::Lock
+        } else {
+            LookFurther::Idle
+        }
+    }
+
+    /// Counts a test answered "not done" here: whether it takes the lock after all, as every
+    /// [`IDLE_LOOK_EVERY`]th does.
+    #[inline(always)]
+    fn idle_call(&self) -> bool {
+        // Load and store, not an atomic add: one thread counts, and a lost count is harmless.
+        let n = self.idle_calls.load(Relaxed).wrapping_add(1);
+        self.idle_calls.store(n, Relaxed);
+        n % IDLE_LOOK_EVERY == 0
+    }
+
+    /// Records what a locked call left.
+    #[inline(always)]
+    fn publish(&self, s: &RecvState<N>) {
+        self.waiting
+            .store(if s.quiet { s.waiting } else { 0 }, Relaxed);
+    }
+}
+
 /// A receive comm over verbs.
 pub(crate) struct VerbsRecvComm<N: Nic> {
+    // Field order is teardown order: the QPs (in the state) before the CQ the gate holds.
     inner: Mutex<RecvState<N>>,
+    gate: RecvGate<N>,
 }
 
 impl<N: Nic> VerbsRecvComm<N> {
+    /// `test` under the lock: what the gate did not answer.
+    #[inline(always)]
+    fn test_locked(&self, id: usize, sizes: &mut Sizes, found: Found<'_>) -> Tested {
+        let mut s = self.inner.lock();
+        let r = s.test(id, sizes, found);
+        self.gate.publish(&s);
+        r
+    }
+
+    /// `test` of a comm over several rails whose rail 0 had nothing: the others' CQs.
+    #[inline(never)]
+    fn test_further(&self, id: usize, sizes: &mut Sizes, wc: &mut WcBatch) -> Tested {
+        let found = match self.gate.look_further(wc) {
+            LookFurther::Idle => return Tested::Pending,
+            LookFurther::Found(r) => Some((r, wc)),
+            LookFurther::Lock => None,
+        };
+        self.test_locked(id, sizes, found)
+    }
+
     pub(crate) fn new(state: RecvState<N>) -> Self {
         VerbsRecvComm {
+            gate: RecvGate::new(&state),
             inner: Mutex::new(state),
         }
     }
@@ -707,6 +872,11 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         keys: &impl BufferKeys,
     ) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
+        let idle = self.gate.idle_calls.load(Relaxed);
+        if idle != s.idle_seen {
+            s.idle_seen = idle;
+            s.polled = true;
+        }
         let r = s.irecv(bufs, tags, keys);
         // A quiet comm stays so through a receive that went well (it polls nothing) unless
         // its clear-to-send is held back.
@@ -715,6 +885,7 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         } else {
             s.is_quiet()
         };
+        self.gate.publish(&s);
         r
     }
 
@@ -722,11 +893,21 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         let mut s = self.inner.lock();
         let r = s.iflush(bufs, keys);
         s.quiet = s.is_quiet();
+        self.gate.publish(&s);
         r
     }
 
+    /// The proxy's idle test, of a receive still waiting, is one CQ poll that finds
+    /// nothing, without the lock (see [`RecvGate`]).
     #[inline(always)]
     fn test(&self, id: usize, sizes: &mut Sizes) -> Tested {
-        self.inner.lock().test(id, sizes)
+        let mut wc = WcBatch::new();
+        let found = match self.gate.look(id, &mut wc) {
+            Look::Idle => return Tested::Pending,
+            Look::Found => Some((0, &mut wc)),
+            Look::Further => return self.test_further(id, sizes, &mut wc),
+            Look::Lock => None,
+        };
+        self.test_locked(id, sizes, found)
     }
 }

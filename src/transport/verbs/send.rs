@@ -18,6 +18,7 @@ use std::sync::{
 
 use parking_lot::Mutex;
 
+use super::cq::IDLE_LOOK_EVERY;
 use super::rail::{self, locate, Rail};
 use super::wire::{
     cts_index, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_SEQ_OFFSET, MAX_RAILS, SLOTS, TRUNCATED,
@@ -28,12 +29,8 @@ use crate::transport::{
     not_in_flight, BufferKeys, Endpoint, Failure, KeyCache, SendEndpoint, Tested, Traffic,
     MAX_RECVS,
 };
-use crate::verbs::dma::{DmaBuffer, SendChain, WriteImm};
+use crate::verbs::dma::{DmaBuffer, SendChain, WcBatch, WriteImm};
 use crate::verbs::nic::{Nic, QueuePair};
-
-/// An `isend` that finds nothing to post looks around (polls the CQs) once in this many
-/// calls: NCCL retries in a tight loop, so that is still every few microseconds.
-const IDLE_LOOK_EVERY: u32 = 64;
 
 /// Where in `sizes_local` a probe's byte lands (after the size records).
 pub(crate) const PROBE_AT: usize = SLOTS * MAX_RECVS;
@@ -396,34 +393,37 @@ impl<N: Nic> SendState<N> {
 
     /// Polls every rail's CQ once, what arrived handled out of line; `waiting`: a send
     /// waits for its clear-to-send.
-    #[inline(always)] // into `test`: an idle test is one poll per rail
+    #[inline(always)] // into `test`: an idle test is one poll
     fn progress(&mut self, waiting: bool) -> Result<()> {
-        if rail::poll_all(&mut self.rails) {
-            self.drain_polled(waiting)
+        if self.rails.len() != 1 {
+            return self.progress_rails(waiting);
+        }
+        let mut wc = WcBatch::new();
+        if self.rails[0].poll(&mut wc) {
+            self.drain_rail(0, &mut wc, waiting)
         } else {
             Ok(())
         }
     }
 
-    /// Drains every rail whose last poll found something (one rail: it did).
-    #[inline(always)]
-    fn drain_polled(&mut self, waiting: bool) -> Result<()> {
-        if self.rails.len() == 1 {
-            return self.drain_rail(0, waiting);
-        }
+    /// [`Self::progress`] of a comm over several rails: each polled and drained in turn.
+    #[inline(never)]
+    fn progress_rails(&mut self, waiting: bool) -> Result<()> {
+        let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
-            if self.rails[r].cq.polled_work() {
-                self.drain_rail(r, waiting)?;
+            if self.rails[r].poll(&mut wc) {
+                self.drain_rail(r, &mut wc, waiting)?;
             }
         }
         Ok(())
     }
 
-    /// Hands what rail `r`'s last poll found to the slots and probes it completes.
-    #[inline(always)] // into `drain_polled`
-    fn drain_rail(&mut self, r: usize, waiting: bool) -> Result<()> {
+    /// Hands what rail `r`'s poll put in `wc` to the slots and probes it completes.
+    #[inline(always)] // into `progress`
+    fn drain_rail(&mut self, r: usize, wc: &mut WcBatch, waiting: bool) -> Result<()> {
         let slots = &mut self.slots;
         let probe = self.rails[r].drain(
+            wc,
             &self.peer,
             || waiting,
             |c| match WrKind::of(c.wr_id()) {
