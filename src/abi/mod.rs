@@ -23,7 +23,7 @@ use crate::plugin::{
     comm::check_magic, Plugin, RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC,
     SEND_MAGIC,
 };
-use crate::transport::{Sizes, Tested, MAX_RECVS};
+use crate::transport::{SizeSink, Tested, MAX_RECVS};
 
 /// The one mapping from our errors to NCCL's result codes, following NCCL's plugin README
 /// (`ncclSystemError` for kernel, library or hardware failures, `ncclInternalError` when NCCL
@@ -221,65 +221,62 @@ pub(crate) unsafe fn test_request(
     token.check()?;
     // A token lives in its comm's token table, so a live token's comm is live: its magic
     // needs no second check.
-    match token.owner {
+    // SAFETY: NCCL's `sizes` has room for every message of the request (or is NULL).
+    let mut out = unsafe { NcclSizes::new(sizes) };
+    let finished = match token.owner {
         RequestOwner::Send(addr) => {
             // SAFETY: as above; the address is the SendComm whose table holds the token.
             let comm = unsafe { &*(addr as *const SendComm) };
-            let size = match comm.test(token.slot) {
-                Tested::Pending => None,
-                Tested::Done(size) => Some([size as u32]),
+            match comm.test(token.slot) {
+                Tested::Pending => false,
+                Tested::Done(size) => {
+                    out.set(0, size as u32);
+                    true
+                }
                 Tested::Failed(e) => return Err(e),
-            };
-            // SAFETY: forwarded contract.
-            unsafe { report(token, size.as_ref().map(|s| &s[..]), done, sizes) };
+            }
         }
         RequestOwner::Recv(addr) => {
             // SAFETY: as above, for a RecvComm.
             let comm = unsafe { &*(addr as *const RecvComm) };
-            let mut sizes_v: Sizes = [0; MAX_RECVS];
-            let n = match comm.test(token.slot, &mut sizes_v) {
-                Tested::Pending => None,
-                Tested::Done(n) => Some(n),
+            match comm.test(token.slot, &mut out) {
+                Tested::Pending => false,
+                Tested::Done(_) => true,
                 Tested::Failed(e) => return Err(e),
-            };
-            // SAFETY: forwarded contract.
-            unsafe { report(token, n.map(|n| &sizes_v[..n]), done, sizes) };
+            }
         }
+    };
+    if finished {
+        profiler::stop(token);
     }
+    // SAFETY: checked non-NULL; writable by contract.
+    unsafe { *done = c_int::from(finished) };
     Ok(())
 }
 
-/// Writes NCCL's `done` and, once done, the request's `finished` sizes.
-///
-/// # Safety
-/// As [`test_request`], `done` checked non-NULL.
-#[inline(always)]
-unsafe fn report(
-    token: &RequestToken,
-    finished: Option<&[u32]>,
-    done: *mut c_int,
-    sizes: *mut c_int,
-) {
-    let Some(finished) = finished else {
-        // SAFETY: checked non-NULL; writable by contract.
-        unsafe { *done = 0 };
-        return;
-    };
-    if !sizes.is_null() {
-        let int = |size: u32| i32::try_from(size).unwrap_or(i32::MAX);
-        if let [size] = finished {
-            // SAFETY: NCCL provides one int per message of the request.
-            unsafe { *sizes = int(*size) };
-        } else {
-            for (i, size) in finished.iter().enumerate() {
-                // SAFETY: as above.
-                unsafe { *sizes.add(i) = int(*size) };
-            }
+/// NCCL's `sizes` argument of `test`, which a finished request's sizes are written into as
+/// `int`s (saturated): one per message of the request, or NULL (then nothing is written).
+struct NcclSizes(*mut c_int);
+
+impl NcclSizes {
+    /// # Safety
+    /// `sizes` is NULL or has room for every message of the request being tested (NCCL
+    /// passes an array of 64).
+    #[inline(always)]
+    unsafe fn new(sizes: *mut c_int) -> Self {
+        NcclSizes(sizes)
+    }
+}
+
+impl SizeSink for NcclSizes {
+    #[inline(always)]
+    fn set(&mut self, i: usize, size: u32) {
+        // A request has at most MAX_RECVS messages: an index beyond is a bug, never a write.
+        if !self.0.is_null() && i < MAX_RECVS {
+            // SAFETY: room for every message of the request, by `new`'s contract.
+            unsafe { *self.0.add(i) = i32::try_from(size).unwrap_or(i32::MAX) };
         }
     }
-    profiler::stop(token);
-    // SAFETY: checked non-NULL; writable by contract.
-    unsafe { *done = 1 };
 }
 
 #[cfg(test)]

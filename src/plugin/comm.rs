@@ -12,7 +12,7 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
     BufferKeys, Endpoint, KeyCache, Listening, MemKeys, RecvEnd, RecvEndpoint, SendEnd,
-    SendEndpoint, Sizes, Tested, MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
+    SendEndpoint, SizeSink, Tested, MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
 use super::stats::{CommStats, Direction};
@@ -303,7 +303,7 @@ impl RecvComm {
     /// `test` of one of this comm's requests: once done, how many messages it had (0 for a
     /// flush), their sizes written into `sizes`.
     #[inline(always)] // into the boundary: one call layer less per message
-    pub(crate) fn test(&self, id: usize, sizes: &mut Sizes) -> Tested {
+    pub(crate) fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Tested {
         let r = self.inner.test(id, sizes);
         self.stats
             .tested(&r, || self.plugin.totals(self.dev), &self.inner);

@@ -175,15 +175,22 @@ impl BufferKeys for Vec<MemKeys> {
 /// What keeps a registration alive; dropped at deregistration.
 pub(crate) type Hold = Box<dyn Any + Send + Sync>;
 
-/// Where a receive's `test` writes the size of each message once it is done. Sizes fit in
-/// 32 bits (`maxP2pBytes` is 1 GiB). Written in place, so what `test` returns stays two
-/// registers wide.
+/// Where a receive's `test` writes the size of each message once it is done: NCCL's array,
+/// written in place (nothing is zeroed or copied for a test that finds the receive not
+/// done), so what `test` returns stays two registers wide. Sizes fit in 32 bits
+/// (`maxP2pBytes` is 1 GiB).
+pub(crate) trait SizeSink {
+    /// The size of message `i`, below the request's count of messages.
+    fn set(&mut self, i: usize, size: u32);
+}
+
+/// Sizes as the tests keep them.
 pub(crate) type Sizes = [u32; MAX_RECVS];
 
-/// Total bytes of messages of `sizes`.
-#[inline]
-pub(crate) fn total_bytes(sizes: &[u32]) -> u64 {
-    sizes.iter().map(|s| u64::from(*s)).sum()
+impl SizeSink for Sizes {
+    fn set(&mut self, i: usize, size: u32) {
+        self[i] = size;
+    }
 }
 
 /// What testing a request found. An enum of its own rather than `Result<Option<usize>>`:
@@ -346,7 +353,7 @@ pub(crate) trait RecvEndpoint: Endpoint {
     fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>>;
     /// Tests receive or flush request `id`: once done, how many messages it had (0 for a
     /// flush), their sizes written into `sizes`.
-    fn test(&self, id: usize, sizes: &mut Sizes) -> Tested;
+    fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Tested;
 }
 
 /// A connection's sending end as the plugin holds it: the transports are a closed set, so
@@ -460,7 +467,7 @@ impl RecvEndpoint for RecvEnd {
     }
 
     #[inline(always)]
-    fn test(&self, id: usize, sizes: &mut Sizes) -> Tested {
+    fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Tested {
         match self {
             RecvEnd::Verbs(c) => c.test(id, sizes),
             RecvEnd::Tcp(c) => c.test(id, sizes),

@@ -18,8 +18,8 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Endpoint, Failure, KeyCache, RecvEndpoint, Sizes, Tested, Traffic,
-    MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, BufferKeys, Endpoint, Failure, KeyCache, RecvEndpoint, SizeSink, Tested,
+    Traffic, MAX_RECVS, MAX_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,14 +166,14 @@ impl RecvEndpoint for TcpRecvComm {
     }
 
     /// Tests a receive: done once every message of the group has arrived.
-    fn test(&self, slot: usize, sizes: &mut Sizes) -> Tested {
+    fn test(&self, slot: usize, sizes: &mut impl SizeSink) -> Tested {
         self.test_receive(slot, sizes).into()
     }
 }
 
 impl TcpRecvComm {
     #[inline(always)] // into `test`, which turns its result into a `Tested`
-    fn test_receive(&self, slot: usize, sizes: &mut Sizes) -> Result<Option<usize>> {
+    fn test_receive(&self, slot: usize, sizes: &mut impl SizeSink) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
         s.progress();
         let req = s
@@ -189,8 +189,8 @@ impl TcpRecvComm {
                     )));
                 }
                 let mut bytes = 0;
-                for (out, size) in sizes.iter_mut().zip(&req.sizes[..req.n]) {
-                    *out = *size as u32;
+                for (i, size) in req.sizes[..req.n].iter().enumerate() {
+                    sizes.set(i, *size as u32);
                     bytes += *size as u64;
                 }
                 let n = req.n;

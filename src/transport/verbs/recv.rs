@@ -32,8 +32,8 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, total_bytes, BufferKeys, Endpoint, Failure, KeyCache, RecvEndpoint, Sizes,
-    Tested, Traffic, MAX_RECVS,
+    not_in_flight, BufferKeys, Endpoint, Failure, KeyCache, RecvEndpoint, SizeSink, Tested,
+    Traffic, MAX_RECVS,
 };
 use crate::verbs::dma::{DmaBuffer, FixedWrite, SendChain, WcBatch, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
@@ -258,7 +258,7 @@ impl<N: Nic> RecvState<N> {
     /// receive `id` waiting and polled this rail's CQ into this batch, which holds
     /// completions.
     #[inline(always)]
-    fn test(&mut self, id: usize, sizes: &mut Sizes, found: Found<'_>) -> Tested {
+    fn test(&mut self, id: usize, sizes: &mut impl SizeSink, found: Found<'_>) -> Tested {
         let r = self.test_request(id, sizes, found);
         self.quiet = self.is_quiet();
         r
@@ -277,7 +277,7 @@ impl<N: Nic> RecvState<N> {
 
     /// [`Self::test`], before the quiet flag is brought up to date.
     #[inline(always)] // into `test`
-    fn test_request(&mut self, id: usize, sizes: &mut Sizes, found: Found<'_>) -> Tested {
+    fn test_request(&mut self, id: usize, sizes: &mut impl SizeSink, found: Found<'_>) -> Tested {
         let r = if let Some((rail, wc)) = found {
             // Drained whatever becomes of the request: the completions are off the CQ.
             self.rails[rail].cq.polled_unlocked();
@@ -321,7 +321,7 @@ impl<N: Nic> RecvState<N> {
 
     /// Receive `id` has not finished and the comm failed or the peer is gone.
     #[cold]
-    fn receive_lost(&mut self, id: usize, sizes: &mut Sizes) -> Tested {
+    fn receive_lost(&mut self, id: usize, sizes: &mut impl SizeSink) -> Tested {
         if let Err(e) = self.failure.check() {
             return Tested::Failed(e);
         }
@@ -359,29 +359,29 @@ impl<N: Nic> RecvState<N> {
 
     /// Frees receive `id`, whose data has all arrived, and reports its sizes.
     #[inline(always)] // into `test`: once per receive
-    fn finish_receive(&mut self, id: usize, sizes: &mut Sizes) -> Tested {
+    fn finish_receive(&mut self, id: usize, sizes: &mut impl SizeSink) -> Tested {
         // Freed by its flag alone: `post_receive` writes the whole slot at its next use.
         let st = self.slots[id];
         self.slots[id].busy = false;
         self.finished += 1;
-        if st.n == 1 {
+        let bytes = if st.n == 1 {
             // NCCL's usual receive: one size, from the immediate.
-            sizes[0] = st.size0;
             if st.size0 == TRUNCATED {
                 return Tested::Failed(self.truncated());
             }
-        } else {
-            for (i, size) in sizes[..st.n].iter_mut().enumerate() {
-                *size = self.sizes_record.get(cts_index(id, i));
-            }
-            if sizes[..st.n].contains(&TRUNCATED) {
-                return Tested::Failed(self.truncated());
-            }
-        }
-        let bytes = if st.n == 1 {
+            sizes.set(0, st.size0);
             u64::from(st.size0)
         } else {
-            total_bytes(&sizes[..st.n])
+            let mut bytes = 0;
+            for i in 0..st.n {
+                let size = self.sizes_record.get(cts_index(id, i));
+                if size == TRUNCATED {
+                    return Tested::Failed(self.truncated());
+                }
+                sizes.set(i, size);
+                bytes += u64::from(size);
+            }
+            bytes
         };
         self.traffic.add(st.n, bytes);
         let (first, used, _) = st.span;
@@ -392,7 +392,7 @@ impl<N: Nic> RecvState<N> {
             stats.bytes += bytes;
             stats.messages += u64::from(bytes > 0);
         } else {
-            self.count_pieces(st.span, &sizes[..st.n]);
+            self.count_pieces(id, st);
         }
         Tested::Done(st.n)
     }
@@ -406,10 +406,18 @@ impl<N: Nic> RecvState<N> {
         ))
     }
 
-    /// Adds a receive of `sizes` striped or split over the QPs of `span` to the counters of
-    /// the rails its pieces came on (the sender cut them as `post_slot` does).
+    /// Adds receive `id` (slot `st`), striped or split over the QPs of its span, to the
+    /// counters of the rails its pieces came on (the sender cut them as `post_slot` does).
     #[inline(never)]
-    fn count_pieces(&mut self, (first, used, seq): QpSpan, sizes: &[u32]) {
+    fn count_pieces(&mut self, id: usize, st: RecvSlot) {
+        let (first, used, seq) = st.span;
+        let mut sizes = [st.size0; MAX_RECVS];
+        if st.n > 1 {
+            for (i, size) in sizes[..st.n].iter_mut().enumerate() {
+                *size = self.sizes_record.get(cts_index(id, i));
+            }
+        }
+        let sizes = &sizes[..st.n];
         let rails = self.rails.len();
         for k in 0..used {
             let q = self.plan.qp_of_piece(seq, first, used, k);
@@ -796,7 +804,7 @@ pub(crate) struct VerbsRecvComm<N: Nic> {
 impl<N: Nic> VerbsRecvComm<N> {
     /// `test` under the lock: what the gate did not answer.
     #[inline(always)]
-    fn test_locked(&self, id: usize, sizes: &mut Sizes, found: Found<'_>) -> Tested {
+    fn test_locked(&self, id: usize, sizes: &mut impl SizeSink, found: Found<'_>) -> Tested {
         let mut s = self.inner.lock();
         let r = s.test(id, sizes, found);
         self.gate.publish(&s);
@@ -805,7 +813,7 @@ impl<N: Nic> VerbsRecvComm<N> {
 
     /// `test` of a comm over several rails whose rail 0 had nothing: the others' CQs.
     #[inline(never)]
-    fn test_further(&self, id: usize, sizes: &mut Sizes, wc: &mut WcBatch) -> Tested {
+    fn test_further(&self, id: usize, sizes: &mut impl SizeSink, wc: &mut WcBatch) -> Tested {
         let found = match self.gate.look_further(wc) {
             LookFurther::Idle => return Tested::Pending,
             LookFurther::Found(r) => Some((r, wc)),
@@ -900,7 +908,7 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
     /// The proxy's idle test, of a receive still waiting, is one CQ poll that finds
     /// nothing, without the lock (see [`RecvGate`]).
     #[inline(always)]
-    fn test(&self, id: usize, sizes: &mut Sizes) -> Tested {
+    fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Tested {
         let mut wc = WcBatch::new();
         let found = match self.gate.look(id, &mut wc) {
             Look::Idle => return Tested::Pending,
