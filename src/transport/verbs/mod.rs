@@ -15,6 +15,7 @@
 
 mod cq;
 pub(crate) mod fusion;
+mod gate;
 mod mr_cache;
 pub(crate) mod profile;
 mod rail;

@@ -9,22 +9,15 @@
 //! receive the caller tests while its entry is held sends everything held at once, so no
 //! receive ever waits on batching.
 //!
-//! The proxy polls a receive with `test` in a tight loop while its data is on the way. Such an
-//! idle `test` takes no lock: the comm's [`RecvGate`] knows (as the last locked call left it)
-//! which receives still wait, polls the CQs, and answers "not done" when they are empty.
-//! Completions it finds go to the locked call in the batch it polled them into.
+//! A `test` of a receive whose data has not come takes no lock: the comm's [`RecvGate`]
+//! answers it (`gate.rs`).
 //!
 //! `iflush` (GPUDirect): on each rail, a 1-byte RDMA READ through a QP connected to itself,
 //! which completes only after the NIC's earlier writes to GPU memory are visible.
 
-use std::sync::{
-    atomic::{AtomicU32, Ordering::Relaxed},
-    Arc,
-};
-
 use parking_lot::Mutex;
 
-use super::cq::IDLE_LOOK_EVERY;
+use super::gate::{Look, LookFurther, RecvGate};
 use super::rail::{self, locate, Rail};
 use super::wire::{
     cts_index, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_BYTES, MAX_RAILS, SLOTS, TRUNCATED,
@@ -268,6 +261,17 @@ impl<N: Nic> RecvState<N> {
     /// no clear-to-send is held back. Kept in [`Self::quiet`] by every locked call.
     fn is_quiet(&self) -> bool {
         self.cts_posted == self.seq && !self.lost()
+    }
+
+    /// What the comm's [`RecvGate`] may answer for: the receives still waiting for data,
+    /// while the comm is quiet; none else.
+    #[inline(always)]
+    fn gate_waiting(&self) -> u32 {
+        if self.quiet {
+            self.waiting
+        } else {
+            0
+        }
     }
 
     /// Whether the comm has failed or its peer is gone: a receive still waiting never ends.
@@ -683,117 +687,6 @@ fn too_many_flushes() -> Error {
     ))
 }
 
-/// What [`RecvGate::look`] concluded.
-enum Look {
-    /// The receive still waits and rail 0's CQ had nothing, on a comm of one rail: "not
-    /// done", without the lock.
-    Idle,
-    /// Rail 0's CQ had completions, now in the caller's batch for the locked call.
-    Found,
-    /// Rail 0's CQ had nothing, and the comm has more rails: see [`RecvGate::look_further`].
-    Further,
-    /// Anything else: the locked call decides (and polls itself).
-    Lock,
-}
-
-/// What [`RecvGate::look_further`] concluded.
-enum LookFurther {
-    Idle,
-    /// This rail's CQ had completions, now in the caller's batch for the locked call.
-    Found(usize),
-    Lock,
-}
-
-/// A rail's NIC and CQ, as the gate polls it. The CQ handle is a clone, so the CQ outlives
-/// the QPs in the comm's state.
-type GateCq<N> = (Arc<N>, <N as Nic>::Cq);
-
-/// What an idle `test` reads without taking the comm's lock: which receives still wait for
-/// their data, as the last locked call left them, and the CQs the data's completions come
-/// to. One progress thread drives a comm, so these are its own writes; were they stale, the
-/// lock decides.
-struct RecvGate<N: Nic> {
-    /// Rail 0's CQ, and the other rails'.
-    first: GateCq<N>,
-    others: Box<[GateCq<N>]>,
-    /// One bit per slot whose receive waits for data, while the comm is quiet; else 0, and
-    /// every test takes the lock.
-    waiting: AtomicU32,
-    /// Tests answered [`Look::Idle`].
-    idle_calls: AtomicU32,
-}
-
-impl<N: Nic> RecvGate<N> {
-    fn new(s: &RecvState<N>) -> Self {
-        let cq = |r: &Rail<N>| (Arc::clone(&r.nic), r.cq.cq.clone());
-        let gate = RecvGate {
-            first: cq(&s.rails[0]),
-            others: s.rails[1..].iter().map(cq).collect(),
-            waiting: AtomicU32::new(0),
-            idle_calls: AtomicU32::new(0),
-        };
-        gate.publish(s);
-        gate
-    }
-
-    /// Whether `test` of request `id` can be answered without the lock: the receive waits,
-    /// and a poll of rail 0's CQ into `wc` finds nothing (with more rails, see
-    /// [`Self::look_further`]). Every [`IDLE_LOOK_EVERY`]th such test takes the lock anyway,
-    /// to run what the locked poll does besides (the slow checks).
-    #[inline(always)]
-    fn look(&self, id: usize, wc: &mut WcBatch) -> Look {
-        if id >= SLOTS || self.waiting.load(Relaxed) & (1 << id) == 0 {
-            return Look::Lock;
-        }
-        let (nic, cq) = &self.first;
-        match wc.poll(&**nic, cq) {
-            Ok(0) if self.others.is_empty() => {}
-            Ok(0) => return Look::Further,
-            Ok(_) => return Look::Found,
-            // The locked poll meets the error again and fails the comm with it.
-            Err(_) => return Look::Lock,
-        }
-        if self.idle_call() {
-            Look::Lock
-        } else {
-            Look::Idle
-        }
-    }
-
-    /// [`Self::look`] of a comm over several rails, rail 0 found empty: the CQs of the rest.
-    fn look_further(&self, wc: &mut WcBatch) -> LookFurther {
-        for (r, (nic, cq)) in self.others.iter().enumerate() {
-            match wc.poll(&**nic, cq) {
-                Ok(0) => {}
-                Ok(_) => return LookFurther::Found(r + 1),
-                Err(_) => return LookFurther::Lock,
-            }
-        }
-        if self.idle_call() {
-            LookFurther::Lock
-        } else {
-            LookFurther::Idle
-        }
-    }
-
-    /// Counts a test answered "not done" here: whether it takes the lock after all, as every
-    /// [`IDLE_LOOK_EVERY`]th does.
-    #[inline(always)]
-    fn idle_call(&self) -> bool {
-        // Load and store, not an atomic add: one thread counts, and a lost count is harmless.
-        let n = self.idle_calls.load(Relaxed).wrapping_add(1);
-        self.idle_calls.store(n, Relaxed);
-        n % IDLE_LOOK_EVERY == 0
-    }
-
-    /// Records what a locked call left.
-    #[inline(always)]
-    fn publish(&self, s: &RecvState<N>) {
-        self.waiting
-            .store(if s.quiet { s.waiting } else { 0 }, Relaxed);
-    }
-}
-
 /// A receive comm over verbs.
 pub(crate) struct VerbsRecvComm<N: Nic> {
     // Field order is teardown order: the QPs (in the state) before the CQ the gate holds.
@@ -807,7 +700,7 @@ impl<N: Nic> VerbsRecvComm<N> {
     fn test_locked(&self, id: usize, sizes: &mut impl SizeSink, found: Found<'_>) -> Tested {
         let mut s = self.inner.lock();
         let r = s.test(id, sizes, found);
-        self.gate.publish(&s);
+        self.gate.publish(s.gate_waiting());
         r
     }
 
@@ -823,9 +716,11 @@ impl<N: Nic> VerbsRecvComm<N> {
     }
 
     pub(crate) fn new(state: RecvState<N>) -> Self {
+        let gate = RecvGate::new(&state.rails);
+        gate.publish(state.gate_waiting());
         VerbsRecvComm {
-            gate: RecvGate::new(&state),
             inner: Mutex::new(state),
+            gate,
         }
     }
 
@@ -880,7 +775,7 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         keys: &impl BufferKeys,
     ) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
-        let idle = self.gate.idle_calls.load(Relaxed);
+        let idle = self.gate.idle_calls();
         if idle != s.idle_seen {
             s.idle_seen = idle;
             s.polled = true;
@@ -893,7 +788,7 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         } else {
             s.is_quiet()
         };
-        self.gate.publish(&s);
+        self.gate.publish(s.gate_waiting());
         r
     }
 
@@ -901,7 +796,7 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         let mut s = self.inner.lock();
         let r = s.iflush(bufs, keys);
         s.quiet = s.is_quiet();
-        self.gate.publish(&s);
+        self.gate.publish(s.gate_waiting());
         r
     }
 
