@@ -253,6 +253,48 @@ fn wait_error(within: Duration, test: impl Fn() -> Result<Option<Completion>>) -
     }
 }
 
+/// Two receives (tags 1 and 2, 64 bytes each) and their sends (40 and 24 bytes), all posted;
+/// `idle` runs between the receives and the sends (with the receives' ids), and the sends
+/// are waited for: both receives' data has landed, neither is tested since.
+struct TwoLanded {
+    dsts: [Buf; 2],
+    ids: [usize; 2],
+}
+
+impl TwoLanded {
+    const SIZES: [usize; 2] = [40, 24];
+
+    fn new(c: &Conn, idle: impl Fn([usize; 2])) -> Self {
+        let mut dsts = [c.buf(false, 64, 0), c.buf(false, 64, 0)];
+        let ids = [
+            c.irecv(&mut [&mut dsts[0]], &[1]),
+            c.irecv(&mut [&mut dsts[1]], &[2]),
+        ];
+        idle(ids);
+        for (i, len) in Self::SIZES.into_iter().enumerate() {
+            let mut src = c.buf(true, len, 5 + i as u64);
+            let s = c.send_buf(&mut src, 1 + i as i32);
+            wait(|| c.test_send(s)).unwrap();
+        }
+        TwoLanded { dsts, ids }
+    }
+
+    /// Receive `i` as `test` reports it done.
+    fn done(i: usize) -> Option<Completion> {
+        Some(Completion::single(Self::SIZES[i]))
+    }
+
+    /// Every byte of both receives.
+    fn check_bytes(&self) {
+        for (i, len) in Self::SIZES.into_iter().enumerate() {
+            assert_eq!(
+                self.dsts[i].mem.bytes()[..len],
+                TestMem::pattern(len, 5 + i as u64)[..]
+            );
+        }
+    }
+}
+
 fn one_message(c: &Conn, len: usize, seed: u64) {
     let mut dst = c.buf(false, len, 0);
     let mut src = c.buf(true, len, seed);

@@ -80,23 +80,17 @@ fn a_receive_whose_data_comes_on_the_second_rail_is_found_by_its_tests() {
     // receive 0's completion on rail 0 (drained, and kept for receive 0), then its own on
     // rail 1; receive 0 then finishes from its slot.
     let c = connect_rails(2, 2, two_rails(), two_rails());
-    let (mut d0, mut d1) = (c.buf(false, 64, 0), c.buf(false, 64, 0));
-    let r0 = c.irecv(&mut [&mut d0], &[1]);
-    let r1 = c.irecv(&mut [&mut d1], &[2]);
-    for _ in 0..1000 {
-        assert_eq!(c.test_recv(r1).unwrap(), None);
-    }
-    let (mut s0, mut s1) = (c.buf(true, 40, 5), c.buf(true, 24, 6));
-    let a = c.send_buf(&mut s0, 1);
-    let b = c.send_buf(&mut s1, 2);
-    wait(|| c.test_send(a)).unwrap();
-    wait(|| c.test_send(b)).unwrap();
+    let two = TwoLanded::new(&c, |[_, r1]| {
+        for _ in 0..1000 {
+            assert_eq!(c.test_recv(r1).unwrap(), None);
+        }
+    });
+    let [r0, r1] = two.ids;
     // One test per rail with completions: the first drains rail 0's, the second finds rail 1's.
     let done = (0..2).find_map(|_| c.test_recv(r1).unwrap());
-    assert_eq!(done, Some(Completion::single(24)));
-    assert_eq!(c.test_recv(r0).unwrap(), Some(Completion::single(40)));
-    assert_eq!(d0.mem.bytes()[..40], TestMem::pattern(40, 5)[..]);
-    assert_eq!(d1.mem.bytes()[..24], TestMem::pattern(24, 6)[..]);
+    assert_eq!(done, TwoLanded::done(1));
+    assert_eq!(c.test_recv(r0).unwrap(), TwoLanded::done(0));
+    two.check_bytes();
     let per_rail: Vec<u64> = c.recv.rail_stats().iter().map(|s| s.messages).collect();
     assert_eq!(per_rail, [1, 1]);
 }

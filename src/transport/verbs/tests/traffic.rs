@@ -109,23 +109,17 @@ fn receives_tested_out_of_order_each_report_their_own_size() {
     // CQ (without the comm's lock) and hands both to the locked drain; the earlier receive
     // must then finish from its slot, not wait on a CQ that is now empty.
     let c = connect(params());
-    let (mut d0, mut d1) = (c.buf(false, 64, 0), c.buf(false, 64, 0));
-    let r0 = c.irecv(&mut [&mut d0], &[1]);
-    let r1 = c.irecv(&mut [&mut d1], &[2]);
-    // Idle tests, many times the number between two that take the lock.
-    for _ in 0..1000 {
-        assert_eq!(c.test_recv(r1).unwrap(), None);
-        assert_eq!(c.test_recv(r0).unwrap(), None);
-    }
-    let (mut s0, mut s1) = (c.buf(true, 40, 5), c.buf(true, 24, 6));
-    let a = c.send_buf(&mut s0, 1);
-    let b = c.send_buf(&mut s1, 2);
-    wait(|| c.test_send(a)).unwrap();
-    wait(|| c.test_send(b)).unwrap();
-    assert_eq!(c.test_recv(r1).unwrap(), Some(Completion::single(24)));
-    assert_eq!(c.test_recv(r0).unwrap(), Some(Completion::single(40)));
-    assert_eq!(d0.mem.bytes()[..40], TestMem::pattern(40, 5)[..]);
-    assert_eq!(d1.mem.bytes()[..24], TestMem::pattern(24, 6)[..]);
+    let two = TwoLanded::new(&c, |[r0, r1]| {
+        // Idle tests, many times the number between two that take the lock.
+        for _ in 0..1000 {
+            assert_eq!(c.test_recv(r1).unwrap(), None);
+            assert_eq!(c.test_recv(r0).unwrap(), None);
+        }
+    });
+    let [r0, r1] = two.ids;
+    assert_eq!(c.test_recv(r1).unwrap(), TwoLanded::done(1));
+    assert_eq!(c.test_recv(r0).unwrap(), TwoLanded::done(0));
+    two.check_bytes();
 }
 
 #[test]
