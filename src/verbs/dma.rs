@@ -468,8 +468,8 @@ fn inline_flag(opcode: ibv_wr_opcode::Type, length: u32, max_inline: u32) -> u32
 }
 
 /// Up to [`WcBatch::CAPACITY`] work completions from one poll. A batch lives on the stack of
-/// the call that polls: it starts unwritten (making one costs no stores), and only what a
-/// poll wrote is ever read.
+/// the call that polls: its entries start unwritten (making one stores only the count), and
+/// only what a poll wrote is ever read.
 pub(crate) struct WcBatch {
     wcs: [MaybeUninit<ibv_wc>; WcBatch::CAPACITY],
     /// The first `n` entries hold what the last poll returned.
