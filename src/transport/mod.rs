@@ -185,8 +185,10 @@ pub(crate) trait SizeSink {
 }
 
 /// Sizes as the tests keep them.
+#[cfg(test)]
 pub(crate) type Sizes = [u32; MAX_RECVS];
 
+#[cfg(test)]
 impl SizeSink for Sizes {
     fn set(&mut self, i: usize, size: u32) {
         self[i] = size;
