@@ -375,29 +375,6 @@ pub(crate) enum RecvEnd {
     Tcp(tcp::TcpRecvComm),
 }
 
-impl Endpoint for SendEnd {
-    fn peer(&self) -> String {
-        match self {
-            SendEnd::Verbs(c) => c.peer(),
-            SendEnd::Tcp(c) => c.peer(),
-        }
-    }
-
-    fn traffic(&self) -> Traffic {
-        match self {
-            SendEnd::Verbs(c) => c.traffic(),
-            SendEnd::Tcp(c) => c.traffic(),
-        }
-    }
-
-    fn summary(&self) -> String {
-        match self {
-            SendEnd::Verbs(c) => c.summary(),
-            SendEnd::Tcp(c) => c.summary(),
-        }
-    }
-}
-
 impl SendEndpoint for SendEnd {
     #[inline(always)]
     fn may_send(&self) -> bool {
@@ -424,28 +401,36 @@ impl SendEndpoint for SendEnd {
     }
 }
 
-impl Endpoint for RecvEnd {
-    fn peer(&self) -> String {
-        match self {
-            RecvEnd::Verbs(c) => c.peer(),
-            RecvEnd::Tcp(c) => c.peer(),
-        }
-    }
+/// `Endpoint` of an end that is either transport's: what that transport's end tells.
+macro_rules! endpoint_of_either {
+    ($end:ident) => {
+        impl Endpoint for $end {
+            fn peer(&self) -> String {
+                match self {
+                    $end::Verbs(c) => c.peer(),
+                    $end::Tcp(c) => c.peer(),
+                }
+            }
 
-    fn traffic(&self) -> Traffic {
-        match self {
-            RecvEnd::Verbs(c) => c.traffic(),
-            RecvEnd::Tcp(c) => c.traffic(),
-        }
-    }
+            fn traffic(&self) -> Traffic {
+                match self {
+                    $end::Verbs(c) => c.traffic(),
+                    $end::Tcp(c) => c.traffic(),
+                }
+            }
 
-    fn summary(&self) -> String {
-        match self {
-            RecvEnd::Verbs(c) => c.summary(),
-            RecvEnd::Tcp(c) => c.summary(),
+            fn summary(&self) -> String {
+                match self {
+                    $end::Verbs(c) => c.summary(),
+                    $end::Tcp(c) => c.summary(),
+                }
+            }
         }
-    }
+    };
 }
+
+endpoint_of_either!(SendEnd);
+endpoint_of_either!(RecvEnd);
 
 impl RecvEndpoint for RecvEnd {
     #[inline(always)]
