@@ -368,6 +368,12 @@ fn bad_arguments_are_error_codes() {
     assert_eq!(neg.unwrap_err(), inval, "negative size");
     let mut done = 0;
     assert_eq!(net.test_code(Opaque::NULL, Some(&mut done)), inval);
+    assert_eq!(net.test_code(s, None), inval, "done NULL");
+    assert_eq!(
+        net.test_code(s, Some(&mut done)),
+        internal,
+        "a send comm as request"
+    );
     assert_eq!(
         net.reg_mr(s, p, 64, 2).unwrap_err(),
         inval,

@@ -204,54 +204,118 @@ pub(crate) unsafe fn data_comm_owner(comm: *mut c_void) -> Result<(Arc<Plugin>, 
     }
 }
 
-/// Tests a request and writes NCCL's `done` and `sizes`.
+/// Whose request `test` was given, as [`look_at_request`] found.
+pub(crate) enum Owner {
+    /// A send comm's.
+    Send,
+    /// A receive comm's.
+    Recv,
+    /// None of ours, or `done` is NULL: [`request_error`] says which.
+    Invalid,
+}
+
+/// The first step of `test`: checks the request and `done`, each with one branch (their
+/// errors are made out of line, by [`request_error`]), and tells whose request it is.
 ///
 /// # Safety
-/// `request` must be NULL or a request this plugin returned, not yet reported done; `done`
-/// NULL or writable; `sizes` NULL or writable for as many ints as the request has messages.
-pub(crate) unsafe fn test_request(
+/// `request` must be NULL or a request this plugin returned, not yet reported done.
+#[inline(always)]
+pub(crate) unsafe fn look_at_request(request: *mut c_void, done: *mut c_int) -> Owner {
+    if request.is_null() || done.is_null() {
+        return Owner::Invalid;
+    }
+    // SAFETY: non-NULL and, by contract, one of the tokens inside a live comm.
+    let token = unsafe { &*(request as *const RequestToken) };
+    if !token.is_live() {
+        return Owner::Invalid;
+    }
+    match token.owner {
+        RequestOwner::Send(_) => Owner::Send,
+        RequestOwner::Recv(_) => Owner::Recv,
+    }
+}
+
+/// Why [`look_at_request`] found `request` or `done` invalid.
+///
+/// # Safety
+/// As [`look_at_request`].
+#[cold]
+pub(crate) unsafe fn request_error(request: *mut c_void, done: *mut c_int) -> Error {
+    let checked = non_null(request, "request").and_then(|()| non_null(done, "done"));
+    // SAFETY: non-NULL, by contract one of our tokens (its magic says whether it is).
+    let checked = checked.and_then(|()| unsafe { &*(request as *const RequestToken) }.check());
+    checked
+        .err()
+        .unwrap_or_else(|| Error::misuse("the request was found invalid, then valid".into()))
+}
+
+/// The rest of `test` of a send request: writes NCCL's `done` and `sizes`.
+///
+/// # Safety
+/// `request` and `done` passed [`look_at_request`], as a send request; `sizes` NULL or
+/// writable for one int.
+#[inline(always)]
+pub(crate) unsafe fn test_send_request(
     request: *mut c_void,
     done: *mut c_int,
     sizes: *mut c_int,
 ) -> Result<()> {
-    non_null(request, "request")?;
-    non_null(done, "done")?;
-    // SAFETY: non-NULL and, by contract, one of the tokens inside a live comm.
+    // SAFETY: checked by `look_at_request`.
     let token = unsafe { &*(request as *const RequestToken) };
-    token.check()?;
-    // A token lives in its comm's token table, so a live token's comm is live: its magic
-    // needs no second check.
-    // SAFETY: NCCL's `sizes` has room for every message of the request (or is NULL).
-    let mut out = unsafe { NcclSizes::new(sizes) };
-    let finished = match token.owner {
-        RequestOwner::Send(addr) => {
-            // SAFETY: as above; the address is the SendComm whose table holds the token.
-            let comm = unsafe { &*(addr as *const SendComm) };
-            match comm.test(token.slot) {
-                Tested::Pending => false,
-                Tested::Done(size) => {
-                    out.set(0, size as u32);
-                    true
-                }
-                Tested::Failed(e) => return Err(e),
-            }
+    // SAFETY: a live token's comm is live (it holds the token); the SendComm, by contract.
+    let comm = unsafe { &*(token.owner.addr() as *const SendComm) };
+    let finished = match comm.test(token.slot) {
+        Tested::Pending => false,
+        Tested::Done(size) => {
+            // SAFETY: room for the request's one message, or NULL, by contract.
+            unsafe { NcclSizes::new(sizes) }.set(0, size as u32);
+            true
         }
-        RequestOwner::Recv(addr) => {
-            // SAFETY: as above, for a RecvComm.
-            let comm = unsafe { &*(addr as *const RecvComm) };
-            match comm.test(token.slot, &mut out) {
-                Tested::Pending => false,
-                Tested::Done(_) => true,
-                Tested::Failed(e) => return Err(e),
-            }
-        }
+        Tested::Failed(e) => return Err(e),
     };
+    // SAFETY: forwarded contract.
+    unsafe { report(token, done, finished) };
+    Ok(())
+}
+
+/// The rest of `test` of a receive or flush request: writes NCCL's `done` and `sizes`.
+///
+/// # Safety
+/// `request` and `done` passed [`look_at_request`], as a receive request; `sizes` NULL or
+/// writable for as many ints as the request has messages.
+#[inline(always)]
+pub(crate) unsafe fn test_recv_request(
+    request: *mut c_void,
+    done: *mut c_int,
+    sizes: *mut c_int,
+) -> Result<()> {
+    // SAFETY: checked by `look_at_request`.
+    let token = unsafe { &*(request as *const RequestToken) };
+    // SAFETY: as for `test_send_request`, the RecvComm.
+    let comm = unsafe { &*(token.owner.addr() as *const RecvComm) };
+    // SAFETY: room for every message of the request, or NULL, by contract.
+    let mut out = unsafe { NcclSizes::new(sizes) };
+    let finished = match comm.test(token.slot, &mut out) {
+        Tested::Pending => false,
+        Tested::Done(_) => true,
+        Tested::Failed(e) => return Err(e),
+    };
+    // SAFETY: forwarded contract.
+    unsafe { report(token, done, finished) };
+    Ok(())
+}
+
+/// Writes `test`'s `done`, and ends a finished request's profiler event.
+///
+/// # Safety
+/// `done` non-NULL and writable.
+#[inline(always)]
+unsafe fn report(token: &RequestToken, done: *mut c_int, finished: bool) {
     if finished {
         profiler::stop(token);
     }
-    // SAFETY: checked non-NULL; writable by contract.
+    // SAFETY: by contract.
     unsafe { *done = c_int::from(finished) };
-    Ok(())
 }
 
 /// NCCL's `sizes` argument of `test`, which a finished request's sizes are written into as

@@ -10,7 +10,7 @@ use std::{
 };
 
 use super::profiler::{self, NetEvent};
-use super::{boundary, boundary_value, data_comm_owner, non_null, recv_comm, send_comm};
+use super::{boundary, boundary_value, data_comm_owner, non_null, recv_comm, send_comm, Owner};
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::ffi::*;
@@ -527,15 +527,53 @@ pub(super) extern "C" fn iflush(
     })
 }
 
+/// `test` checks the request and jumps on, to the function for a send's or a receive's: each
+/// pays only for the registers its own path needs (most calls are the proxy's idle test of a
+/// receive, one CQ poll that finds nothing).
 pub(super) extern "C" fn test(
     request: *mut c_void,
     done: *mut c_int,
     sizes: *mut c_int,
 ) -> ncclResult_t {
-    // SAFETY: NCCL passes back a request we returned, a writable done flag and a sizes array
-    // with room for every message of the request (or NULL).
+    let owner = boundary_value("test", || {
+        // SAFETY: NCCL passes back a request we returned (or NULL).
+        Ok(unsafe { super::look_at_request(request, done) })
+    });
+    match owner {
+        Ok(Owner::Recv) => test_recv(request, done, sizes),
+        Ok(Owner::Send) => test_send(request, done, sizes),
+        Ok(Owner::Invalid) => test_invalid(request, done),
+        Err(code) => code,
+    }
+}
+
+// What `test` jumps to: extern "C", so they cannot unwind and `test` need not stay around
+// to catch a panic, and out of line. Each has `test`'s checks behind it.
+
+#[inline(never)]
+extern "C" fn test_recv(request: *mut c_void, done: *mut c_int, sizes: *mut c_int) -> ncclResult_t {
+    // SAFETY: `test` checked the request (a receive's) and `done`; NCCL's sizes array has room
+    // for every message of the request (or is NULL).
     boundary("test", || unsafe {
-        super::test_request(request, done, sizes)
+        super::test_recv_request(request, done, sizes)
+    })
+}
+
+#[inline(never)]
+extern "C" fn test_send(request: *mut c_void, done: *mut c_int, sizes: *mut c_int) -> ncclResult_t {
+    // SAFETY: `test` checked the request (a send's) and `done`; NCCL's sizes array has room
+    // for the request's message (or is NULL).
+    boundary("test", || unsafe {
+        super::test_send_request(request, done, sizes)
+    })
+}
+
+#[cold]
+#[inline(never)]
+extern "C" fn test_invalid(request: *mut c_void, done: *mut c_int) -> ncclResult_t {
+    boundary("test", || {
+        // SAFETY: as for `test`.
+        Err(unsafe { super::request_error(request, done) })
     })
 }
 

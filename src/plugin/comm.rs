@@ -79,6 +79,16 @@ pub(crate) enum RequestOwner {
     Recv(usize),
 }
 
+impl RequestOwner {
+    /// The comm's address.
+    #[inline(always)]
+    pub(crate) fn addr(self) -> usize {
+        match self {
+            RequestOwner::Send(a) | RequestOwner::Recv(a) => a,
+        }
+    }
+}
+
 /// What NCCL holds as a request: a slot of its comm's fixed request table.
 #[repr(C)]
 #[derive(Debug)]
@@ -112,6 +122,12 @@ impl RequestToken {
     /// Errors unless this is a request token.
     pub(crate) fn check(&self) -> Result<()> {
         check_magic(self.magic, REQUEST_MAGIC, "request")
+    }
+
+    /// Whether this is a request token ([`Self::check`] says why not).
+    #[inline(always)]
+    pub(crate) fn is_live(&self) -> bool {
+        self.magic == REQUEST_MAGIC
     }
 }
 
