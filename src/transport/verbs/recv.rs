@@ -364,20 +364,22 @@ impl<N: Nic> RecvState<N> {
     /// Frees receive `id`, whose data has all arrived, and reports its sizes.
     #[inline(always)] // into `test`: once per receive
     fn finish_receive(&mut self, id: usize, sizes: &mut impl SizeSink) -> Tested {
-        // Freed by its flag alone: `post_receive` writes the whole slot at its next use.
-        let st = self.slots[id];
-        self.slots[id].busy = false;
+        // Freed by its flag alone: `post_receive` writes the whole slot at its next use. The
+        // fields are read where they are, not copied out.
+        let st = &mut self.slots[id];
+        st.busy = false;
+        let (n, size0, (first, used, _)) = (st.n, st.size0, st.span);
         self.finished += 1;
-        let bytes = if st.n == 1 {
+        let bytes = if n == 1 {
             // NCCL's usual receive: one size, from the immediate.
-            if st.size0 == TRUNCATED {
+            if size0 == TRUNCATED {
                 return Tested::Failed(self.truncated());
             }
-            sizes.set(0, st.size0);
-            u64::from(st.size0)
+            sizes.set(0, size0);
+            u64::from(size0)
         } else {
             let mut bytes = 0;
-            for i in 0..st.n {
+            for i in 0..n {
                 let size = self.sizes_record.get(cts_index(id, i));
                 if size == TRUNCATED {
                     return Tested::Failed(self.truncated());
@@ -387,8 +389,7 @@ impl<N: Nic> RecvState<N> {
             }
             bytes
         };
-        self.traffic.add(st.n, bytes);
-        let (first, used, _) = st.span;
+        self.traffic.add(n, bytes);
         if used == 1 {
             // All of it on one QP (the common case: no piece arithmetic).
             let rail = modulo(first, self.rails.len());
@@ -396,9 +397,9 @@ impl<N: Nic> RecvState<N> {
             stats.bytes += bytes;
             stats.messages += u64::from(bytes > 0);
         } else {
-            self.count_pieces(id, st);
+            self.count_pieces(id);
         }
-        Tested::Done(st.n)
+        Tested::Done(n)
     }
 
     /// The error of a receive the sender found too small for its message.
@@ -410,10 +411,11 @@ impl<N: Nic> RecvState<N> {
         ))
     }
 
-    /// Adds receive `id` (slot `st`), striped or split over the QPs of its span, to the
-    /// counters of the rails its pieces came on (the sender cut them as `post_slot` does).
+    /// Adds receive `id`, striped or split over the QPs of its span, to the counters of the
+    /// rails its pieces came on (the sender cut them as `post_slot` does).
     #[inline(never)]
-    fn count_pieces(&mut self, id: usize, st: RecvSlot) {
+    fn count_pieces(&mut self, id: usize) {
+        let st = self.slots[id];
         let (first, used, seq) = st.span;
         let mut sizes = [st.size0; MAX_RECVS];
         if st.n > 1 {
