@@ -23,7 +23,7 @@ use crate::plugin::{
     comm::check_magic, Plugin, RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC,
     SEND_MAGIC,
 };
-use crate::transport::{SizeSink, Tested, MAX_RECVS};
+use crate::transport::{Look, SizeSink, Tested, WcBatch, MAX_RECVS};
 
 /// The one mapping from our errors to NCCL's result codes, following NCCL's plugin README
 /// (`ncclSystemError` for kernel, library or hardware failures, `ncclInternalError` when NCCL
@@ -278,7 +278,32 @@ pub(crate) unsafe fn test_send_request(
     Ok(())
 }
 
-/// The rest of `test` of a receive or flush request: writes NCCL's `done` and `sizes`.
+/// The step of `test` of a receive request that needs no lock: the poll of its CQ into `wc`,
+/// where its comm's gate allows one (`None` where not). [`Look::Idle`] answers the proxy's
+/// idle test (most calls): `*done` is 0, and the call is over.
+///
+/// # Safety
+/// `request` and `done` passed [`look_at_request`], as a receive request.
+#[inline(always)]
+pub(crate) unsafe fn poll_request(
+    request: *mut c_void,
+    done: *mut c_int,
+    wc: &mut WcBatch,
+) -> Option<Look> {
+    // SAFETY: checked by `look_at_request`.
+    let token = unsafe { &*(request as *const RequestToken) };
+    // SAFETY: as for `test_send_request`, the RecvComm.
+    let comm = unsafe { &*(token.owner.addr() as *const RecvComm) };
+    let polled = comm.poll_unlocked(token.slot, wc);
+    if let Some(Look::Idle) = polled {
+        // SAFETY: checked non-NULL; writable by contract.
+        unsafe { *done = 0 };
+    }
+    polled
+}
+
+/// The rest of `test` of a receive or flush request, after [`poll_request`] found `polled`
+/// (its completions in `wc`): writes NCCL's `done` and `sizes`.
 ///
 /// # Safety
 /// `request` and `done` passed [`look_at_request`], as a receive request; `sizes` NULL or
@@ -288,6 +313,8 @@ pub(crate) unsafe fn test_recv_request(
     request: *mut c_void,
     done: *mut c_int,
     sizes: *mut c_int,
+    polled: Option<Look>,
+    wc: &mut WcBatch,
 ) -> Result<()> {
     // SAFETY: checked by `look_at_request`.
     let token = unsafe { &*(request as *const RequestToken) };
@@ -295,7 +322,7 @@ pub(crate) unsafe fn test_recv_request(
     let comm = unsafe { &*(token.owner.addr() as *const RecvComm) };
     // SAFETY: room for every message of the request, or NULL, by contract.
     let mut out = unsafe { NcclSizes::new(sizes) };
-    let finished = match comm.test(token.slot, &mut out) {
+    let finished = match comm.test_after(token.slot, &mut out, polled, wc) {
         Tested::Pending => false,
         Tested::Done(_) => true,
         Tested::Failed(e) => return Err(e),

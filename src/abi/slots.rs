@@ -16,7 +16,7 @@ use crate::error::{Error, Result};
 use crate::ffi::*;
 use crate::oob::HANDLE_SIZE;
 use crate::plugin::{self, ListenComm, Plugin, RecvComm, SendComm};
-use crate::transport::MAX_RECVS;
+use crate::transport::{Look, WcBatch, MAX_RECVS};
 
 pub(super) extern "C" fn devices(ndev: *mut c_int) -> ncclResult_t {
     boundary("devices", || {
@@ -527,9 +527,12 @@ pub(super) extern "C" fn iflush(
     })
 }
 
-/// `test` checks the request and jumps on, to the function for a send's or a receive's: each
-/// pays only for the registers its own path needs (most calls are the proxy's idle test of a
-/// receive, one CQ poll that finds nothing).
+/// `test` is split by path, so that each pays only for the registers it needs, and the most
+/// common by far, the proxy's idle test of a receive (one CQ poll that finds nothing), for
+/// almost none: `test` checks the request and jumps to [`test_recv`] or [`test_send`]
+/// (extern "C": they cannot unwind, so `test` need not stay around to catch a panic);
+/// [`test_recv`] polls, keeping nothing but its arguments across the call, and calls
+/// [`test_found`] or [`test_recv_locked`] for what the poll did not answer.
 pub(super) extern "C" fn test(
     request: *mut c_void,
     done: *mut c_int,
@@ -547,18 +550,49 @@ pub(super) extern "C" fn test(
     }
 }
 
-// What `test` jumps to: extern "C", so they cannot unwind and `test` need not stay around
-// to catch a panic, and out of line. Each has `test`'s checks behind it.
-
+/// A receive's `test`, behind `test`'s checks: the poll without the lock.
 #[inline(never)]
 extern "C" fn test_recv(request: *mut c_void, done: *mut c_int, sizes: *mut c_int) -> ncclResult_t {
-    // SAFETY: `test` checked the request (a receive's) and `done`; NCCL's sizes array has room
-    // for every message of the request (or is NULL).
-    boundary("test", || unsafe {
-        super::test_recv_request(request, done, sizes)
+    let mut wc = WcBatch::new();
+    let polled = boundary_value("test", || {
+        // SAFETY: `test` checked the request (a receive's) and `done`.
+        Ok(unsafe { super::poll_request(request, done, &mut wc) })
+    });
+    match polled {
+        Ok(Some(Look::Idle)) => ncclResult_t::ncclSuccess,
+        Ok(Some(Look::Found)) => test_found(request, done, sizes, &mut wc),
+        // No poll allowed, or it failed: the lock decides.
+        Ok(_) => test_recv_locked(request, done, sizes),
+        Err(code) => code,
+    }
+}
+
+/// The rest of a receive's `test` whose poll found completions, in `wc`.
+#[inline(never)]
+fn test_found(
+    request: *mut c_void,
+    done: *mut c_int,
+    sizes: *mut c_int,
+    wc: &mut WcBatch,
+) -> ncclResult_t {
+    boundary("test", || {
+        // SAFETY: `test` checked the request (a receive's) and `done`; NCCL's sizes array has
+        // room for every message of the request (or is NULL).
+        unsafe { super::test_recv_request(request, done, sizes, Some(Look::Found), wc) }
     })
 }
 
+/// The rest of a receive's `test` that made no poll without the lock.
+#[inline(never)]
+fn test_recv_locked(request: *mut c_void, done: *mut c_int, sizes: *mut c_int) -> ncclResult_t {
+    let mut wc = WcBatch::new();
+    boundary("test", || {
+        // SAFETY: as for `test_found`.
+        unsafe { super::test_recv_request(request, done, sizes, None, &mut wc) }
+    })
+}
+
+/// A send's `test`, behind `test`'s checks.
 #[inline(never)]
 extern "C" fn test_send(request: *mut c_void, done: *mut c_int, sizes: *mut c_int) -> ncclResult_t {
     // SAFETY: `test` checked the request (a send's) and `done`; NCCL's sizes array has room
@@ -568,6 +602,7 @@ extern "C" fn test_send(request: *mut c_void, done: *mut c_int, sizes: *mut c_in
     })
 }
 
+/// A `test` whose request or `done` `test`'s checks refused: the error that says why.
 #[cold]
 #[inline(never)]
 extern "C" fn test_invalid(request: *mut c_void, done: *mut c_int) -> ncclResult_t {

@@ -11,8 +11,8 @@ use std::sync::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    BufferKeys, Endpoint, KeyCache, Listening, MemKeys, RecvEnd, RecvEndpoint, SendEnd,
-    SendEndpoint, SizeSink, Tested, MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
+    BufferKeys, Endpoint, KeyCache, Listening, Look, MemKeys, RecvEnd, RecvEndpoint, SendEnd,
+    SendEndpoint, SizeSink, Tested, WcBatch, MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
 use super::stats::{CommStats, Direction};
@@ -316,11 +316,25 @@ impl RecvComm {
         Ok(id.map(|id| &self.tokens[id]))
     }
 
-    /// `test` of one of this comm's requests: once done, how many messages it had (0 for a
-    /// flush), their sizes written into `sizes`.
+    /// The proxy's idle test of request `id`, without the comm's lock: a poll into `wc` that
+    /// finds nothing ([`Look::Idle`]: not done, and nothing else to do); `None` where no such
+    /// poll is allowed.
+    #[inline(always)] // the proxy's idle tests are most calls
+    pub(crate) fn poll_unlocked(&self, id: usize, wc: &mut WcBatch) -> Option<Look> {
+        self.inner.poll_unlocked(id, wc)
+    }
+
+    /// The rest of a `test` of request `id`, after [`Self::poll_unlocked`] found `polled`:
+    /// once done, how many messages it had (0 for a flush), their sizes written into `sizes`.
     #[inline(always)] // into the boundary: one call layer less per message
-    pub(crate) fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Tested {
-        let r = self.inner.test(id, sizes);
+    pub(crate) fn test_after(
+        &self,
+        id: usize,
+        sizes: &mut impl SizeSink,
+        polled: Option<Look>,
+        wc: &mut WcBatch,
+    ) -> Tested {
+        let r = self.inner.test_after(id, sizes, polled, wc);
         self.stats
             .tested(&r, || self.plugin.totals(self.dev), &self.inner);
         r

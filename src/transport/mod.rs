@@ -375,6 +375,37 @@ pub(crate) enum RecvEnd {
     Tcp(tcp::TcpRecvComm),
 }
 
+pub(crate) use verbs::{Look, WcBatch};
+
+impl RecvEnd {
+    /// The proxy's idle test of receive `id`, without the comm's lock: a poll of its CQ into
+    /// `wc` that finds nothing ([`Look::Idle`]), where the verbs transport's receive gate
+    /// allows one; `None` where it does not (and always for tcp).
+    #[inline(always)]
+    pub(crate) fn poll_unlocked(&self, id: usize, wc: &mut WcBatch) -> Option<Look> {
+        match self {
+            RecvEnd::Verbs(c) => c.poll_unlocked(id, wc),
+            RecvEnd::Tcp(_) => None,
+        }
+    }
+
+    /// The rest of a `test` of request `id`, after [`Self::poll_unlocked`] found `polled`
+    /// (its completions in `wc`).
+    #[inline(always)]
+    pub(crate) fn test_after(
+        &self,
+        id: usize,
+        sizes: &mut impl SizeSink,
+        polled: Option<Look>,
+        wc: &mut WcBatch,
+    ) -> Tested {
+        match self {
+            RecvEnd::Verbs(c) => c.test_after(id, sizes, polled, wc),
+            RecvEnd::Tcp(c) => c.test(id, sizes),
+        }
+    }
+}
+
 impl SendEndpoint for SendEnd {
     #[inline(always)]
     fn may_send(&self) -> bool {
@@ -525,6 +556,14 @@ impl Failure {
             self.note(e);
         }
         r
+    }
+
+    /// `e`, remembered as the comm's failure. (Not `record(Err(e))`: a result made out of line
+    /// would keep the caller's result in memory on its good path too.)
+    #[cold]
+    pub(crate) fn fail(&mut self, e: Error) -> Error {
+        self.note(&e);
+        e
     }
 
     /// Remembers `e` as the comm's failure.

@@ -548,6 +548,15 @@ impl WcBatch {
         polled
     }
 
+    /// [`Self::poll`], `None` where it fails, without saying why (the next poll meets the
+    /// error again and reports it).
+    #[inline(always)]
+    pub(crate) fn try_poll<N: Nic>(&mut self, nic: &N, cq: &N::Cq) -> Option<usize> {
+        let polled = nic.try_poll_cq(cq, &mut self.wcs);
+        self.n = polled.unwrap_or(0);
+        polled
+    }
+
     /// How many completions the last poll returned.
     #[inline(always)]
     pub(crate) fn polled(&self) -> usize {

@@ -85,6 +85,11 @@ pub(crate) unsafe trait Nic: Send + Sync + 'static {
     fn post_recv(&self, qp: &Self::Qp, wr_id: u64) -> Result<()>;
     /// Polls up to `wcs.len()` completions; returns how many were written.
     fn poll_cq(&self, cq: &Self::Cq, wcs: &mut [MaybeUninit<ibv_wc>]) -> Result<usize>;
+    /// [`Self::poll_cq`], `None` where it fails, without saying why: for a poll whose error
+    /// the next `poll_cq` meets again and reports.
+    fn try_poll_cq(&self, cq: &Self::Cq, wcs: &mut [MaybeUninit<ibv_wc>]) -> Option<usize> {
+        self.poll_cq(cq, wcs).ok()
+    }
     /// Reads pending asynchronous events; returns how many fatal ones were seen so far.
     fn drain_async_events(&self) -> u64;
     /// The fatal asynchronous event that breaks a comm polling `cq` with QPs `qpns`.
@@ -162,6 +167,11 @@ unsafe impl Nic for VerbsDevice {
     #[inline(always)]
     fn poll_cq(&self, cq: &Self::Cq, wcs: &mut [MaybeUninit<ibv_wc>]) -> Result<usize> {
         cq.poll(wcs)
+    }
+
+    #[inline(always)]
+    fn try_poll_cq(&self, cq: &Self::Cq, wcs: &mut [MaybeUninit<ibv_wc>]) -> Option<usize> {
+        cq.try_poll(wcs)
     }
 
     fn drain_async_events(&self) -> u64 {

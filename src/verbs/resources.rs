@@ -434,8 +434,7 @@ pub(crate) struct Cq {
     raw: *mut ibv_cq,
     /// The provider's `poll_cq`, read once: an idle poll is this one call.
     poll_fn: PollCqFn,
-    /// Fatal events recorded on the context before this CQ existed: none of them can be
-    /// about this CQ or the QPs created on it.
+    /// Fatal events recorded on the context before this CQ existed (none is about it).
     events_before: u64,
 }
 
@@ -486,19 +485,32 @@ impl Cq {
     }
 
     /// Polls up to `wcs.len()` completions; returns how many were written, never more than
-    /// that (as `Nic` promises). Inlined: it is the whole of an idle poll, its errors out of
-    /// line.
+    /// that (as `Nic` promises). Inlined (an idle poll), its errors out of line.
     #[inline(always)]
     pub(crate) fn poll(&self, wcs: &mut [MaybeUninit<ibv_wc>]) -> Result<usize> {
-        let room = wcs.len().min(i32::MAX as usize) as i32;
-        // SAFETY: raw is live, poll_fn its provider's; wcs has room for `room` entries, which
-        // the provider only writes.
-        let n = unsafe { (self.poll_fn)(self.raw, room, wcs.as_mut_ptr().cast()) };
+        let (n, room) = self.poll_raw(wcs);
         // One comparison for both: an error (negative) and a count beyond the room.
         if n as u32 > room as u32 {
             return Err(self.poll_error(n, room));
         }
         Ok(n as usize)
+    }
+
+    /// [`Self::poll`], `None` where it fails: the next poll meets the error and reports it.
+    #[inline(always)]
+    pub(crate) fn try_poll(&self, wcs: &mut [MaybeUninit<ibv_wc>]) -> Option<usize> {
+        let (n, room) = self.poll_raw(wcs);
+        (n as u32 <= room as u32).then_some(n as usize)
+    }
+
+    /// The provider's `poll_cq` into `wcs` (room for `room` entries): what it returned.
+    #[inline(always)]
+    fn poll_raw(&self, wcs: &mut [MaybeUninit<ibv_wc>]) -> (i32, i32) {
+        let room = wcs.len().min(i32::MAX as usize) as i32;
+        // SAFETY: raw is live, poll_fn its provider's; wcs has room for `room` entries, which
+        // the provider only writes.
+        let n = unsafe { (self.poll_fn)(self.raw, room, wcs.as_mut_ptr().cast()) };
+        (n, room)
     }
 
     #[cold]

@@ -14,14 +14,13 @@ use super::wire::SLOTS;
 use crate::verbs::dma::WcBatch;
 use crate::verbs::nic::Nic;
 
-/// What [`RecvGate::look`] concluded.
+/// What [`RecvGate::poll`] or [`RecvGate::look`] concluded.
 pub(crate) enum Look {
-    /// The receive still waits and rail 0's CQ had nothing, on a comm of one rail: "not
-    /// done", without the lock.
+    /// The poll found nothing: "not done", without the lock.
     Idle,
-    /// Rail 0's CQ had completions, now in the caller's batch for the locked call.
+    /// The poll found completions, now in the caller's batch for the locked call.
     Found,
-    /// Rail 0's CQ had nothing, and the comm has more rails: see [`RecvGate::look_further`].
+    /// The receive still waits, on a comm of several rails: see [`RecvGate::look_further`].
     Further,
     /// Anything else: the locked call decides (and polls itself).
     Lock,
@@ -50,8 +49,8 @@ pub(crate) struct RecvGate<N: Nic> {
     /// One bit per slot whose receive waits for data, while the comm is quiet; else 0, and
     /// every test takes the lock.
     waiting: AtomicU32,
-    /// Tests answered [`Look::Idle`].
-    idle_calls: AtomicU32,
+    /// Tests the gate looked at for the lock.
+    looks: AtomicU32,
 }
 
 impl<N: Nic> RecvGate<N> {
@@ -62,57 +61,72 @@ impl<N: Nic> RecvGate<N> {
             first: cq(&rails[0]),
             others: rails[1..].iter().map(cq).collect(),
             waiting: AtomicU32::new(0),
-            idle_calls: AtomicU32::new(0),
+            looks: AtomicU32::new(0),
         }
     }
 
-    /// Whether `test` of request `id` can be answered without the lock: the receive waits,
-    /// and a poll of rail 0's CQ into `wc` finds nothing (with more rails, see
-    /// [`Self::look_further`]). Every [`IDLE_LOOK_EVERY`]th such test takes the lock anyway,
-    /// to run what the locked poll does besides (the slow checks).
+    /// Whether `test` of request `id` may be answered by [`Self::poll`], without the lock:
+    /// the receive waits, on a comm of one rail, so a poll of its CQ that finds nothing
+    /// answers "not done". Every [`IDLE_LOOK_EVERY`]th such test takes the lock instead, to
+    /// run what the locked poll does besides (the slow checks). Decided before the poll, so
+    /// that the caller keeps nothing but its own arguments across it.
     #[inline(always)]
-    pub(crate) fn look(&self, id: usize, wc: &mut WcBatch) -> Look {
-        if id >= SLOTS || self.waiting.load(Relaxed) & (1 << id) == 0 {
-            return Look::Lock;
-        }
+    pub(crate) fn may_poll(&self, id: usize) -> bool {
+        self.waits(id) && self.others.is_empty() && !self.lock_this_time()
+    }
+
+    /// The poll [`Self::may_poll`] allows: rail 0's CQ, into `wc`.
+    #[inline(always)]
+    pub(crate) fn poll(&self, wc: &mut WcBatch) -> Look {
         let (nic, cq) = &self.first;
-        match wc.poll(&**nic, cq) {
-            Ok(0) if self.others.is_empty() => {}
-            Ok(0) => return Look::Further,
-            Ok(_) => return Look::Found,
+        match wc.try_poll(&**nic, cq) {
+            Some(0) => Look::Idle,
+            Some(_) => Look::Found,
             // The locked poll meets the error again and fails the comm with it.
-            Err(_) => return Look::Lock,
-        }
-        if self.idle_call() {
-            Look::Lock
-        } else {
-            Look::Idle
+            None => Look::Lock,
         }
     }
 
-    /// [`Self::look`] of a comm over several rails, rail 0 found empty: the CQs of the rest.
+    /// What a test that [`Self::may_poll`] did not let poll does: a receive waiting on a
+    /// comm of several rails looks at every rail's CQ ([`Look::Further`]); all else locks.
+    pub(crate) fn look(&self, id: usize) -> Look {
+        if self.waits(id) && !self.others.is_empty() {
+            Look::Further
+        } else {
+            Look::Lock
+        }
+    }
+
+    /// Whether receive `id` waits for data, as the last locked call left it.
+    #[inline(always)]
+    fn waits(&self, id: usize) -> bool {
+        id < SLOTS && self.waiting.load(Relaxed) & (1 << id) != 0
+    }
+
+    /// [`Look::Further`]: the CQs of every rail, into `wc` (as [`Self::may_poll`], every
+    /// [`IDLE_LOOK_EVERY`]th such test takes the lock instead).
     pub(crate) fn look_further(&self, wc: &mut WcBatch) -> LookFurther {
-        for (r, (nic, cq)) in self.others.iter().enumerate() {
+        if self.lock_this_time() {
+            return LookFurther::Lock;
+        }
+        let first = std::iter::once(&self.first);
+        for (r, (nic, cq)) in first.chain(self.others.iter()).enumerate() {
             match wc.poll(&**nic, cq) {
                 Ok(0) => {}
-                Ok(_) => return LookFurther::Found(r + 1),
+                Ok(_) => return LookFurther::Found(r),
                 Err(_) => return LookFurther::Lock,
             }
         }
-        if self.idle_call() {
-            LookFurther::Lock
-        } else {
-            LookFurther::Idle
-        }
+        LookFurther::Idle
     }
 
-    /// Counts a test answered "not done" here: whether it takes the lock after all, as every
-    /// [`IDLE_LOOK_EVERY`]th does.
+    /// Counts a test the gate looks at for the lock: whether it takes the lock after all,
+    /// as every [`IDLE_LOOK_EVERY`]th does.
     #[inline(always)]
-    fn idle_call(&self) -> bool {
+    fn lock_this_time(&self) -> bool {
         // Load and store, not an atomic add: one thread counts, and a lost count is harmless.
-        let n = self.idle_calls.load(Relaxed).wrapping_add(1);
-        self.idle_calls.store(n, Relaxed);
+        let n = self.looks.load(Relaxed).wrapping_add(1);
+        self.looks.store(n, Relaxed);
         n % IDLE_LOOK_EVERY == 0
     }
 
@@ -123,9 +137,9 @@ impl<N: Nic> RecvGate<N> {
         self.waiting.store(waiting, Relaxed);
     }
 
-    /// Tests answered "not done" so far (wrapping): when it moves, the caller is testing.
+    /// Tests looked at so far (wrapping): when it moves, the caller is testing.
     #[inline(always)]
-    pub(crate) fn idle_calls(&self) -> u32 {
-        self.idle_calls.load(Relaxed)
+    pub(crate) fn looks(&self) -> u32 {
+        self.looks.load(Relaxed)
     }
 }

@@ -45,6 +45,9 @@ use crate::verbs::VerbsLib;
 use mr_cache::MrCache;
 use setup::{VerbsConnecting, VerbsListen};
 
+pub(crate) use crate::verbs::dma::WcBatch;
+pub(crate) use gate::Look;
+
 /// The sending end of a connection over real devices.
 pub(crate) type VerbsSendEnd = send::VerbsSendComm<VerbsDevice>;
 /// The receiving end of a connection over real devices.

@@ -112,9 +112,9 @@ pub(crate) struct RecvState<N: Nic> {
     /// proxy tests its oldest one on every pass), so entries held back now will be posted
     /// by a later `test`. Receives posted back to back are announced at once.
     polled: bool,
-    /// The gate's count of idle tests as the last `irecv` saw it: when it has moved since,
-    /// the caller tested (without the lock), which counts as [`Self::polled`].
-    idle_seen: u32,
+    /// The gate's count of tests it looked at, as the last `irecv` saw it: when it has moved
+    /// since, the caller tested (without the lock), which counts as [`Self::polled`].
+    looks_seen: u32,
     /// Clear-to-send writes posted, for the comm's summary (with the receives they
     /// announced, `cts_posted`).
     cts_writes: u64,
@@ -162,7 +162,7 @@ impl<N: Nic> RecvState<N> {
             finished: 0,
             cts_unsignaled: 0,
             polled: false,
-            idle_seen: 0,
+            looks_seen: 0,
             cts_writes: 0,
             quiet: true,
             waiting: 0,
@@ -189,7 +189,7 @@ impl<N: Nic> RecvState<N> {
             // No CQ poll here: `test` polls, and a free slot depends only on `test`.
             if self.rails[0].cq.peer_gone {
                 let e = self.rails[0].cq.gone_error(&self.peer);
-                return self.failure.record(Err(e));
+                return Err(self.failure.fail(e));
             }
         }
         let slot = (self.seq % SLOTS as u64) as usize;
@@ -697,6 +697,37 @@ pub(crate) struct VerbsRecvComm<N: Nic> {
 }
 
 impl<N: Nic> VerbsRecvComm<N> {
+    /// The proxy's idle test, without the lock: a poll of rail 0's CQ into `wc`, where the
+    /// gate allows one ([`RecvGate::may_poll`]), which finds nothing ([`Look::Idle`]). `None`
+    /// where the gate allows no poll.
+    #[inline(always)]
+    pub(crate) fn poll_unlocked(&self, id: usize, wc: &mut WcBatch) -> Option<Look> {
+        if self.gate.may_poll(id) {
+            Some(self.gate.poll(wc))
+        } else {
+            None
+        }
+    }
+
+    /// The rest of a `test` of request `id`, after [`Self::poll_unlocked`] found `polled`
+    /// (its completions in `wc`).
+    #[inline(always)]
+    pub(crate) fn test_after(
+        &self,
+        id: usize,
+        sizes: &mut impl SizeSink,
+        polled: Option<Look>,
+        wc: &mut WcBatch,
+    ) -> Tested {
+        let found = match polled.unwrap_or_else(|| self.gate.look(id)) {
+            Look::Idle => return Tested::Pending,
+            Look::Found => Some((0, wc)),
+            Look::Further => return self.test_further(id, sizes, wc),
+            Look::Lock => None,
+        };
+        self.test_locked(id, sizes, found)
+    }
+
     /// `test` under the lock: what the gate did not answer.
     #[inline(always)]
     fn test_locked(&self, id: usize, sizes: &mut impl SizeSink, found: Found<'_>) -> Tested {
@@ -777,9 +808,9 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         keys: &impl BufferKeys,
     ) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
-        let idle = self.gate.idle_calls();
-        if idle != s.idle_seen {
-            s.idle_seen = idle;
+        let looks = self.gate.looks();
+        if looks != s.looks_seen {
+            s.looks_seen = looks;
             s.polled = true;
         }
         let r = s.irecv(bufs, tags, keys);
@@ -802,17 +833,9 @@ impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
         r
     }
 
-    /// The proxy's idle test, of a receive still waiting, is one CQ poll that finds
-    /// nothing, without the lock (see [`RecvGate`]).
-    #[inline(always)]
     fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Tested {
         let mut wc = WcBatch::new();
-        let found = match self.gate.look(id, &mut wc) {
-            Look::Idle => return Tested::Pending,
-            Look::Found => Some((0, &mut wc)),
-            Look::Further => return self.test_further(id, sizes, &mut wc),
-            Look::Lock => None,
-        };
-        self.test_locked(id, sizes, found)
+        let polled = self.poll_unlocked(id, &mut wc);
+        self.test_after(id, sizes, polled, &mut wc)
     }
 }

@@ -377,7 +377,7 @@ impl<N: Nic> SendState<N> {
         self.failure.check()?;
         if self.rails[0].cq.peer_gone {
             let e = self.rails[0].cq.gone_error(&self.peer);
-            return self.failure.record(Err(e));
+            return Err(self.failure.fail(e));
         }
         Ok(None)
     }
@@ -388,7 +388,7 @@ impl<N: Nic> SendState<N> {
             "protocol error: clear-to-send from {} announces {n} buffers",
             self.peer
         ));
-        self.failure.record(Err(e))
+        Err(self.failure.fail(e))
     }
 
     /// Polls every rail's CQ once, what arrived handled out of line; `waiting`: a send
@@ -689,10 +689,10 @@ impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
 
     fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
-        let r = match s.isend(buf, tag, keys) {
-            Ok(None) => s.not_yet(&self.gate),
-            r => r,
-        };
+        let mut r = s.isend(buf, tag, keys);
+        if let Ok(None) = r {
+            r = s.not_yet(&self.gate);
+        }
         self.gate.publish(&s);
         r
     }
