@@ -116,6 +116,8 @@ struct World {
     fatal: Vec<(usize, Option<u32>, String)>,
     /// Address ranges that are GPU memory.
     device_memory: Vec<(usize, usize)>,
+    /// The errno every CQ poll fails with, if any.
+    poll_errno: Option<i32>,
 }
 
 /// What happened to an op this pass.
@@ -388,6 +390,11 @@ impl Fabric {
         }
     }
 
+    /// Makes every CQ poll fail with `errno` (`Some`), or succeed again (`None`).
+    pub(crate) fn fail_polls(&self, errno: Option<i32>) {
+        self.world.lock().poll_errno = errno;
+    }
+
     /// Raises a fatal asynchronous event on `nic` (on QP `qpn`, or the whole device).
     pub(crate) fn fatal_event(&self, nic: &FakeNic, qpn: Option<u32>, what: &str) {
         self.world
@@ -639,6 +646,12 @@ unsafe impl Nic for FakeNic {
 
     fn poll_cq(&self, cq: &Arc<FakeCq>, wcs: &mut [MaybeUninit<ibv_wc>]) -> Result<usize> {
         let mut w = self.world.lock();
+        if let Some(errno) = w.poll_errno {
+            return Err(Error::io(
+                format!("fake fabric: ibv_poll_cq({})", self.local.name),
+                std::io::Error::from_raw_os_error(errno),
+            ));
+        }
         let q = w.cqs.get_mut(&cq.id).expect("live CQ");
         let n = wcs.len().min(q.len());
         let polled: Vec<_> = q.drain(..n).collect();

@@ -49,6 +49,26 @@ fn a_truncated_last_send_of_a_group_fails_the_receive_and_the_first_completes() 
 }
 
 #[test]
+fn a_failing_cq_poll_fails_a_waiting_receive_with_its_error_and_the_comm_stays_failed() {
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    // Tests of the waiting receive, answered without the lock, until the polls fail: then
+    // one of them (by the gate's poll or the locked one) reports the poll's error.
+    for _ in 0..3 {
+        assert_eq!(c.test_recv(r).unwrap(), None);
+    }
+    c.fabric.fail_polls(Some(libc::EIO));
+    let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
+    assert!(e.to_string().contains("ibv_poll_cq"), "{e}");
+    c.fabric.fail_polls(None);
+    // Failed for good: the next receive is refused, not posted.
+    let mut again = c.buf(false, 64, 0);
+    let keys = again.keys();
+    assert!(c.recv.irecv(&[again.whole()], &[0], &keys).is_err());
+}
+
+#[test]
 fn a_failed_write_is_an_error_naming_peer_operation_and_status() {
     let c = connect(params());
     let qpn = c.send.qpns()[0];
