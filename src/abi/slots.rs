@@ -561,8 +561,10 @@ extern "C" fn test_recv(request: *mut c_void, done: *mut c_int, sizes: *mut c_in
     match polled {
         Ok(Some(Look::Idle)) => ncclResult_t::ncclSuccess,
         Ok(Some(Look::Found)) => test_found(request, done, sizes, &mut wc),
-        // No poll allowed, or it failed: the lock decides.
-        Ok(_) => test_recv_locked(request, done, sizes),
+        // No poll allowed (a jump: nothing on this stack is in use yet), or it failed: the
+        // lock decides.
+        Ok(None) => test_recv_locked(request, done, sizes),
+        Ok(Some(_)) => test_recv_locked(request, done, sizes),
         Err(code) => code,
     }
 }
@@ -584,7 +586,11 @@ fn test_found(
 
 /// The rest of a receive's `test` that made no poll without the lock.
 #[inline(never)]
-fn test_recv_locked(request: *mut c_void, done: *mut c_int, sizes: *mut c_int) -> ncclResult_t {
+extern "C" fn test_recv_locked(
+    request: *mut c_void,
+    done: *mut c_int,
+    sizes: *mut c_int,
+) -> ncclResult_t {
     let mut wc = WcBatch::new();
     boundary("test", || {
         // SAFETY: as for `test_found`.

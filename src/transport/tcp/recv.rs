@@ -166,6 +166,7 @@ impl RecvEndpoint for TcpRecvComm {
     }
 
     /// Tests a receive: done once every message of the group has arrived.
+    #[inline(always)] // into the boundary's receive test
     fn test(&self, slot: usize, sizes: &mut impl SizeSink) -> Tested {
         self.test_receive(slot, sizes).into()
     }
