@@ -278,6 +278,18 @@ pub(crate) unsafe fn test_send_request(
     Ok(())
 }
 
+/// The token of a receive request and its comm.
+///
+/// # Safety
+/// `request` passed [`look_at_request`], as a receive request.
+#[inline(always)]
+unsafe fn recv_request<'a>(request: *mut c_void) -> (&'a RequestToken, &'a RecvComm) {
+    // SAFETY: checked by `look_at_request`.
+    let token = unsafe { &*(request as *const RequestToken) };
+    // SAFETY: as for `test_send_request`, the RecvComm.
+    (token, unsafe { &*(token.owner.addr() as *const RecvComm) })
+}
+
 /// The step of `test` of a receive request that needs no lock: the poll of its CQ into `wc`,
 /// where its comm's gate allows one (`None` where not). [`Look::Idle`] answers the proxy's
 /// idle test (most calls): `*done` is 0, and the call is over.
@@ -290,10 +302,8 @@ pub(crate) unsafe fn poll_request(
     done: *mut c_int,
     wc: &mut WcBatch,
 ) -> Option<Look> {
-    // SAFETY: checked by `look_at_request`.
-    let token = unsafe { &*(request as *const RequestToken) };
-    // SAFETY: as for `test_send_request`, the RecvComm.
-    let comm = unsafe { &*(token.owner.addr() as *const RecvComm) };
+    // SAFETY: forwarded contract.
+    let (token, comm) = unsafe { recv_request(request) };
     let polled = comm.poll_unlocked(token.slot, wc);
     if let Some(Look::Idle) = polled {
         // SAFETY: checked non-NULL; writable by contract.
@@ -316,10 +326,8 @@ pub(crate) unsafe fn test_recv_request(
     polled: Option<Look>,
     wc: &mut WcBatch,
 ) -> Result<()> {
-    // SAFETY: checked by `look_at_request`.
-    let token = unsafe { &*(request as *const RequestToken) };
-    // SAFETY: as for `test_send_request`, the RecvComm.
-    let comm = unsafe { &*(token.owner.addr() as *const RecvComm) };
+    // SAFETY: forwarded contract.
+    let (token, comm) = unsafe { recv_request(request) };
     // SAFETY: room for every message of the request, or NULL, by contract.
     let mut out = unsafe { NcclSizes::new(sizes) };
     let finished = match comm.test_after(token.slot, &mut out, polled, wc) {
