@@ -571,12 +571,6 @@ impl WcBatch {
         unsafe { std::slice::from_raw_parts(self.wcs.as_ptr().cast::<ibv_wc>(), self.n) }
     }
 
-    /// Completion `i` (below [`Self::polled`]) of the last poll.
-    #[inline(always)]
-    pub(crate) fn get(&self, i: usize) -> Completion<'_> {
-        Completion(&self.written()[i])
-    }
-
     /// The completions of the last poll, in order.
     #[inline(always)]
     pub(crate) fn iter(&self) -> impl Iterator<Item = Completion<'_>> {

@@ -105,10 +105,6 @@ impl Watchdog {
 /// never on an idle receiving side).
 pub(crate) struct CqPoller<N: Nic> {
     pub(crate) cq: N::Cq,
-    /// The last poll's failure, for the drain to return.
-    poll_error: Option<Error>,
-    /// Where in the batch [`Self::hand_out`] met a failed completion.
-    failed_at: Option<usize>,
     epoch: u64,
     calls: u32,
     oob: Option<TcpStream>,
@@ -124,8 +120,6 @@ impl<N: Nic> CqPoller<N> {
     pub(crate) fn new(cq: N::Cq, work_timeout: Option<Duration>) -> Self {
         CqPoller {
             cq,
-            poll_error: None,
-            failed_at: None,
             epoch: 0,
             calls: 0,
             oob: None,
@@ -180,18 +174,13 @@ impl<N: Nic> CqPoller<N> {
     }
 
     /// Polls the CQ once into `wc` (the caller's, on its stack); returns whether there is
-    /// anything for the drain to do: completions arrived, the slow checks are due, or the
-    /// poll failed (the drain reports the error).
+    /// anything for [`Self::hand_out`] and the slow checks to do: completions arrived, or the
+    /// slow checks are due.
     #[inline(always)]
-    pub(crate) fn poll(&mut self, nic: &N, wc: &mut WcBatch) -> bool {
+    pub(crate) fn poll(&mut self, nic: &N, wc: &mut WcBatch) -> Result<bool> {
         self.calls = self.calls.wrapping_add(1);
-        match wc.poll(nic, &self.cq) {
-            Ok(n) => n > 0 || self.calls % CHECK_EVERY == 0,
-            Err(e) => {
-                self.poll_error = Some(e);
-                true
-            }
-        }
+        let n = wc.poll(nic, &self.cq)?;
+        Ok(n > 0 || self.calls % CHECK_EVERY == 0)
     }
 
     /// Counts a poll made without the comm's lock, which found completions (now in the
@@ -201,48 +190,31 @@ impl<N: Nic> CqPoller<N> {
         self.calls = self.calls.wrapping_add(1);
     }
 
-    /// After [`Self::poll`] found something: hands every successful completion in `wc` to
-    /// `on`, polling again while batches come full. Returns false at a failed completion or
-    /// poll, which [`Self::drain_error`] then describes (the comm's error).
+    /// After a poll found something: hands every successful completion in `wc` to `on`,
+    /// polling again while batches come full. `Ok(false)`: it stopped at a failed
+    /// completion, which stays in `wc` for [`failed_completion`] to describe (built there, out
+    /// of the loop).
     #[inline(always)]
     pub(crate) fn hand_out(
         &mut self,
         nic: &N,
         wc: &mut WcBatch,
         mut on: impl FnMut(Completion<'_>),
-    ) -> bool {
-        if self.poll_error.is_some() {
-            return false;
-        }
+    ) -> Result<bool> {
         loop {
             let n = wc.polled();
-            for (i, c) in wc.iter().enumerate() {
+            for c in wc.iter() {
                 if c.status() != WC_SUCCESS {
-                    self.failed_at = Some(i);
-                    return false;
+                    return Ok(false);
                 }
                 on(c);
             }
             self.completions += n as u64;
             if n < WcBatch::CAPACITY {
-                return true;
+                return Ok(true);
             }
-            if let Err(e) = wc.poll(nic, &self.cq) {
-                self.poll_error = Some(e);
-                return false;
-            }
+            wc.poll(nic, &self.cq)?;
         }
-    }
-
-    /// Why [`Self::hand_out`] stopped: the failed poll, or the failed completion in `wc`.
-    #[cold]
-    #[inline(never)]
-    pub(crate) fn drain_error(&mut self, nic: &N, peer: &str, wc: &WcBatch) -> Error {
-        if let Some(e) = self.poll_error.take() {
-            return e;
-        }
-        let i = self.failed_at.take().unwrap_or(0);
-        cqe_error(nic, peer, wc.get(i))
     }
 
     /// Whether the slow checks (peer, asynchronous events, watchdog) are due after this
@@ -295,6 +267,17 @@ fn stalled_error<N: Nic>(nic: &N, peer: &str, idle: Duration) -> Error {
         nic.local().name,
         idle.as_secs_f64()
     ))
+}
+
+/// The error of the first failed completion in `wc`, where [`CqPoller::hand_out`] stopped.
+#[cold]
+#[inline(never)]
+pub(crate) fn failed_completion<N: Nic>(nic: &N, peer: &str, wc: &WcBatch) -> Error {
+    match wc.iter().find(|c| c.status() != WC_SUCCESS) {
+        Some(c) => cqe_error(nic, peer, c),
+        // Not reached: the drain stops only at a failed completion.
+        None => Error::device(format!("a completion to peer {peer} failed")),
+    }
 }
 
 #[cold]

@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 
-use super::cq::CqPoller;
+use super::cq::{self, CqPoller};
 use crate::error::Result;
 use crate::verbs::dma::{Completion, WcBatch};
 use crate::verbs::nic::Nic;
@@ -61,10 +61,14 @@ impl<N: Nic> Rail<N> {
     }
 
     /// Polls this rail's CQ once into `wc` (see [`CqPoller::poll`]): whether [`Self::drain`]
-    /// has anything to do.
+    /// has anything to do. A failed poll counts as the rail's error.
     #[inline(always)]
-    pub(crate) fn poll(&mut self, wc: &mut WcBatch) -> bool {
-        self.cq.poll(&self.nic, wc)
+    pub(crate) fn poll(&mut self, wc: &mut WcBatch) -> Result<bool> {
+        let r = self.cq.poll(&self.nic, wc);
+        if r.is_err() {
+            self.stats.errors += 1;
+        }
+        r
     }
 
     /// Hands what a poll put in `wc` to `on` (see [`CqPoller::hand_out`]), which
@@ -82,13 +86,15 @@ impl<N: Nic> Rail<N> {
         mut on: impl FnMut(Completion<'_>) -> bool,
     ) -> Result<bool> {
         let mut done = 0;
-        let ok = self
+        let handed = self
             .cq
             .hand_out(&self.nic, wc, |c| done += i32::from(on(c)));
         self.in_flight -= done;
-        if !ok {
+        if !matches!(handed, Ok(true)) {
             self.stats.errors += 1;
-            return Err(self.cq.drain_error(&self.nic, peer, wc));
+            return Err(handed
+                .err()
+                .unwrap_or_else(|| cq::failed_completion(&*self.nic, peer, wc)));
         }
         if !self.cq.checks_due() {
             return Ok(false);

@@ -399,7 +399,7 @@ impl<N: Nic> SendState<N> {
             return self.progress_rails(waiting);
         }
         let mut wc = WcBatch::new();
-        if self.rails[0].poll(&mut wc) {
+        if self.rails[0].poll(&mut wc)? {
             self.drain_rail(0, &mut wc, waiting)
         } else {
             Ok(())
@@ -411,7 +411,7 @@ impl<N: Nic> SendState<N> {
     fn progress_rails(&mut self, waiting: bool) -> Result<()> {
         let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
-            if self.rails[r].poll(&mut wc) {
+            if self.rails[r].poll(&mut wc)? {
                 self.drain_rail(r, &mut wc, waiting)?;
             }
         }
