@@ -589,7 +589,7 @@ impl<N: Nic> RecvState<N> {
             return self.progress_rails();
         }
         let mut wc = WcBatch::new();
-        if self.rails[0].poll(&mut wc) {
+        if self.rails[0].poll(&mut wc)? {
             self.drain_rail(0, &mut wc)
         } else {
             Ok(())
@@ -601,7 +601,7 @@ impl<N: Nic> RecvState<N> {
     fn progress_rails(&mut self) -> Result<()> {
         let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
-            if self.rails[r].poll(&mut wc) {
+            if self.rails[r].poll(&mut wc)? {
                 self.drain_rail(r, &mut wc)?;
             }
         }
@@ -629,8 +629,10 @@ impl<N: Nic> RecvState<N> {
                     if st.n == 1 {
                         st.size0 = c.write_imm();
                     }
-                    st.imm_pending = st.imm_pending.saturating_sub(1);
-                    if st.imm_pending == 0 {
+                    if st.imm_pending > 1 {
+                        st.imm_pending -= 1;
+                    } else {
+                        st.imm_pending = 0;
                         *waiting &= !(1 << slot);
                     }
                     return false;
