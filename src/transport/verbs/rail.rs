@@ -65,6 +65,12 @@ impl<N: Nic> Rail<N> {
     #[inline(always)]
     pub(crate) fn poll(&mut self, wc: &mut WcBatch) -> Result<bool> {
         let r = self.cq.poll(&self.nic, wc);
+        self.count_error(r)
+    }
+
+    /// Passes `r` through, counting its error as the rail's.
+    #[inline(always)]
+    fn count_error<T>(&mut self, r: Result<T>) -> Result<T> {
         if r.is_err() {
             self.stats.errors += 1;
         }
@@ -75,7 +81,7 @@ impl<N: Nic> Rail<N> {
     /// says whether a completion retires signaled work of this side (then it leaves
     /// `in_flight`); then runs the slow checks when due, `waiting`: whether the comm waits for
     /// its peer (asked only then). Returns whether this rail should post a probe. A failure
-    /// (of the poll too) counts as the rail's error.
+    /// counts as the rail's error.
     #[inline(always)]
     #[allow(clippy::ptr_arg)] // one pointer, not two, held through the loop
     pub(crate) fn drain(
@@ -91,10 +97,9 @@ impl<N: Nic> Rail<N> {
             .hand_out(&self.nic, wc, |c| done += i32::from(on(c)));
         self.in_flight -= done;
         if !matches!(handed, Ok(true)) {
-            self.stats.errors += 1;
-            return Err(handed
-                .err()
-                .unwrap_or_else(|| cq::failed_completion(&*self.nic, peer, wc)));
+            // Stopped at a failed completion (Ok(false)) or poll.
+            let e = handed.and_then(|_| Err(cq::failed_completion(&*self.nic, peer, wc)));
+            return self.count_error(e);
         }
         if !self.cq.checks_due() {
             return Ok(false);
@@ -103,10 +108,7 @@ impl<N: Nic> Rail<N> {
         let r = self
             .cq
             .slow_checks(&self.nic, &self.qps, peer, work, waiting());
-        if r.is_err() {
-            self.stats.errors += 1;
-        }
-        r
+        self.count_error(r)
     }
 }
 
