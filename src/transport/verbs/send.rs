@@ -360,18 +360,19 @@ impl<N: Nic> SendState<N> {
 
     /// An `isend` that found nothing to post: it looks around when `gate` let it through
     /// only for that (no clear-to-send had come), or when it is an idle call due to look.
+    /// (A `Result<()>`, one register, so the caller's result needs no memory.)
     #[inline(never)]
-    fn not_yet(&mut self, gate: &SendGate<N::Mr>) -> Result<Option<usize>> {
+    fn not_yet(&mut self, gate: &SendGate<N::Mr>) -> Result<()> {
         if !self.clear_to_send() || gate.idle_call_looks() {
             self.look_around()
         } else {
-            Ok(None)
+            Ok(())
         }
     }
 
     /// An idle isend's look around: drains the CQs (the watchdog and peer watch ride along)
     /// and returns the comm's failure or a vanished peer as the error.
-    fn look_around(&mut self) -> Result<Option<usize>> {
+    fn look_around(&mut self) -> Result<()> {
         let r = self.progress(true);
         self.failure.record(r)?;
         self.failure.check()?;
@@ -379,7 +380,7 @@ impl<N: Nic> SendState<N> {
             let e = self.rails[0].cq.gone_error(&self.peer);
             return Err(self.failure.fail(e));
         }
-        Ok(None)
+        Ok(())
     }
 
     #[cold]
@@ -689,10 +690,10 @@ impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
 
     fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>> {
         let mut s = self.inner.lock();
-        let mut r = s.isend(buf, tag, keys);
-        if let Ok(None) = r {
-            r = s.not_yet(&self.gate);
-        }
+        let r = match s.isend(buf, tag, keys) {
+            Ok(None) => s.not_yet(&self.gate).map(|()| None),
+            r => r,
+        };
         self.gate.publish(&s);
         r
     }
