@@ -94,6 +94,27 @@ fn a_failed_write_is_an_error_naming_peer_operation_and_status() {
 }
 
 #[test]
+fn a_failed_write_behind_completed_ones_in_one_poll_is_the_one_named() {
+    let c = connect(params());
+    let mut dst: Vec<Buf> = (0..3).map(|_| c.buf(false, 64, 0)).collect();
+    for (tag, d) in dst.iter_mut().enumerate() {
+        c.irecv(&mut [d], &[tag as i32]);
+    }
+    let mut src: Vec<Buf> = (0..3).map(|i| c.buf(true, 64, i + 1)).collect();
+    // Nothing polls the sender's CQ until the test: the three completions, the last failed,
+    // come in one batch.
+    let ok = [c.send_buf(&mut src[0], 0), c.send_buf(&mut src[1], 1)];
+    c.fabric.fail_next(c.send.qpns()[0], REMOTE_ACCESS_ERROR);
+    let failed = c.send_buf(&mut src[2], 2);
+    let e = c.test_send(failed).unwrap_err();
+    assert!(e.to_string().contains("remote access error"), "{e}");
+    // The two before it were handed out before the drain stopped.
+    for s in ok {
+        assert_eq!(c.test_send(s).unwrap(), Some(Completion::single(64)));
+    }
+}
+
+#[test]
 fn a_receiver_whose_clear_to_send_fails_gets_an_error() {
     let c = connect(params());
     let mut dst = c.buf(false, 64, 0);
