@@ -111,10 +111,11 @@ impl<N: Nic> RecvGate<N> {
         }
         let first = std::iter::once(&self.first);
         for (r, (nic, cq)) in first.chain(self.others.iter()).enumerate() {
-            match wc.poll(&**nic, cq) {
-                Ok(0) => {}
-                Ok(_) => return LookFurther::Found(r),
-                Err(_) => return LookFurther::Lock,
+            match wc.try_poll(&**nic, cq) {
+                Some(0) => {}
+                Some(_) => return LookFurther::Found(r),
+                // As in `poll`: the locked poll meets the error again.
+                None => return LookFurther::Lock,
             }
         }
         LookFurther::Idle
