@@ -249,8 +249,10 @@ settings! {
     ib_hca: Option<NameFilter> = None, "NCCL_IB_HCA", |var, raw| {
         NameFilter::parse(var, raw, true).map(Some)
     };
-    /// RC QPs per connection (1..128); 8 on eRDMA when unset.
-    qps_per_connection: u32 = 1, "NCCL_IB_QPS_PER_CONNECTION", |var, raw| int_in(var, raw, 1, 128);
+    /// RC QPs per connection (1..128; unset: 8 on eRDMA, 1 elsewhere).
+    qps_per_connection: Option<u32> = None, "NCCL_IB_QPS_PER_CONNECTION", |var, raw| {
+        int_in(var, raw, 1, 128).map(Some)
+    }, unset = "per device";
     /// Split every message over all QPs (1) or let messages take turns (0).
     split_data_on_qps: bool = false, "NCCL_IB_SPLIT_DATA_ON_QPS", flag;
     /// Fixed RoCE GID index, or -1 for the automatic choice per device.
@@ -311,6 +313,31 @@ settings! {
     cts_batch: Option<u32> = None, "NCCL_ERDMA_CTS_BATCH", |var, raw| {
         int_in(var, raw, 1, 16).map(Some)
     }, unset = "per device";
+    /// NCCL's log level; before NCCL hands over its logger (and in the tools), the plugin's
+    /// own lines go to stderr at WARN unless it says INFO or TRACE.
+    nccl_debug: Option<String> = None, "NCCL_DEBUG", text;
+    /// NCCL's GPUDirect RDMA distance limit; the info command advises it inside a VM.
+    net_gdr_level: Option<String> = None, "NCCL_NET_GDR_LEVEL", text;
+    /// NCCL's forced NIC fusion: while set, the plugin fuses no NICs itself.
+    net_force_merge: Option<String> = None, "NCCL_NET_FORCE_MERGE", text;
+    /// NCCL's NIC fusion distance: while set, the plugin fuses no NICs itself.
+    net_merge_level: Option<String> = None, "NCCL_NET_MERGE_LEVEL", text;
+}
+
+/// A free-form value (NCCL's own settings, which NCCL itself checks).
+fn text(_: &'static str, raw: &str) -> Result<Option<String>> {
+    Ok(Some(raw.trim().to_string()))
+}
+
+/// The environment's value of `var`; empty counts as unset, as NCCL's own `ncclGetEnv` users
+/// treat it. Every setting is read through here.
+fn env_value(var: &str) -> Option<String> {
+    std::env::var(var).ok().filter(|v| !v.trim().is_empty())
+}
+
+/// `NCCL_DEBUG` alone, for the logger, which starts before the rest is read.
+pub(crate) fn nccl_debug() -> Option<String> {
+    env_value("NCCL_DEBUG")
 }
 
 fn parse_transport(var: &'static str, raw: &str) -> Result<TransportChoice> {
@@ -349,7 +376,13 @@ fn family(var: &'static str, raw: &str) -> Result<AddrFamily> {
 impl Config {
     /// Reads the process environment.
     pub(crate) fn from_env() -> Result<Self> {
-        Self::from_lookup(|k| std::env::var(k).ok())
+        Self::from_lookup(env_value)
+    }
+
+    /// Whether the user asked NCCL to fuse NICs itself (`NCCL_NET_FORCE_MERGE` or
+    /// `NCCL_NET_MERGE_LEVEL` set).
+    pub(crate) fn nccl_merges(&self) -> bool {
+        self.net_force_merge.value.is_some() || self.net_merge_level.value.is_some()
     }
 
     /// `NCCL_IB_HCA` as the user wrote it, empty when unset (for messages).
@@ -462,7 +495,12 @@ mod tests {
         let c = cfg(&[]).unwrap();
         assert_eq!(c.transport.value, TransportChoice::Verbs);
         assert!(!c.transport.from_env);
-        assert_eq!(c.qps_per_connection.value, 1);
+        // Unset: the verbs transport picks the QPs per connection per device.
+        assert_eq!(c.qps_per_connection.value, None);
+        assert!(c
+            .describe()
+            .iter()
+            .any(|l| l == "NCCL_IB_QPS_PER_CONNECTION = per device (default)"));
         assert_eq!(c.gid_index.value, -1);
         assert_eq!(c.ib_timeout.value, 20);
         assert_eq!(c.ib_retry_cnt.value, 7);
@@ -519,7 +557,7 @@ mod tests {
         .unwrap();
         assert_eq!(c.transport.value, TransportChoice::Tcp);
         assert!(c.transport.from_env);
-        assert_eq!(c.qps_per_connection.value, 8);
+        assert_eq!(c.qps_per_connection.value, Some(8));
         assert_eq!(c.gid_index.value, 3);
         assert!(c
             .describe()

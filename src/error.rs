@@ -1,23 +1,51 @@
-//! The plugin's one error type. Every failure inside the plugin is an [`Error`]; the C
-//! boundary (`abi`) turns it into an `ncclResult_t` with [`Error::kind`] and logs it once.
+//! The plugin's one error type, and the one place that decides what NCCL is told of it.
+//!
+//! Every failure inside the plugin is an [`Error`]. Its [`ErrorKind`] follows NCCL's plugin
+//! README ("Error codes"), and [`Error::code`] is the only mapping to `ncclResult_t`:
+//!
+//! | our error | kind | NCCL code | raised for |
+//! |---|---|---|---|
+//! | `Misuse` | `Internal` | `ncclInternalError` | NCCL broke the contract: a NULL pointer, a count or size out of range, an unknown device, memory handle, comm or request, a foreign or corrupted handle, a buffer outside its registration, a call before `init` |
+//! | `Config` | `InvalidUsage` | `ncclInvalidUsage` | a setting with a value the plugin cannot use (`init` fails) |
+//! | `Usage` | `InvalidUsage` | `ncclInvalidUsage` | a setup that cannot work as configured: transports or link layers that differ between peers, a fusion NCCL or the user asks for that cannot be made |
+//! | `Truncated` | `InvalidUsage` | `ncclInvalidUsage` | a message larger than the receive posted for it (both sides) |
+//! | `NoDevice` | `System` | `ncclSystemError` | no usable RDMA device or libibverbs (`init` fails and NCCL falls back to its own transports) |
+//! | `Device` | `System` | `ncclSystemError` | a fatal asynchronous event on the device |
+//! | `Os` | `System`, or `Remote` when the errno means the peer is gone (reset, refused, timed out, unreachable) | `ncclSystemError` / `ncclRemoteError` | a failed system or verbs call |
+//! | `Remote` | `Remote` | `ncclRemoteError` | the peer failed: a failed completion, a closed or silent peer, work that never completes, a protocol error |
+//!
+//! `ncclInvalidArgument` is never returned: the README says plugins should usually not use
+//! it, and every bad argument NCCL can pass is its misuse of the plugin. An error is shared
+//! (`Clone` is a reference count), so a comm that failed returns its first error, with its
+//! kind and message, on every later call.
 
-use std::io;
+use std::{io, sync::Arc};
 
-/// What NCCL is told. Mirrors the guidance of NCCL's plugin README: system failures,
-/// misuse by the caller, user configuration errors, and peer failures.
+use crate::ffi::ncclResult_t;
+
+/// What NCCL is told (see the module's table).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
     /// Kernel, library or hardware failure (`ncclSystemError`).
     System,
-    /// The caller broke the API contract (`ncclInternalError`).
+    /// NCCL broke the plugin's contract (`ncclInternalError`).
     Internal,
-    /// A bad argument value such as a NULL pointer or an out-of-range count
-    /// (`ncclInvalidArgument`).
-    InvalidArgument,
     /// A user or configuration error (`ncclInvalidUsage`).
     InvalidUsage,
-    /// The peer failed or went away (`ncclRemoteError`).
+    /// The peer, or the path to it, failed (`ncclRemoteError`).
     Remote,
+}
+
+impl ErrorKind {
+    /// NCCL's result code of this kind.
+    pub fn code(self) -> ncclResult_t {
+        match self {
+            ErrorKind::System => ncclResult_t::ncclSystemError,
+            ErrorKind::Internal => ncclResult_t::ncclInternalError,
+            ErrorKind::InvalidUsage => ncclResult_t::ncclInvalidUsage,
+            ErrorKind::Remote => ncclResult_t::ncclRemoteError,
+        }
+    }
 }
 
 /// A setting with a value the plugin cannot use.
@@ -43,11 +71,10 @@ pub struct OsError {
     pub source: io::Error,
 }
 
-/// A plugin failure: one pointer wide, so the `Result`s of the data path come back in
-/// registers; what went wrong is in its [`ErrorDetail`].
-#[derive(Debug, thiserror::Error)]
+/// A plugin failure: one pointer wide, and shared by every call that reports it.
+#[derive(Debug, Clone, thiserror::Error)]
 #[error(transparent)]
-pub struct Error(Box<ErrorDetail>);
+pub struct Error(Arc<ErrorDetail>);
 
 /// What went wrong, with enough context for one useful WARN line.
 #[derive(Debug, thiserror::Error)]
@@ -61,14 +88,10 @@ pub enum ErrorDetail {
     /// No usable network device for the selected transport.
     #[error("{0}")]
     NoDevice(String),
-    /// The caller passed something the API does not allow.
-    #[error("{0}")]
-    InvalidArgument(String),
-    /// The caller misused the plugin (a call out of order, an unknown object).
+    /// NCCL misused the plugin: a bad argument, a call out of order, an unknown object.
     #[error("{0}")]
     Misuse(String),
-    /// The user's setup cannot work as configured (mismatched settings between peers, an
-    /// unsupported memory type for the transport).
+    /// The user's setup cannot work as configured.
     #[error("{0}")]
     Usage(String),
     /// The device or a queue pair failed (a fatal asynchronous event).
@@ -85,7 +108,7 @@ pub enum ErrorDetail {
 impl From<ErrorDetail> for Error {
     #[cold]
     fn from(detail: ErrorDetail) -> Self {
-        Error(Box::new(detail))
+        Error(Arc::new(detail))
     }
 }
 
@@ -123,13 +146,7 @@ impl Error {
         ErrorDetail::NoDevice(msg).into()
     }
 
-    /// The caller passed something the API does not allow.
-    #[cold]
-    pub fn invalid_argument(msg: String) -> Self {
-        ErrorDetail::InvalidArgument(msg).into()
-    }
-
-    /// The caller misused the plugin.
+    /// NCCL misused the plugin.
     #[cold]
     pub fn misuse(msg: String) -> Self {
         ErrorDetail::Misuse(msg).into()
@@ -164,22 +181,29 @@ impl Error {
         &self.0
     }
 
-    /// What went wrong, to be changed (e.g. a hint added to an OS error's context).
-    pub fn detail_mut(&mut self) -> &mut ErrorDetail {
-        &mut self.0
+    /// The OS error's context, to add a hint to, while this error is not shared yet.
+    pub fn os_context_mut(&mut self) -> Option<(&mut String, &io::Error)> {
+        match Arc::get_mut(&mut self.0)? {
+            ErrorDetail::Os(os) => Some((&mut os.context, &os.source)),
+            _ => None,
+        }
     }
 
     /// The class NCCL is told about.
     pub fn kind(&self) -> ErrorKind {
         use ErrorDetail as D;
         match self.detail() {
+            D::Misuse(_) => ErrorKind::Internal,
             D::Config(_) | D::Usage(_) | D::Truncated(_) => ErrorKind::InvalidUsage,
             D::Os(e) if is_peer_loss(&e.source) => ErrorKind::Remote,
             D::Os(_) | D::NoDevice(_) | D::Device(_) => ErrorKind::System,
-            D::InvalidArgument(_) => ErrorKind::InvalidArgument,
-            D::Misuse(_) => ErrorKind::Internal,
             D::Remote(_) => ErrorKind::Remote,
         }
+    }
+
+    /// NCCL's result code for this error.
+    pub fn code(&self) -> ncclResult_t {
+        self.kind().code()
     }
 }
 
@@ -205,24 +229,57 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 #[cfg(test)]
 mod tests {
     use super::*;
+    use ncclResult_t::*;
 
     #[test]
-    fn kinds_follow_nccl_guidance() {
+    fn every_error_maps_to_the_code_its_table_row_names() {
+        let os = |k| Error::io("x", io::Error::from(k));
+        for (e, want) in [
+            (Error::misuse("x".into()), ncclInternalError),
+            (
+                Error::config("NCCL_IB_TIMEOUT", "99", "1 to 31"),
+                ncclInvalidUsage,
+            ),
+            (Error::usage("x".into()), ncclInvalidUsage),
+            (Error::truncated("x".into()), ncclInvalidUsage),
+            (Error::no_device("x".into()), ncclSystemError),
+            (Error::device("x".into()), ncclSystemError),
+            (os(io::ErrorKind::PermissionDenied), ncclSystemError),
+            (os(io::ErrorKind::ConnectionReset), ncclRemoteError),
+            (os(io::ErrorKind::TimedOut), ncclRemoteError),
+            (Error::remote("x".into()), ncclRemoteError),
+        ] {
+            assert_eq!(e.code(), want, "{e:?}");
+            assert!(!matches!(e.code(), ncclInvalidArgument | ncclInProgress));
+        }
+    }
+
+    #[test]
+    fn an_error_keeps_its_message_and_code_when_shared() {
         let cfg = Error::config("NCCL_ERDMA_TRANSPORT", "foo", "verbs, tcp or auto");
-        assert_eq!(cfg.kind(), ErrorKind::InvalidUsage);
         assert_eq!(
             cfg.to_string(),
             "NCCL_ERDMA_TRANSPORT=foo is not valid: verbs, tcp or auto"
         );
-        let reset = Error::io("recv", io::Error::from(io::ErrorKind::ConnectionReset));
-        assert_eq!(reset.kind(), ErrorKind::Remote);
-        let perm = Error::io("bind", io::Error::from(io::ErrorKind::PermissionDenied));
-        assert_eq!(perm.kind(), ErrorKind::System);
-        assert_eq!(Error::misuse("x".into()).kind(), ErrorKind::Internal);
-        // Results stay small on the data path: an error is one pointer, and a result of a
-        // word comes back in two registers.
+        let again = cfg.clone();
+        assert_eq!(
+            (again.code(), again.to_string()),
+            (cfg.code(), cfg.to_string())
+        );
+        // One pointer: the data path's results stay small.
         assert_eq!(std::mem::size_of::<Error>(), 8);
         assert_eq!(std::mem::size_of::<Result<()>>(), 8);
-        assert_eq!(std::mem::size_of::<Result<Option<usize>>>(), 16);
+    }
+
+    #[test]
+    fn a_hint_is_added_to_an_os_error_only_while_it_is_not_shared() {
+        let mut e = Error::io("RTR", io::Error::from_raw_os_error(libc::EINVAL));
+        let (context, source) = e.os_context_mut().unwrap();
+        assert_eq!(source.raw_os_error(), Some(libc::EINVAL));
+        context.push_str(" (hint)");
+        assert!(e.to_string().starts_with("RTR (hint): "));
+        let _shared = e.clone();
+        assert!(e.os_context_mut().is_none());
+        assert!(Error::remote("x".into()).os_context_mut().is_none());
     }
 }

@@ -71,7 +71,7 @@ pub(crate) fn set_sink(sink: Sink) {
 /// Installs the bridge as this library's global `tracing` subscriber (once per process).
 pub(crate) fn install() {
     INSTALLED.get_or_init(|| {
-        let stderr_level = stderr_level(std::env::var("NCCL_DEBUG").ok().as_deref());
+        let stderr_level = stderr_level(crate::config::nccl_debug().as_deref());
         let subscriber = tracing_subscriber::registry().with(NcclLayer { stderr_level });
         // Another subscriber can only exist if a host program linked this crate as an rlib
         // and set its own; then that one keeps receiving our events, which is fine.

@@ -1,9 +1,9 @@
 //! The C boundary: the exported `ncclNetPlugin_v6` .. `_v12` tables, and nothing but
-//! pointer checks, argument conversion, the panic boundary and one error mapping.
+//! pointer checks, argument conversion, the panic boundary and the one error mapping.
 //!
 //! Every export runs inside [`boundary`], which catches panics (reported through NCCL's
-//! logger by the hook installed at `init`) and turns our [`Error`] into an `ncclResult_t` with
-//! [`to_nccl`], logging one WARN that names the call.
+//! logger by the hook installed at `init`) and turns our [`Error`] into an `ncclResult_t`
+//! with [`Error::code`] (the table in `error.rs`), logging one WARN that names the call.
 
 mod profiler;
 mod slots;
@@ -16,62 +16,21 @@ use std::{
     sync::{Arc, Once},
 };
 
-use crate::error::{Error, ErrorKind, Result};
+use crate::error::{Error, Result};
 use crate::ffi::{self, ncclResult_t};
 use crate::log::{LogLevel, LogLine, Subsys};
 use crate::plugin::{
-    comm::check_magic, Plugin, RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC,
-    SEND_MAGIC,
+    comm::check_magic, ListenComm, Plugin, RecvComm, RequestToken, SendComm, SizeSink,
+    LISTEN_MAGIC, MAX_RECVS, RECV_MAGIC, SEND_MAGIC,
 };
-use crate::transport::{Look, SizeSink, Tested, WcBatch, MAX_RECVS};
-
-/// The one mapping from our errors to NCCL's result codes, following NCCL's plugin README
-/// (`ncclSystemError` for kernel, library or hardware failures, `ncclInternalError` when NCCL
-/// misuses the plugin, `ncclInvalidUsage` for user or configuration errors,
-/// `ncclRemoteError` for a peer or remote failure; never `ncclInProgress`) and `nccl.h`
-/// (`ncclInvalidArgument` for an invalid argument such as a NULL pointer):
-///
-/// | our error | NCCL code | raised for |
-/// |---|---|---|
-/// | `Config` | `ncclInvalidUsage` | a setting with a value the plugin cannot use (`init` fails) |
-/// | `Usage` | `ncclInvalidUsage` | a setup that cannot work as configured: transports or link layers that differ between peers, more flushes in flight than NCCL allows |
-/// | `Truncated` | `ncclInvalidUsage` | a message larger than the receive posted for it (both sides) |
-/// | `InvalidArgument` | `ncclInvalidArgument` | NULL where a pointer is required, a count or size out of range, an unknown device, a buffer outside its registration, a foreign or corrupted handle |
-/// | `Misuse` | `ncclInternalError` | NCCL broke the contract: an unknown memory handle, a request not in flight, a comm of the wrong kind, a call before `init` |
-/// | `NoDevice` | `ncclSystemError` | no usable RDMA device or libibverbs (`init` fails and NCCL falls back to its own transports) |
-/// | `Device` | `ncclSystemError` | a fatal asynchronous event on the device |
-/// | `Os` | `ncclSystemError`, or `ncclRemoteError` when the errno means the peer is gone (reset, refused, timed out, unreachable) | a failed system or verbs call |
-/// | `Remote` | `ncclRemoteError` | the peer failed: a failed completion, a closed or silent peer, work that never completes, a protocol error |
-pub(crate) fn to_nccl(e: &Error) -> ncclResult_t {
-    match e.kind() {
-        ErrorKind::System => ncclResult_t::ncclSystemError,
-        ErrorKind::Internal => ncclResult_t::ncclInternalError,
-        ErrorKind::InvalidArgument => ncclResult_t::ncclInvalidArgument,
-        ErrorKind::InvalidUsage => ncclResult_t::ncclInvalidUsage,
-        ErrorKind::Remote => ncclResult_t::ncclRemoteError,
-    }
-}
 
 /// Runs one export: panics and errors become result codes, each logged once.
 #[inline]
 pub(crate) fn boundary(call: &'static str, f: impl FnOnce() -> Result<()>) -> ncclResult_t {
-    match boundary_value(call, f) {
-        Ok(()) => ncclResult_t::ncclSuccess,
-        Err(code) => code,
-    }
-}
-
-/// [`boundary`] of the first step of an export: what it yields, or the result code to
-/// return (a panic or an error, logged once).
-#[inline]
-pub(crate) fn boundary_value<T>(
-    call: &'static str,
-    f: impl FnOnce() -> Result<T>,
-) -> std::result::Result<T, ncclResult_t> {
     match catch_unwind(AssertUnwindSafe(f)) {
-        Ok(Ok(v)) => Ok(v),
-        Ok(Err(e)) => Err(failed(call, &e)),
-        Err(_) => Err(panicked(call)),
+        Ok(Ok(())) => ncclResult_t::ncclSuccess,
+        Ok(Err(e)) => failed(call, &e),
+        Err(_) => panicked(call),
     }
 }
 
@@ -80,7 +39,7 @@ pub(crate) fn boundary_value<T>(
 #[inline(never)]
 fn failed(call: &str, e: &Error) -> ncclResult_t {
     tracing::warn!("{call}: {e}");
-    to_nccl(e)
+    e.code()
 }
 
 #[cold]
@@ -144,7 +103,7 @@ pub(crate) fn non_null<T>(p: *const T, what: &str) -> Result<()> {
 
 #[cold]
 fn null_argument(what: &str) -> Error {
-    Error::invalid_argument(format!("{what} is NULL"))
+    Error::misuse(format!("{what} is NULL"))
 }
 
 /// Reads the magic number every comm starts with.
@@ -181,6 +140,19 @@ pub(crate) unsafe fn recv_comm<'a>(comm: *mut c_void) -> Result<&'a RecvComm> {
     Ok(unsafe { &*(comm as *const RecvComm) })
 }
 
+/// The listen comm behind NCCL's pointer.
+///
+/// # Safety
+/// As [`send_comm`]; NCCL uses a listen comm from one thread at a time.
+pub(crate) unsafe fn listen_comm<'a>(comm: *mut c_void) -> Result<&'a mut ListenComm> {
+    non_null(comm, "listenComm")?;
+    // SAFETY: forwarded contract.
+    check_magic(unsafe { comm_magic(comm)? }, LISTEN_MAGIC, "listen comm")?;
+    // SAFETY: the magic says it is a live ListenComm allocated by us; no other reference to
+    // it exists during the call.
+    Ok(unsafe { &mut *(comm as *mut ListenComm) })
+}
+
 /// The plugin and device of either kind of data comm (`regMr` may get either).
 ///
 /// # Safety
@@ -204,153 +176,17 @@ pub(crate) unsafe fn data_comm_owner(comm: *mut c_void) -> Result<(Arc<Plugin>, 
     }
 }
 
-/// Whose request `test` was given, as [`look_at_request`] found.
-pub(crate) enum Owner {
-    /// A send comm's.
-    Send,
-    /// A receive comm's.
-    Recv,
-    /// None of ours, or `done` is NULL: [`request_error`] says which.
-    Invalid,
-}
-
-/// The first step of `test`: checks the request and `done`, each with one branch (their
-/// errors are made out of line, by [`request_error`]), and tells whose request it is.
+/// The request token behind NCCL's pointer.
 ///
 /// # Safety
-/// `request` must be NULL or a request this plugin returned, not yet reported done.
-#[inline(always)]
-pub(crate) unsafe fn look_at_request(request: *mut c_void, done: *mut c_int) -> Owner {
-    if request.is_null() || done.is_null() {
-        return Owner::Invalid;
-    }
-    // SAFETY: non-NULL and, by contract, one of the tokens inside a live comm.
+/// `request` must be NULL or a request this plugin returned whose comm NCCL has not closed.
+pub(crate) unsafe fn request_token<'a>(request: *mut c_void) -> Result<&'a RequestToken> {
+    non_null(request, "request")?;
+    // SAFETY: non-NULL and, by contract, one of the tokens inside a live comm, which start
+    // with their magic (checked before anything else is read).
     let token = unsafe { &*(request as *const RequestToken) };
-    if !token.is_live() {
-        return Owner::Invalid;
-    }
-    match token.owner {
-        RequestOwner::Send(_) => Owner::Send,
-        RequestOwner::Recv(_) => Owner::Recv,
-    }
-}
-
-/// Why [`look_at_request`] found `request` or `done` invalid.
-///
-/// # Safety
-/// As [`look_at_request`].
-#[cold]
-pub(crate) unsafe fn request_error(request: *mut c_void, done: *mut c_int) -> Error {
-    let checked = non_null(request, "request").and_then(|()| non_null(done, "done"));
-    // SAFETY: non-NULL, by contract one of our tokens (its magic says whether it is).
-    let checked = checked.and_then(|()| unsafe { &*(request as *const RequestToken) }.check());
-    checked
-        .err()
-        .unwrap_or_else(|| Error::misuse("the request was found invalid, then valid".into()))
-}
-
-/// The rest of `test` of a send request: writes NCCL's `done` and `sizes`.
-///
-/// # Safety
-/// `request` and `done` passed [`look_at_request`], as a send request; `sizes` NULL or
-/// writable for one int.
-#[inline(always)]
-pub(crate) unsafe fn test_send_request(
-    request: *mut c_void,
-    done: *mut c_int,
-    sizes: *mut c_int,
-) -> Result<()> {
-    // SAFETY: checked by `look_at_request`.
-    let token = unsafe { &*(request as *const RequestToken) };
-    // SAFETY: a live token's comm is live (it holds the token); the SendComm, by contract.
-    let comm = unsafe { &*(token.owner.addr() as *const SendComm) };
-    let finished = match comm.test(token.slot) {
-        Tested::Pending => false,
-        Tested::Done(size) => {
-            // SAFETY: room for the request's one message, or NULL, by contract.
-            unsafe { NcclSizes::new(sizes) }.set(0, size as u32);
-            true
-        }
-        Tested::Failed(e) => return Err(e),
-    };
-    // SAFETY: forwarded contract.
-    unsafe { report(token, done, finished) };
-    Ok(())
-}
-
-/// The token of a receive request and its comm.
-///
-/// # Safety
-/// `request` passed [`look_at_request`], as a receive request.
-#[inline(always)]
-unsafe fn recv_request<'a>(request: *mut c_void) -> (&'a RequestToken, &'a RecvComm) {
-    // SAFETY: checked by `look_at_request`.
-    let token = unsafe { &*(request as *const RequestToken) };
-    // SAFETY: as for `test_send_request`, the RecvComm.
-    (token, unsafe { &*(token.owner.addr() as *const RecvComm) })
-}
-
-/// The step of `test` of a receive request that needs no lock: the poll of its CQ into `wc`,
-/// where its comm's gate allows one (`None` where not). [`Look::Idle`] answers the proxy's
-/// idle test (most calls): `*done` is 0, and the call is over.
-///
-/// # Safety
-/// `request` and `done` passed [`look_at_request`], as a receive request.
-#[inline(always)]
-pub(crate) unsafe fn poll_request(
-    request: *mut c_void,
-    done: *mut c_int,
-    wc: &mut WcBatch,
-) -> Option<Look> {
-    // SAFETY: forwarded contract.
-    let (token, comm) = unsafe { recv_request(request) };
-    let polled = comm.poll_unlocked(token.slot, wc);
-    if let Some(Look::Idle) = polled {
-        // SAFETY: checked non-NULL; writable by contract.
-        unsafe { *done = 0 };
-    }
-    polled
-}
-
-/// The rest of `test` of a receive or flush request, after [`poll_request`] found `polled`
-/// (its completions in `wc`): writes NCCL's `done` and `sizes`.
-///
-/// # Safety
-/// `request` and `done` passed [`look_at_request`], as a receive request; `sizes` NULL or
-/// writable for as many ints as the request has messages.
-#[inline(always)]
-pub(crate) unsafe fn test_recv_request(
-    request: *mut c_void,
-    done: *mut c_int,
-    sizes: *mut c_int,
-    polled: Option<Look>,
-    wc: &mut WcBatch,
-) -> Result<()> {
-    // SAFETY: forwarded contract.
-    let (token, comm) = unsafe { recv_request(request) };
-    // SAFETY: room for every message of the request, or NULL, by contract.
-    let mut out = unsafe { NcclSizes::new(sizes) };
-    let finished = match comm.test_after(token.slot, &mut out, polled, wc) {
-        Tested::Pending => false,
-        Tested::Done(_) => true,
-        Tested::Failed(e) => return Err(e),
-    };
-    // SAFETY: forwarded contract.
-    unsafe { report(token, done, finished) };
-    Ok(())
-}
-
-/// Writes `test`'s `done`, and ends a finished request's profiler event.
-///
-/// # Safety
-/// `done` non-NULL and writable.
-#[inline(always)]
-unsafe fn report(token: &RequestToken, done: *mut c_int, finished: bool) {
-    if finished {
-        profiler::stop(token);
-    }
-    // SAFETY: by contract.
-    unsafe { *done = c_int::from(finished) };
+    token.check()?;
+    Ok(token)
 }
 
 /// NCCL's `sizes` argument of `test`, which a finished request's sizes are written into as
@@ -361,50 +197,18 @@ impl NcclSizes {
     /// # Safety
     /// `sizes` is NULL or has room for every message of the request being tested (NCCL
     /// passes an array of 64).
-    #[inline(always)]
     unsafe fn new(sizes: *mut c_int) -> Self {
         NcclSizes(sizes)
     }
 }
 
 impl SizeSink for NcclSizes {
-    #[inline(always)]
+    #[inline]
     fn set(&mut self, i: usize, size: u32) {
         // A request has at most MAX_RECVS messages: an index beyond is a bug, never a write.
         if !self.0.is_null() && i < MAX_RECVS {
             // SAFETY: room for every message of the request, by `new`'s contract.
             unsafe { *self.0.add(i) = i32::try_from(size).unwrap_or(i32::MAX) };
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::io;
-
-    #[test]
-    fn every_error_maps_to_the_code_its_table_row_names() {
-        use ncclResult_t::*;
-        let os = |k| Error::io("x", io::Error::from(k));
-        for (e, want) in [
-            (
-                Error::config("NCCL_IB_TIMEOUT", "99", "1 to 31"),
-                ncclInvalidUsage,
-            ),
-            (Error::usage("x".into()), ncclInvalidUsage),
-            (Error::truncated("x".into()), ncclInvalidUsage),
-            (Error::invalid_argument("x".into()), ncclInvalidArgument),
-            (Error::misuse("x".into()), ncclInternalError),
-            (Error::no_device("x".into()), ncclSystemError),
-            (Error::device("x".into()), ncclSystemError),
-            (os(io::ErrorKind::PermissionDenied), ncclSystemError),
-            (os(io::ErrorKind::ConnectionReset), ncclRemoteError),
-            (os(io::ErrorKind::TimedOut), ncclRemoteError),
-            (Error::remote("x".into()), ncclRemoteError),
-        ] {
-            assert_eq!(to_nccl(&e), want, "{e:?}");
-            assert_ne!(to_nccl(&e), ncclInProgress);
         }
     }
 }

@@ -1,8 +1,9 @@
 //! The slots every table version shares, and the per-version argument conversions of the
 //! data path: each converts its version's C signature to one call of the version-neutral
 //! core (`plugin`). Per-version rules honoured here: v9+ `irecv` always overwrites `*request`
-//! (NCCL may pass the optional-completion hint 0x1 in it); sizes are checked before use; a
-//! NULL where NCCL never passes one is `ncclInvalidArgument`, not a crash.
+//! (NCCL may pass the optional-completion hint 0x1 in it); sizes are checked once, before
+//! use; a NULL where NCCL never passes one is `ncclInternalError` (NCCL's misuse), not a
+//! crash.
 
 use std::{
     ffi::{c_int, c_void},
@@ -10,13 +11,16 @@ use std::{
 };
 
 use super::profiler::{self, NetEvent};
-use super::{boundary, boundary_value, data_comm_owner, non_null, recv_comm, send_comm, Owner};
+use super::{
+    boundary, data_comm_owner, listen_comm, non_null, recv_comm, request_token, send_comm,
+    NcclSizes,
+};
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::ffi::*;
-use crate::oob::HANDLE_SIZE;
-use crate::plugin::{self, ListenComm, Plugin, RecvComm, SendComm};
-use crate::transport::{Look, WcBatch, MAX_RECVS};
+use crate::plugin::{
+    self, Plugin, RecvComm, RequestOwner, SendComm, HANDLE_SIZE, MAX_P2P_BYTES, MAX_RECVS,
+};
 
 pub(super) extern "C" fn devices(ndev: *mut c_int) -> ncclResult_t {
     boundary("devices", || {
@@ -111,14 +115,11 @@ pub(super) extern "C" fn accept_v6(
     recv_comm: *mut *mut c_void,
 ) -> ncclResult_t {
     boundary("accept", || {
-        non_null(listen_comm, "listenComm")?;
         non_null(recv_comm, "recvComm")?;
         // SAFETY: checked non-NULL; writable pointer slot. NULL means "not yet".
         unsafe { *recv_comm = std::ptr::null_mut() };
-        // SAFETY: NCCL passes back a listen comm we returned; the magic check below rejects
-        // anything else before it is used.
-        let listen = unsafe { &mut *(listen_comm as *mut ListenComm) };
-        listen.check()?;
+        // SAFETY: NCCL passes back a listen comm we returned (checked by magic).
+        let listen = unsafe { super::listen_comm(listen_comm)? };
         if let Some(comm) = plugin::get()?.accept(listen)? {
             // SAFETY: as above.
             unsafe { *recv_comm = Box::into_raw(comm) as *mut c_void };
@@ -162,13 +163,13 @@ pub(super) fn buffer_count(n: c_int, call: &str) -> Result<usize> {
 
 #[cold]
 fn bad_buffer_count(n: c_int, call: &str) -> Error {
-    Error::invalid_argument(format!(
+    Error::misuse(format!(
         "{call} of {n} buffers; 1 to {MAX_RECVS} are allowed"
     ))
 }
 
 pub(super) fn int_size(size: c_int) -> Result<usize> {
-    usize::try_from(size).map_err(|_| Error::invalid_argument(format!("negative size {size}")))
+    usize::try_from(size).map_err(|_| Error::misuse(format!("negative size {size}")))
 }
 
 pub(super) extern "C" fn reg_mr_int(
@@ -222,9 +223,7 @@ pub(super) extern "C" fn dereg_mr(comm: *mut c_void, mhandle: *mut c_void) -> nc
 /// Wraps NCCL's pointer and size as a buffer.
 pub(super) fn user_buffer(data: *mut c_void, size: usize) -> Result<UserBuffer> {
     if data.is_null() && size > 0 {
-        return Err(Error::invalid_argument(format!(
-            "NULL data pointer for {size} bytes"
-        )));
+        return Err(Error::misuse(format!("NULL data pointer for {size} bytes")));
     }
     // SAFETY: NCCL keeps `data` valid for `size` bytes until the request completes, and
     // does not write a receive buffer while the receive is in flight.
@@ -232,13 +231,8 @@ pub(super) fn user_buffer(data: *mut c_void, size: usize) -> Result<UserBuffer> 
 }
 
 /// `isend` of v10+ (a `size_t` size and a profiler parent), which the older versions call
-/// with their `size` widened: an `int` sign-extended (negative stays negative and is
-/// refused), a `size_t` as is (one beyond `i64::MAX` reads negative, and is refused too: no
-/// send is that large).
-///
-/// Most calls are NCCL's retries before the receiver's clear-to-send: they return NULL
-/// here after a few loads, calling nothing; a send that may be posted goes on to
-/// [`post_send`] in a tail call.
+/// with their `size` widened: an `int` sign-extended (a negative one reads beyond
+/// `maxP2pBytes` and is refused), a `size_t` as is.
 pub(super) extern "C" fn isend_v10(
     comm: *mut c_void,
     data: *mut c_void,
@@ -248,35 +242,12 @@ pub(super) extern "C" fn isend_v10(
     phandle: *mut c_void,
     request: *mut *mut c_void,
 ) -> ncclResult_t {
-    let sendable = boundary_value("isend", || {
+    boundary("isend", || {
         non_null(request, "request")?;
         // SAFETY: checked non-NULL; writable pointer slot. NULL means "not now".
         unsafe { *request = std::ptr::null_mut() };
         // SAFETY: NCCL passes back a send comm we returned (checked by magic).
         let comm = unsafe { send_comm(comm)? };
-        Ok(comm.may_send().then_some(comm))
-    });
-    match sendable {
-        Ok(Some(comm)) => post_send(comm, data, size, tag, mhandle, phandle, request),
-        Ok(None) => ncclResult_t::ncclSuccess,
-        Err(code) => code,
-    }
-}
-
-/// The rest of `isend`, once the comm may have a send to post (`request` checked non-NULL).
-/// The export's C signature (the comm resolved), so the export jumps here with its frame
-/// already gone.
-#[inline(never)]
-extern "C" fn post_send(
-    comm: &SendComm,
-    data: *mut c_void,
-    size: usize,
-    tag: c_int,
-    mhandle: *mut c_void,
-    phandle: *mut c_void,
-    request: *mut *mut c_void,
-) -> ncclResult_t {
-    boundary("isend", || {
         let buf = user_buffer(data, send_size(size)?)?;
         if let Some(token) = comm.isend(buf, tag, mhandle as usize as u64)? {
             let event = || NetEvent {
@@ -286,26 +257,29 @@ extern "C" fn post_send(
                 tag,
             };
             profiler::start(token, phandle, event);
-            // SAFETY: checked non-NULL by the caller; writable pointer slot.
+            // SAFETY: checked non-NULL; writable pointer slot.
             unsafe { *request = token as *const _ as *mut c_void };
         }
         Ok(())
     })
 }
 
-/// A send's size as NCCL passed it (a `size_t`, or an `int` sign-extended): at most
-/// `i64::MAX`, so a negative `int` is refused.
+/// A send's size as NCCL passed it (a `size_t`, or an `int` sign-extended), checked against
+/// `maxP2pBytes`: the one check of a send's size before the transport compares it with the
+/// receive.
+#[inline]
 fn send_size(size: usize) -> Result<usize> {
-    if size > i64::MAX as usize {
-        return Err(bad_send_size(size as i64));
+    if size > MAX_P2P_BYTES {
+        return Err(bad_send_size(size));
     }
     Ok(size)
 }
 
 #[cold]
-fn bad_send_size(size: i64) -> Error {
-    Error::invalid_argument(format!(
-        "send size {size} (as a signed 64-bit number) is negative or too large"
+fn bad_send_size(size: usize) -> Error {
+    Error::misuse(format!(
+        "send of {} bytes is negative or exceeds maxP2pBytes ({MAX_P2P_BYTES})",
+        size as i64
     ))
 }
 
@@ -527,94 +501,37 @@ pub(super) extern "C" fn iflush(
     })
 }
 
-/// `test` is split by path, so that each pays only for the registers it needs, and the most
-/// common by far, the proxy's idle test of a receive (one CQ poll that finds nothing), for
-/// almost none: `test` checks the request and jumps to [`test_recv`] or [`test_send`]
-/// (extern "C": they cannot unwind, so `test` need not stay around to catch a panic);
-/// [`test_recv`] polls, keeping nothing but its arguments across the call, and calls
-/// [`test_found`] or [`test_recv_locked`] for what the poll did not answer.
+/// `test` of any request: the comm that owns it tests it, and `done` (and, once done, the
+/// sizes) are written for NCCL.
 pub(super) extern "C" fn test(
     request: *mut c_void,
     done: *mut c_int,
     sizes: *mut c_int,
 ) -> ncclResult_t {
-    let owner = boundary_value("test", || {
-        // SAFETY: NCCL passes back a request we returned (or NULL).
-        Ok(unsafe { super::look_at_request(request, done) })
-    });
-    match owner {
-        Ok(Owner::Recv) => test_recv(request, done, sizes),
-        Ok(Owner::Send) => test_send(request, done, sizes),
-        Ok(Owner::Invalid) => test_invalid(request, done),
-        Err(code) => code,
-    }
-}
-
-/// A receive's `test`, behind `test`'s checks: the poll without the lock.
-#[inline(never)]
-extern "C" fn test_recv(request: *mut c_void, done: *mut c_int, sizes: *mut c_int) -> ncclResult_t {
-    let mut wc = WcBatch::new();
-    let polled = boundary_value("test", || {
-        // SAFETY: `test` checked the request (a receive's) and `done`.
-        Ok(unsafe { super::poll_request(request, done, &mut wc) })
-    });
-    match polled {
-        Ok(Some(Look::Idle)) => ncclResult_t::ncclSuccess,
-        Ok(Some(Look::Found)) => test_found(request, done, sizes, &mut wc),
-        // No poll allowed (a jump: nothing on this stack is in use yet), or it failed: the
-        // lock decides.
-        Ok(None) => test_recv_locked(request, done, sizes),
-        Ok(Some(_)) => test_recv_locked(request, done, sizes),
-        Err(code) => code,
-    }
-}
-
-/// The rest of a receive's `test` whose poll found completions, in `wc`.
-#[inline(never)]
-fn test_found(
-    request: *mut c_void,
-    done: *mut c_int,
-    sizes: *mut c_int,
-    wc: &mut WcBatch,
-) -> ncclResult_t {
     boundary("test", || {
-        // SAFETY: `test` checked the request (a receive's) and `done`; NCCL's sizes array has
-        // room for every message of the request (or is NULL).
-        unsafe { super::test_recv_request(request, done, sizes, Some(Look::Found), wc) }
-    })
-}
-
-/// The rest of a receive's `test` that made no poll without the lock.
-#[inline(never)]
-extern "C" fn test_recv_locked(
-    request: *mut c_void,
-    done: *mut c_int,
-    sizes: *mut c_int,
-) -> ncclResult_t {
-    let mut wc = WcBatch::new();
-    boundary("test", || {
-        // SAFETY: as for `test_found`.
-        unsafe { super::test_recv_request(request, done, sizes, None, &mut wc) }
-    })
-}
-
-/// A send's `test`, behind `test`'s checks.
-#[inline(never)]
-extern "C" fn test_send(request: *mut c_void, done: *mut c_int, sizes: *mut c_int) -> ncclResult_t {
-    // SAFETY: `test` checked the request (a send's) and `done`; NCCL's sizes array has room
-    // for the request's message (or is NULL).
-    boundary("test", || unsafe {
-        super::test_send_request(request, done, sizes)
-    })
-}
-
-/// A `test` whose request or `done` `test`'s checks refused: the error that says why.
-#[cold]
-#[inline(never)]
-extern "C" fn test_invalid(request: *mut c_void, done: *mut c_int) -> ncclResult_t {
-    boundary("test", || {
-        // SAFETY: as for `test`.
-        Err(unsafe { super::request_error(request, done) })
+        // SAFETY: NCCL passes back a request we returned (or NULL), whose comm is open.
+        let token = unsafe { request_token(request)? };
+        non_null(done, "done")?;
+        // SAFETY: NCCL's sizes array has room for every message of the request (or is NULL).
+        let mut sizes = unsafe { NcclSizes::new(sizes) };
+        let finished = match token.owner {
+            RequestOwner::Send(comm) => {
+                // SAFETY: a live token's comm is live (it holds the token), of the kind named.
+                let comm = unsafe { &*(comm as *const SendComm) };
+                comm.test(token.slot, &mut sizes)?
+            }
+            RequestOwner::Recv(comm) => {
+                // SAFETY: as above.
+                let comm = unsafe { &*(comm as *const RecvComm) };
+                comm.test(token.slot, &mut sizes)?
+            }
+        };
+        if finished {
+            profiler::stop(token);
+        }
+        // SAFETY: checked non-NULL; writable by contract.
+        unsafe { *done = c_int::from(finished) };
+        Ok(())
     })
 }
 
@@ -642,12 +559,11 @@ pub(super) extern "C" fn close_recv(comm: *mut c_void) -> ncclResult_t {
 
 pub(super) extern "C" fn close_listen(comm: *mut c_void) -> ncclResult_t {
     boundary("closeListen", || {
-        non_null(comm, "listenComm")?;
-        // SAFETY: NCCL passes back a listen comm we returned; checked by magic before use.
-        unsafe { &*(comm as *const ListenComm) }.check()?;
+        // SAFETY: NCCL passes back a listen comm we returned (checked by magic).
+        let listen = unsafe { listen_comm(comm)? };
+        listen.retire();
         // SAFETY: it is a live ListenComm that we boxed; NCCL gives up the pointer here.
-        let mut comm = unsafe { Box::from_raw(comm as *mut ListenComm) };
-        comm.retire();
+        drop(unsafe { Box::from_raw(listen) });
         Ok(())
     })
 }

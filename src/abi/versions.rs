@@ -15,8 +15,7 @@ use super::slots::{connect_with, listen_with};
 use super::{boundary, install_logging, non_null, profiler};
 use crate::error::{Error, Result};
 use crate::ffi::*;
-use crate::plugin::{self, Plugin, MAX_COLL_BYTES};
-use crate::transport::{DeviceProps, MAX_P2P_BYTES, MAX_RECVS};
+use crate::plugin::{self, DeviceProps, Plugin, MAX_COLL_BYTES, MAX_P2P_BYTES, MAX_RECVS};
 
 pub(super) fn init_common(logger: ncclDebugLogger_t) -> Result<Arc<Plugin>> {
     install_logging(logger);

@@ -91,20 +91,20 @@ impl Handle {
     pub fn decode(buf: &[u8; HANDLE_SIZE]) -> Result<Self> {
         let magic = u64_at(buf, OFF_MAGIC);
         if magic != HANDLE_MAGIC {
-            return Err(Error::invalid_argument(format!(
+            return Err(Error::misuse(format!(
                 "connection handle has magic {magic:#018x}, expected {HANDLE_MAGIC:#018x}: \
                  it was not made by this plugin's listen (mixed plugins or a corrupted handle)"
             )));
         }
         let version = u16::from_le_bytes([buf[OFF_VERSION], buf[OFF_VERSION + 1]]);
         if version != PROTOCOL_VERSION {
-            return Err(Error::invalid_argument(format!(
+            return Err(Error::misuse(format!(
                 "connection handle has protocol version {version}, this plugin speaks \
                  {PROTOCOL_VERSION}: run the same plugin build on every node"
             )));
         }
         let transport = TransportKind::from_u8(buf[OFF_TRANSPORT]).ok_or_else(|| {
-            Error::invalid_argument(format!(
+            Error::misuse(format!(
                 "connection handle names unknown transport {}",
                 buf[OFF_TRANSPORT]
             ))
@@ -122,13 +122,13 @@ impl Handle {
                 IpAddr::V6(Ipv6Addr::from(o))
             }
             f => {
-                return Err(Error::invalid_argument(format!(
+                return Err(Error::misuse(format!(
                     "connection handle has unknown address family {f}"
                 )))
             }
         };
         if port == 0 || ip.is_unspecified() || ip.is_multicast() {
-            return Err(Error::invalid_argument(format!(
+            return Err(Error::misuse(format!(
                 "connection handle has an unusable address {ip} port {port}"
             )));
         }
@@ -147,7 +147,7 @@ pub fn stage_id(buf: &[u8; HANDLE_SIZE]) -> Result<Option<u64>> {
     match id {
         0 if check == 0 => Ok(None),
         _ if check == id ^ u64_at(buf, OFF_NONCE) ^ HANDLE_MAGIC => Ok(Some(id)),
-        _ => Err(Error::invalid_argument(
+        _ => Err(Error::misuse(
             "connection handle carries a corrupted connect stage".into(),
         )),
     }

@@ -10,16 +10,17 @@ use std::sync::{
 
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
+use crate::transport::either::AnyTransport;
 use crate::transport::{
-    BufferKeys, Endpoint, KeyCache, Listening, Look, MemKeys, RecvEnd, RecvEndpoint, SendEnd,
-    SendEndpoint, SizeSink, Tested, WcBatch, MAX_P2P_BYTES, MAX_REQUESTS, MAX_SEND_REQUESTS,
+    Endpoint, Handles, Receiver, Sender, SizeSink, Tested, Transport, MAX_REQUESTS,
+    MAX_SEND_REQUESTS,
 };
 
 use super::stats::{CommStats, Direction};
 use super::Plugin;
 
 /// Magic of a [`ListenComm`].
-const LISTEN_MAGIC: u64 = 0x4c49_5354_454e_4552;
+pub(crate) const LISTEN_MAGIC: u64 = 0x4c49_5354_454e_4552;
 /// Magic of a [`SendComm`].
 pub(crate) const SEND_MAGIC: u64 = 0x5345_4e44_434f_4d4d;
 /// Magic of a [`RecvComm`].
@@ -44,24 +45,19 @@ fn not_a(what: &str) -> Error {
 
 /// The listening side of one future connection.
 #[repr(C)]
-pub(crate) struct ListenComm {
+pub(crate) struct ListenComm<T: Transport = AnyTransport> {
     magic: u64,
     pub(super) dev: usize,
-    pub(super) inner: Box<dyn Listening>,
+    pub(super) inner: T::Listener,
 }
 
-impl ListenComm {
-    pub(super) fn new(inner: Box<dyn Listening>, dev: usize) -> Box<Self> {
+impl<T: Transport> ListenComm<T> {
+    pub(super) fn new(inner: T::Listener, dev: usize) -> Box<Self> {
         Box::new(ListenComm {
             magic: LISTEN_MAGIC,
             dev,
             inner,
         })
-    }
-
-    /// Errors unless this is a live listen comm.
-    pub(crate) fn check(&self) -> Result<()> {
-        check_magic(self.magic, LISTEN_MAGIC, "listen comm")
     }
 
     /// Marks the comm dead before it is dropped.
@@ -77,16 +73,6 @@ pub(crate) enum RequestOwner {
     Send(usize),
     /// A [`RecvComm`] at this address.
     Recv(usize),
-}
-
-impl RequestOwner {
-    /// The comm's address.
-    #[inline(always)]
-    pub(crate) fn addr(self) -> usize {
-        match self {
-            RequestOwner::Send(a) | RequestOwner::Recv(a) => a,
-        }
-    }
 }
 
 /// What NCCL holds as a request: a slot of its comm's fixed request table.
@@ -120,14 +106,9 @@ impl RequestToken {
     }
 
     /// Errors unless this is a request token.
+    #[inline]
     pub(crate) fn check(&self) -> Result<()> {
         check_magic(self.magic, REQUEST_MAGIC, "request")
-    }
-
-    /// Whether this is a request token ([`Self::check`] says why not).
-    #[inline(always)]
-    pub(crate) fn is_live(&self) -> bool {
-        self.magic == REQUEST_MAGIC
     }
 }
 
@@ -142,167 +123,147 @@ fn tokens(owner: RequestOwner, n: usize) -> Box<[RequestToken]> {
         .collect()
 }
 
-/// The lookup of a call's buffers, registered as NCCL's `mhandles`, on device `dev`, which
-/// the transport makes per buffer it needs (see `BufferKeys`).
-struct HandleKeys<'a> {
-    plugin: &'a Plugin,
-    dev: usize,
-    mhandles: &'a [u64],
-}
-
-impl BufferKeys for HandleKeys<'_> {
-    #[inline(always)]
-    fn keys<'c>(&self, i: usize, buf: UserBuffer, cache: &'c mut KeyCache) -> Result<&'c MemKeys> {
-        self.plugin
-            .buffer_keys(cache, self.mhandles[i], self.dev, buf)
-    }
-}
-
 /// A connected send comm.
 #[repr(C)]
-pub(crate) struct SendComm {
+pub(crate) struct SendComm<T: Transport = AnyTransport> {
     magic: u64,
     dev: usize,
-    plugin: Arc<Plugin>,
-    inner: SendEnd,
+    plugin: Arc<Plugin<T>>,
+    end: T::Sender,
     tokens: Box<[RequestToken]>,
     stats: CommStats,
 }
 
-impl SendComm {
-    pub(super) fn new(plugin: Arc<Plugin>, inner: SendEnd, dev: usize) -> Box<Self> {
-        let stats = plugin.comm_stats(Direction::Tx, dev, &inner.peer());
+impl<T: Transport> SendComm<T> {
+    pub(super) fn new(plugin: Arc<Plugin<T>>, end: T::Sender, dev: usize) -> Box<Self> {
+        let stats = plugin.comm_stats(Direction::Tx, dev, &end.peer());
         let mut comm = Box::new(SendComm {
             magic: SEND_MAGIC,
             dev,
             plugin,
-            inner,
+            end,
             tokens: Box::new([]),
             stats,
         });
-        let addr = &*comm as *const SendComm as usize;
+        let addr = &*comm as *const SendComm<T> as usize;
         comm.tokens = tokens(RequestOwner::Send(addr), MAX_SEND_REQUESTS);
         comm
     }
 
     /// The plugin and device this comm belongs to.
-    pub(crate) fn owner(&self) -> (&Arc<Plugin>, usize) {
+    pub(crate) fn owner(&self) -> (&Arc<Plugin<T>>, usize) {
         (&self.plugin, self.dev)
     }
 
-    /// Whether an `isend` now has anything to do (see `SendEndpoint::may_send`); a "no" is
-    /// counted as a clear-to-send wait.
-    #[inline(always)]
-    pub(crate) fn may_send(&self) -> bool {
-        let yes = self.inner.may_send();
-        if !yes {
-            self.stats.waited();
-        }
-        yes
-    }
-
-    /// `isend`, after [`Self::may_send`]: `Ok(None)` when it cannot be posted yet.
-    #[inline(always)] // into the boundary: one call layer less per message
+    /// `isend` of `buf` (at most `MAX_P2P_BYTES`, checked by the boundary), registered as
+    /// `mhandle`: `Ok(None)` when it cannot be posted yet (counted as a clear-to-send wait).
+    #[inline]
     pub(crate) fn isend(
         &self,
         buf: UserBuffer,
         tag: i32,
         mhandle: u64,
     ) -> Result<Option<&RequestToken>> {
-        if buf.len() > MAX_P2P_BYTES {
-            return Err(Error::invalid_argument(format!(
-                "send of {} bytes exceeds maxP2pBytes ({MAX_P2P_BYTES})",
-                buf.len()
-            )));
+        let handles = Handles::new(
+            &self.plugin.registry,
+            self.dev,
+            std::slice::from_ref(&mhandle),
+        );
+        match self.end.isend(buf, tag, handles) {
+            Ok(Some(id)) => Ok(Some(&self.tokens[id])),
+            Ok(None) => {
+                self.stats.waited();
+                Ok(None)
+            }
+            Err(e) => {
+                self.stats.failed();
+                Err(e)
+            }
         }
-        // Looked up only once the send is matched (see `BufferKeys`).
-        let keys = HandleKeys {
-            plugin: &self.plugin,
-            dev: self.dev,
-            mhandles: std::slice::from_ref(&mhandle),
-        };
-        let id = self.inner.isend(buf, tag, &keys);
-        match id {
-            Ok(None) => self.stats.waited(),
-            Err(_) => self.stats.failed(),
-            Ok(Some(_)) => {}
-        }
-        Ok(id?.map(|id| &self.tokens[id]))
     }
 
-    /// `test` of one of this comm's requests: once done, the bytes it sent.
-    #[inline(always)] // into the boundary: one call layer less per message
-    pub(crate) fn test(&self, id: usize) -> Tested {
-        let r = self.inner.test(id);
+    /// `test` of request `id`: whether it is done, its size then written into `sizes`.
+    #[inline]
+    pub(crate) fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Result<bool> {
+        let r = self.end.test(id);
         self.stats
-            .tested(&r, || self.plugin.totals(self.dev), &self.inner);
-        r
+            .tested(&r, || self.plugin.totals(self.dev), &self.end);
+        match r {
+            Tested::Pending => Ok(false),
+            Tested::Done(size) => {
+                sizes.set(0, size as u32);
+                Ok(true)
+            }
+            Tested::Failed(e) => Err(e),
+        }
     }
 
     /// Marks the comm dead before it is dropped, so a stale pointer fails the magic check.
     pub(crate) fn retire(&mut self) {
         self.magic = 0;
     }
+
+    /// The transport's end.
+    #[cfg(test)]
+    pub(super) fn end(&self) -> &T::Sender {
+        &self.end
+    }
 }
 
 /// A connected receive comm.
 #[repr(C)]
-pub(crate) struct RecvComm {
+pub(crate) struct RecvComm<T: Transport = AnyTransport> {
     magic: u64,
     dev: usize,
-    plugin: Arc<Plugin>,
-    inner: RecvEnd,
+    plugin: Arc<Plugin<T>>,
+    end: T::Receiver,
     tokens: Box<[RequestToken]>,
     stats: CommStats,
 }
 
-impl RecvComm {
-    pub(super) fn new(plugin: Arc<Plugin>, inner: RecvEnd, dev: usize) -> Box<Self> {
-        let stats = plugin.comm_stats(Direction::Rx, dev, &inner.peer());
+impl<T: Transport> RecvComm<T> {
+    pub(super) fn new(plugin: Arc<Plugin<T>>, end: T::Receiver, dev: usize) -> Box<Self> {
+        let stats = plugin.comm_stats(Direction::Rx, dev, &end.peer());
         let mut comm = Box::new(RecvComm {
             magic: RECV_MAGIC,
             dev,
             plugin,
-            inner,
+            end,
             tokens: Box::new([]),
             stats,
         });
-        let addr = &*comm as *const RecvComm as usize;
+        let addr = &*comm as *const RecvComm<T> as usize;
         // Receives, then flushes.
         comm.tokens = tokens(RequestOwner::Recv(addr), 2 * MAX_REQUESTS);
         comm
     }
 
     /// The plugin and device this comm belongs to.
-    pub(crate) fn owner(&self) -> (&Arc<Plugin>, usize) {
+    pub(crate) fn owner(&self) -> (&Arc<Plugin<T>>, usize) {
         (&self.plugin, self.dev)
     }
 
-    /// The lookup of the keys of buffers registered as `mhandles`.
-    #[inline(always)]
-    fn keys<'a>(&'a self, mhandles: &'a [u64]) -> HandleKeys<'a> {
-        HandleKeys {
-            plugin: &self.plugin,
-            dev: self.dev,
-            mhandles,
-        }
+    /// NCCL's handles `mhandles`, as this comm's transport looks them up.
+    fn handles<'a>(&'a self, mhandles: &'a [u64]) -> Handles<'a> {
+        Handles::new(&self.plugin.registry, self.dev, mhandles)
     }
 
     /// `irecv` of `bufs.len()` (1..=8, checked by the boundary) buffers: `Ok(None)` when 32
     /// receives are in flight.
-    #[inline(always)] // into the boundary: one call layer less per message
+    #[inline]
     pub(crate) fn irecv(
         &self,
         bufs: &[UserBuffer],
         tags: &[i32],
         mhandles: &[u64],
     ) -> Result<Option<&RequestToken>> {
-        let keys = self.keys(mhandles);
-        let id = self.inner.irecv(bufs, tags, &keys);
-        if id.is_err() {
-            self.stats.failed();
+        match self.end.irecv(bufs, tags, self.handles(mhandles)) {
+            Ok(id) => Ok(id.map(|id| &self.tokens[id])),
+            Err(e) => {
+                self.stats.failed();
+                Err(e)
+            }
         }
-        Ok(id?.map(|id| &self.tokens[id]))
     }
 
     /// `iflush`: a request only when the transport has something to flush.
@@ -311,33 +272,22 @@ impl RecvComm {
         bufs: &[UserBuffer],
         mhandles: &[u64],
     ) -> Result<Option<&RequestToken>> {
-        let keys = self.keys(mhandles);
-        let id = self.inner.iflush(bufs, &keys)?;
+        let id = self.end.iflush(bufs, self.handles(mhandles))?;
         Ok(id.map(|id| &self.tokens[id]))
     }
 
-    /// The proxy's idle test of request `id`, without the comm's lock: a poll into `wc` that
-    /// finds nothing ([`Look::Idle`]: not done, and nothing else to do); `None` where no such
-    /// poll is allowed.
-    #[inline(always)] // the proxy's idle tests are most calls
-    pub(crate) fn poll_unlocked(&self, id: usize, wc: &mut WcBatch) -> Option<Look> {
-        self.inner.poll_unlocked(id, wc)
-    }
-
-    /// The rest of a `test` of request `id`, after [`Self::poll_unlocked`] found `polled`:
-    /// once done, how many messages it had (0 for a flush), their sizes written into `sizes`.
-    #[inline(always)] // into the boundary: one call layer less per message
-    pub(crate) fn test_after(
-        &self,
-        id: usize,
-        sizes: &mut impl SizeSink,
-        polled: Option<Look>,
-        wc: &mut WcBatch,
-    ) -> Tested {
-        let r = self.inner.test_after(id, sizes, polled, wc);
+    /// `test` of request `id`: whether it is done, the sizes of its messages then written
+    /// into `sizes`.
+    #[inline]
+    pub(crate) fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Result<bool> {
+        let r = self.end.test(id, sizes);
         self.stats
-            .tested(&r, || self.plugin.totals(self.dev), &self.inner);
-        r
+            .tested(&r, || self.plugin.totals(self.dev), &self.end);
+        match r {
+            Tested::Pending => Ok(false),
+            Tested::Done(_) => Ok(true),
+            Tested::Failed(e) => Err(e),
+        }
     }
 
     /// Marks the comm dead before it is dropped, so a stale pointer fails the magic check.
@@ -346,14 +296,14 @@ impl RecvComm {
     }
 }
 
-impl Drop for SendComm {
+impl<T: Transport> Drop for SendComm<T> {
     fn drop(&mut self) {
-        self.stats.close(self.plugin.totals(self.dev), &self.inner);
+        self.stats.close(self.plugin.totals(self.dev), &self.end);
     }
 }
 
-impl Drop for RecvComm {
+impl<T: Transport> Drop for RecvComm<T> {
     fn drop(&mut self) {
-        self.stats.close(self.plugin.totals(self.dev), &self.inner);
+        self.stats.close(self.plugin.totals(self.dev), &self.end);
     }
 }

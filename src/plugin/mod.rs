@@ -1,18 +1,20 @@
 //! The version-neutral core behind every exported `ncclNet_vN` table: `init`, devices and
 //! properties, the listen/connect/accept stage machines, isend/irecv/test/iflush and memory
 //! registration. `abi` converts C arguments to these calls and results back; nothing here
-//! knows which ABI version is in use.
+//! knows which ABI version is in use, nor which transport carries the data: the core is
+//! generic over the transport contract, and the process's plugin holds `either`'s.
 //!
 //! Threads (as NCCL drives a plugin): `init`/`devices`/`getProperties` on application
 //! threads; `listen`/`connect`/`accept`/`regMr`/`deregMr`/`close*` on proxy service threads;
 //! the data path on proxy progress threads, one per comm at a time, possibly concurrent with
 //! registration. Globals are behind locks; each comm's data path state is behind its own
-//! (uncontended) lock.
+//! (uncontended) lock, in the transport.
 
 pub(crate) mod comm;
-pub(crate) mod mr;
 mod stages;
 mod stats;
+#[cfg(test)]
+mod tests;
 
 use std::{
     ffi::c_char,
@@ -26,21 +28,23 @@ use std::{
 
 use parking_lot::Mutex;
 
-use crate::buffer::UserBuffer;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::log::INIT;
-use crate::oob::{handle, iface, Handle, TransportKind, HANDLE_SIZE};
+use crate::oob::{handle, iface, Handle};
+use crate::transport::either::{self, AnyTransport};
+use crate::transport::registry::Registration;
 use crate::transport::{
-    self, Connecting, DeviceProps, KeyCache, MemKeys, Transport, PTR_CUDA, PTR_HOST,
+    Connector, Listener, Registry, Transport, TransportFacts, PTR_CUDA, PTR_HOST,
 };
 use stages::Stages;
 
+pub(crate) use crate::oob::HANDLE_SIZE;
+pub(crate) use crate::transport::{DeviceProps, SizeSink, MAX_P2P_BYTES, MAX_RECVS};
 pub(crate) use comm::{
-    ListenComm, RecvComm, RequestOwner, RequestToken, SendComm, RECV_MAGIC, SEND_MAGIC,
+    ListenComm, RecvComm, RequestOwner, RequestToken, SendComm, LISTEN_MAGIC, RECV_MAGIC,
+    SEND_MAGIC,
 };
-use mr::MrTable;
-pub(crate) use mr::Registration;
 
 /// The plugin's name in every table (`NCCL_NET=erdma` selects it).
 pub(crate) const NAME: &str = "erdma";
@@ -62,22 +66,19 @@ impl DeviceProps {
     }
 }
 
-/// The initialised plugin: configuration, transport and registrations.
-pub(crate) struct Plugin {
+/// The initialised plugin over transport `T`: configuration, transport and registrations.
+pub(crate) struct Plugin<T: Transport = AnyTransport> {
     /// Settings read at `init`.
     pub(crate) config: Config,
-    transport: Box<dyn Transport>,
+    transport: T,
     /// Where bootstrap listeners bind.
     bootstrap_ip: IpAddr,
-    /// Registrations hold keys of the device they were made on (verbs), so they may not be
-    /// used on another.
-    keys_per_device: bool,
     /// Live memory registrations.
-    mrs: MrTable,
+    registry: Registry,
     /// Traffic totals per device index.
     totals: Box<[stats::DeviceTotals]>,
     next_comm: AtomicU64,
-    connecting: Mutex<Stages<Box<dyn Connecting>>>,
+    connecting: Mutex<Stages<T::Connector>>,
 }
 
 static PLUGIN: Mutex<Option<Arc<Plugin>>> = Mutex::new(None);
@@ -89,7 +90,7 @@ pub(crate) fn init() -> Result<Arc<Plugin>> {
     if let Some(p) = global.as_ref() {
         return Ok(Arc::clone(p));
     }
-    let plugin = Arc::new(Plugin::from_config(Config::from_env()?)?);
+    let plugin = Arc::new(Plugin::open(Config::from_env()?)?);
     *global = Some(Arc::clone(&plugin));
     Ok(plugin)
 }
@@ -104,51 +105,103 @@ pub(crate) fn get() -> Result<Arc<Plugin>> {
 }
 
 impl Plugin {
-    /// Builds the plugin from a validated configuration.
-    pub(crate) fn from_config(config: Config) -> Result<Self> {
-        let bootstrap = iface::pick(
-            config.socket_ifname.value.as_ref(),
-            config.socket_family.value,
-        )?;
+    /// Opens the transport `config` asks for, on the bootstrap interface it names, and logs
+    /// the settings and what the transport found and decided.
+    pub(crate) fn open(config: Config) -> Result<Self> {
+        Self::open_for_report(config).0.map_err(|(e, _)| e)
+    }
+
+    /// [`Self::open`], with the bootstrap interface as the info command shows it, and, where
+    /// it fails, what the transport saw of the host.
+    pub(crate) fn open_for_report(
+        config: Config,
+    ) -> (
+        std::result::Result<Self, (Error, TransportFacts)>,
+        Option<String>,
+    ) {
         for line in config.describe() {
             tracing::info!(target: INIT, "{line}");
         }
-        tracing::info!(
-            target: INIT,
-            "bootstrap interface {} address {}",
-            bootstrap.ifname,
-            bootstrap.ip
-        );
-        let transport = transport::open(&config, &bootstrap)?;
-        for i in 0..transport.device_count() {
-            let d = transport.device(i)?;
-            tracing::info!(
-                target: INIT,
-                "device {i}: {} transport {} speed {} Mbps ptrSupport {:#x} pci {:?}",
-                d.name(),
-                transport.kind().name(),
-                d.speed_mbps,
-                d.ptr_support,
-                d.pci_path
-            );
+        let bootstrap = match iface::pick(
+            config.socket_ifname.value.as_ref(),
+            config.socket_family.value,
+        ) {
+            Ok(b) => b,
+            Err(e) => return (Err((e, either::survey(&config))), None),
+        };
+        let shown = format!("interface {} address {}", bootstrap.ifname, bootstrap.ip);
+        tracing::info!(target: INIT, "bootstrap {shown}");
+        match either::open(&config, &bootstrap) {
+            Ok(transport) => {
+                let plugin = Plugin::new(config, transport, bootstrap.ip);
+                plugin.log_facts();
+                (Ok(plugin), Some(shown))
+            }
+            Err(e) => (Err((e, either::survey(&config))), Some(shown)),
         }
-        Ok(Plugin {
+    }
+}
+
+impl<T: Transport> Plugin<T> {
+    /// The plugin over `transport`, its listeners bound on `bootstrap_ip`.
+    pub(crate) fn new(config: Config, transport: T, bootstrap_ip: IpAddr) -> Self {
+        Plugin {
             config,
+            transport,
+            bootstrap_ip,
+            registry: Registry::default(),
             totals: (0..MAX_DEVICES)
                 .map(|_| stats::DeviceTotals::default())
                 .collect(),
-            keys_per_device: transport.kind() == TransportKind::Verbs,
-            transport,
-            bootstrap_ip: bootstrap.ip,
-            mrs: MrTable::default(),
             next_comm: AtomicU64::new(1),
             connecting: Mutex::new(Stages::default()),
-        })
+        }
     }
 
-    /// The transport in use.
-    pub(crate) fn transport_kind(&self) -> TransportKind {
-        self.transport.kind()
+    /// What the transport found and decided at `init`.
+    pub(crate) fn facts(&self) -> TransportFacts {
+        self.transport.facts()
+    }
+
+    /// Logs what the transport found and decided.
+    fn log_facts(&self) {
+        let facts = self.facts();
+        for p in facts.ports.iter().filter(|p| p.used.is_ok()) {
+            tracing::info!(
+                target: INIT,
+                "{}: port {} {} GID index {} MTU {} NUMA node {} PCI {}; \
+                 NCCL_IB_QPS_PER_CONNECTION {} ({}), NCCL_ERDMA_CTS_BATCH {} ({})",
+                p.name,
+                p.port,
+                p.link_layer,
+                p.gid_index,
+                p.active_mtu,
+                p.numa_node.map_or("?".into(), |n| n.to_string()),
+                p.pci_path.as_deref().unwrap_or("none"),
+                p.qps_per_connection.value,
+                p.qps_per_connection.source,
+                p.cts_batch.value,
+                p.cts_batch.source,
+            );
+        }
+        if !facts.fusion.reason.is_empty() {
+            tracing::info!(target: INIT, "NIC fusion: {}", facts.fusion.reason);
+        }
+        for d in &facts.devices {
+            tracing::info!(
+                target: INIT,
+                "device {}: {} transport {} speed {} Mbps ptrSupport {:#x} pci {}",
+                d.index,
+                d.name,
+                facts.transport,
+                d.speed_mbps,
+                d.ptr_support,
+                d.pci_path.as_deref().unwrap_or("none")
+            );
+        }
+        for w in &facts.warnings {
+            tracing::info!(target: INIT, "{} ({})", w.what, w.fix);
+        }
     }
 
     /// Number of devices.
@@ -160,7 +213,7 @@ impl Plugin {
     pub(crate) fn device(&self, dev: i32) -> Result<Arc<DeviceProps>> {
         let index = usize::try_from(dev).unwrap_or(usize::MAX);
         self.transport.device(index).map_err(|_| {
-            Error::invalid_argument(format!(
+            Error::misuse(format!(
                 "device {dev} does not exist ({} devices)",
                 self.device_count()
             ))
@@ -198,7 +251,11 @@ impl Plugin {
     }
 
     /// `listen`: binds a bootstrap listener and writes the handle for the peer.
-    pub(crate) fn listen(&self, dev: i32, out: &mut [u8; HANDLE_SIZE]) -> Result<Box<ListenComm>> {
+    pub(crate) fn listen(
+        &self,
+        dev: i32,
+        out: &mut [u8; HANDLE_SIZE],
+    ) -> Result<Box<ListenComm<T>>> {
         self.device(dev)?;
         let listen = self.transport.listen(dev as usize, self.bootstrap_ip)?;
         listen.handle().encode(out);
@@ -213,7 +270,7 @@ impl Plugin {
         dev: i32,
         buf: &mut [u8; HANDLE_SIZE],
         traffic_class: Option<i32>,
-    ) -> Result<Option<Box<SendComm>>> {
+    ) -> Result<Option<Box<SendComm<T>>>> {
         self.device(dev)?;
         let handle = Handle::decode(buf)?;
         let ours = self.transport.kind();
@@ -257,29 +314,27 @@ impl Plugin {
             connecting.remove(id);
         }
         drop(connecting);
-        Ok(step?.map(|comm| SendComm::new(Arc::clone(self), comm, dev as usize)))
+        Ok(step?.map(|end| SendComm::new(Arc::clone(self), end, dev as usize)))
     }
 
     /// `accept`: one non-blocking step; `Ok(None)` until the peer has connected.
     pub(crate) fn accept(
         self: &Arc<Self>,
-        listen: &mut ListenComm,
-    ) -> Result<Option<Box<RecvComm>>> {
+        listen: &mut ListenComm<T>,
+    ) -> Result<Option<Box<RecvComm<T>>>> {
         let dev = listen.dev;
-        let comm = listen.inner.poll_accept()?;
-        Ok(comm.map(|c| RecvComm::new(Arc::clone(self), c, dev)))
+        let end = listen.inner.poll_accept()?;
+        Ok(end.map(|end| RecvComm::new(Arc::clone(self), end, dev)))
     }
 
     /// `regMr` on device `dev`.
     pub(crate) fn reg_mr(&self, dev: usize, addr: usize, len: usize, ptr_type: i32) -> Result<u64> {
         if addr == 0 && len > 0 {
-            return Err(Error::invalid_argument(
-                "regMr of a NULL address".to_string(),
-            ));
+            return Err(Error::misuse("regMr of a NULL address".to_string()));
         }
         let supported = self.device(dev as i32).map_or(0, |d| d.ptr_support);
         if ptr_type != PTR_HOST && (ptr_type != PTR_CUDA || supported & PTR_CUDA == 0) {
-            return Err(Error::invalid_argument(format!(
+            return Err(Error::misuse(format!(
                 "memory type {ptr_type} is not supported by the {} transport on this host \
                  (ptrSupport {supported:#x})",
                 self.transport.kind().name()
@@ -288,7 +343,7 @@ impl Plugin {
         let (keys, hold) = self
             .transport
             .register(dev, addr, len, ptr_type == PTR_HOST)?;
-        self.mrs
+        self.registry
             .insert(Registration::new(addr, len, dev, keys), hold)
     }
 
@@ -302,7 +357,7 @@ impl Plugin {
         fd: i32,
     ) -> Result<u64> {
         let (keys, hold) = self.transport.register_dmabuf(dev, addr, len, offset, fd)?;
-        self.mrs
+        self.registry
             .insert(Registration::new(addr, len, dev, keys), Some(hold))
     }
 
@@ -311,20 +366,6 @@ impl Plugin {
         if handle == 0 {
             return Ok(());
         }
-        self.mrs.remove(handle).map(|_| ())
-    }
-
-    /// The keys of `buf` on `dev`, registered as `mhandle` (checked to cover it), through
-    /// a comm's `cache`. The data path calls it once per buffer of an `isend`/`irecv`.
-    #[inline(always)]
-    pub(crate) fn buffer_keys<'c>(
-        &self,
-        cache: &'c mut KeyCache,
-        mhandle: u64,
-        dev: usize,
-        buf: UserBuffer,
-    ) -> Result<&'c MemKeys> {
-        let dev = self.keys_per_device.then_some(dev);
-        self.mrs.keys(cache, mhandle, (buf.addr(), buf.len()), dev)
+        self.registry.remove(handle).map(|_| ())
     }
 }

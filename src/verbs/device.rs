@@ -398,10 +398,9 @@ pub(crate) fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<Verb
     Ok(found)
 }
 
-/// Finds every usable port (selected by `NCCL_IB_HCA`, active, IB or Ethernet), in the order
+/// The usable ports of a survey (selected by `NCCL_IB_HCA`, active, IB or Ethernet), in the order
 /// NCCL would number them: by PCI path.
-pub(crate) fn discover(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice>> {
-    let all = survey(lib, config)?;
+pub(crate) fn usable(all: Vec<VerbsDevice>, config: &Config) -> Result<Vec<VerbsDevice>> {
     let seen: Vec<String> = all.iter().map(|d| d.name().to_string()).collect();
     let mut found: Vec<VerbsDevice> = all.into_iter().filter(VerbsDevice::usable).collect();
     if found.is_empty() {

@@ -76,7 +76,7 @@ impl<T: Copy, R> DmaBuffer<T, R> {
         assert!((1..=MAX_REGISTRATIONS).contains(&regs));
         let layout = page_layout::<T>(len)
             .filter(|l| l.align() >= std::mem::align_of::<T>())
-            .ok_or_else(|| Error::invalid_argument(format!("buffer of {len} elements")))?;
+            .ok_or_else(|| Error::misuse(format!("buffer of {len} elements")))?;
         // SAFETY: the layout has non-zero size; T: Copy is plain data for which all-zero
         // bytes are the initial value the protocol expects.
         let ptr = unsafe { alloc::alloc_zeroed(layout) } as *mut T;
@@ -125,25 +125,6 @@ impl<T: Copy, R> DmaBuffer<T, R> {
         // SAFETY: i < len inside our allocation, and nothing writes the element while the
         // reference lives. Plain reads: they let the compiler load only the fields used.
         f(unsafe { &*self.ptr.add(i) })
-    }
-
-    /// What `f` reads of element `i` once a peer's write has placed all of it: when the
-    /// `u64` at byte `offset` (the sequence number such a write places last, see
-    /// [`Self::get_u64`]) reads `want`; else None. One bounds check for both reads.
-    #[inline(always)]
-    pub(crate) fn read_landed<U>(
-        &self,
-        i: usize,
-        offset: usize,
-        want: u64,
-        f: impl FnOnce(&T) -> U,
-    ) -> Option<U> {
-        if self.get_u64(i, offset) != want {
-            return None;
-        }
-        // SAFETY: i < len (checked by `get_u64`) inside our allocation, and nothing writes
-        // the element while the reference lives (as for `read`).
-        Some(f(unsafe { &*self.ptr.add(i) }))
     }
 
     /// Reads the `u64` at byte `offset` of element `i` as the NIC last wrote it, before any
@@ -632,9 +613,9 @@ mod tests {
         }
         let b = DmaBuffer::<Entry, ()>::new(4, 1, |_, _, _| Ok(((), 1, 2))).unwrap();
         let at = std::mem::offset_of!(Entry, seq);
-        let fields = |e: &Entry| (e.size, e.tag);
+        let landed = |i, want| (b.get_u64(i, at) == want).then(|| b.read(i, |e| (e.size, e.tag)));
         // Zeroed: no entry has landed, so nothing is read.
-        assert_eq!(b.read_landed(2, at, 1, fields), None);
+        assert_eq!(landed(2, 1), None);
         b.set(
             2,
             Entry {
@@ -643,10 +624,10 @@ mod tests {
                 seq: 1,
             },
         );
-        assert_eq!(b.read_landed(2, at, 1, fields), Some((64, 5)));
+        assert_eq!(landed(2, 1), Some((64, 5)));
         // An entry left over from an earlier round does not pass for the next.
-        assert_eq!(b.read_landed(2, at, 2, fields), None);
+        assert_eq!(landed(2, 2), None);
         assert_eq!(b.read(2, |e| e.tag), 5);
-        assert_eq!(b.read_landed(3, at, 1, fields), None);
+        assert_eq!(landed(3, 1), None);
     }
 }

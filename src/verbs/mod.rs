@@ -123,7 +123,7 @@ impl VerbsLib {
         let mut errors = Vec::new();
         for name in candidates {
             let c = CString::new(name).map_err(|_| {
-                Error::invalid_argument(format!("library name {name:?} contains a NUL byte"))
+                Error::config("NCCL_IBVERBS_LIB", name, "a library name without NUL bytes")
             })?;
             // SAFETY: c is NUL-terminated; RTLD_NOW surfaces missing dependencies here. The
             // handle is never closed: provider libraries keep references into libibverbs.
@@ -257,7 +257,7 @@ impl DeviceList {
     /// Opens device `i`.
     pub(crate) fn open(&self, i: usize) -> Result<resources::Context> {
         if i >= self.len {
-            return Err(Error::invalid_argument(format!("no device {i}")));
+            return Err(Error::misuse(format!("no device {i}")));
         }
         let name = self.name(i);
         // SAFETY: i < len, so the entry is a live device of the list.

@@ -14,7 +14,7 @@ use std::{
 use rdma_sys::*;
 
 use super::VerbsLib;
-use crate::error::{Error, ErrorDetail, Result};
+use crate::error::{Error, Result};
 
 /// An open device context.
 pub(crate) struct Context {
@@ -717,9 +717,9 @@ impl Qp {
             | ibv_qp_attr_mask::IBV_QP_MAX_DEST_RD_ATOMIC
             | ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER;
         self.modify(&mut a, mask, "RTR").map_err(|mut e| {
-            if let ErrorDetail::Os(os) = e.detail_mut() {
-                if os.source.raw_os_error() == Some(libc::EINVAL) {
-                    os.context.push_str(
+            if let Some((context, source)) = e.os_context_mut() {
+                if source.raw_os_error() == Some(libc::EINVAL) {
+                    context.push_str(
                         " (EINVAL usually means an unusable GID index: check NCCL_IB_GID_INDEX \
                          / NCCL_IB_ADDR_FAMILY)",
                     );

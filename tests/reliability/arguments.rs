@@ -47,6 +47,13 @@ impl Expect {
 
     fn code(&mut self, what: &str, call: &str, got: ncclResult_t, want: ncclResult_t) {
         assert_eq!(got, want, "v{}: {what}", self.v);
+        // NCCL's plugin README: plugins should not use it; NCCL's misuse is an internal error.
+        assert_ne!(
+            got,
+            ncclResult_t::ncclInvalidArgument,
+            "v{}: {what}",
+            self.v
+        );
         let w = warns();
         assert!(
             w[self.seen..]
@@ -183,15 +190,15 @@ fn init_devices_get_properties(b: &mut Bench) {
             "v11 init with a NULL ctx slot",
             "init",
             raw_init_v11_null_ctx(net),
-            INVAL,
+            INTERNAL,
         );
     }
-    e.code("devices(NULL)", "devices", raw_devices_null(net), INVAL);
+    e.code("devices(NULL)", "devices", raw_devices_null(net), INTERNAL);
     e.code(
         "getProperties(0, NULL)",
         "getProperties",
         raw_properties_null(net),
-        INVAL,
+        INTERNAL,
     );
 }
 
@@ -207,44 +214,44 @@ fn listen_connect(b: &mut Bench) -> Opaque {
         "listen with a NULL handle",
         "listen",
         raw_listen(net, ctx, null(), &mut out),
-        INVAL,
+        INTERNAL,
     );
     e.code(
         "listen with a NULL listenComm",
         "listen",
         raw_listen(net, ctx, h, null()),
-        INVAL,
+        INTERNAL,
     );
     e.err(
         "listen on device -1",
         "listen",
         net.listen(-1, &mut handle),
-        INVAL,
+        INTERNAL,
     );
     e.err(
         "listen on device 99",
         "listen",
         net.listen(99, &mut handle),
-        INVAL,
+        INTERNAL,
     );
     let listen = net.listen(0, &mut handle).unwrap();
     e.code(
         "connect with a NULL handle",
         "connect",
         raw_connect(net, ctx, null(), &mut out),
-        INVAL,
+        INTERNAL,
     );
     e.code(
         "connect with a NULL sendComm",
         "connect",
         raw_connect(net, ctx, h, null()),
-        INVAL,
+        INTERNAL,
     );
     e.err(
         "connect on device -1",
         "connect",
         net.connect(-1, &mut handle),
-        INVAL,
+        INTERNAL,
     );
     if v >= 11 {
         let mut fake = [0u64; 4];
@@ -269,19 +276,19 @@ fn listen_connect(b: &mut Bench) -> Opaque {
 fn accept_close_listen(b: &mut Bench, listen: Opaque) {
     let s = b.s;
     let (net, e) = (&b.net, &mut b.e);
-    e.err("accept(NULL)", "accept", net.accept(Opaque::NULL), INVAL);
+    e.err("accept(NULL)", "accept", net.accept(Opaque::NULL), INTERNAL);
     e.code(
         "accept with a NULL recvComm",
         "accept",
         raw_accept(net, listen, null()),
-        INVAL,
+        INTERNAL,
     );
     e.err("accept of a send comm", "accept", net.accept(s), INTERNAL);
     e.err(
         "closeListen(NULL)",
         "closeListen",
         net.close_listen(Opaque::NULL),
-        INVAL,
+        INTERNAL,
     );
     e.err(
         "closeListen of a send comm",
@@ -302,42 +309,43 @@ fn reg_mr_dmabuf_dereg(b: &mut Bench) {
         "regMr with a NULL mhandle slot",
         "regMr",
         raw_reg_mr(net, s, p, 64, null()),
-        INVAL,
+        INTERNAL,
     );
     e.code(
         "regMr on a NULL comm",
         "regMr",
         raw_reg_mr(net, Opaque::NULL, p, 64, &mut out),
-        INVAL,
+        INTERNAL,
     );
     e.code(
         "regMr of a NULL address",
         "regMr",
         raw_reg_mr(net, s, null(), 64, &mut out),
-        INVAL,
+        INTERNAL,
     );
     if v <= 7 {
         e.code(
             "regMr of size -1 (int)",
             "regMr",
             raw_reg_mr(net, s, p, -1, &mut out),
-            INVAL,
+            INTERNAL,
         );
     }
     e.err(
         "regMr of memory type 0",
         "regMr",
         net.reg_mr(s, p, 64, 0),
-        INVAL,
+        INTERNAL,
     );
     e.err(
         "regMr of memory type 8",
         "regMr",
         net.reg_mr(s, p, 64, 8),
-        INVAL,
+        INTERNAL,
     );
+    // Asked where ptrSupport says no: NCCL's misuse.
     let dmabuf_want = if net.properties(0).unwrap().ptr_support & 4 == 0 {
-        USAGE
+        INTERNAL
     } else {
         ncclResult_t::ncclSystemError
     };
@@ -351,7 +359,7 @@ fn reg_mr_dmabuf_dereg(b: &mut Bench) {
         "regMrDmaBuf with a NULL mhandle slot",
         "regMrDmaBuf",
         raw_reg_dmabuf(net, s, p, null()),
-        INVAL,
+        INTERNAL,
     );
     e.err(
         "deregMr of an unknown handle",
@@ -369,7 +377,7 @@ fn reg_mr_dmabuf_dereg(b: &mut Bench) {
         "deregMr on a NULL comm",
         "deregMr",
         net.dereg_mr(Opaque::NULL, mh),
-        INVAL,
+        INTERNAL,
     );
 }
 
@@ -396,7 +404,7 @@ fn child_v11_null_context() {
     let listen = Opaque(out);
     assert_eq!(
         raw_connect(&net, null(), null(), &mut out),
-        INVAL,
+        INTERNAL,
         "NULL ctx, NULL handle"
     );
     let code = raw_connect(&net, null(), h, &mut out);

@@ -83,7 +83,7 @@ fn random_handles(net: &Net, bait: &TcpListener, good: &[u8; HANDLE_SIZE]) {
         h[10..32].copy_from_slice(&good[10..32]);
         assert_eq!(
             net.connect(0, &mut h).unwrap_err(),
-            INVAL,
+            INTERNAL,
             "random handle {i}"
         );
     }
@@ -106,9 +106,9 @@ fn single_bit_flips(net: &Net, bait: &TcpListener, valid: &Handle, good: &[u8; H
         h[bit / 8] ^= 1 << (bit % 8);
         // What connect checks, in its order: the handle, the transport, the stage area.
         let want = match Handle::decode(&h) {
-            Err(_) => INVAL,
+            Err(_) => INTERNAL,
             Ok(d) if d.transport != valid.transport => USAGE,
-            Ok(_) if oob_handle::stage_id(&h).is_err() => INVAL,
+            Ok(_) if oob_handle::stage_id(&h).is_err() => INTERNAL,
             Ok(_) => continue, // still a valid handle (another nonce, port, ...): skipped
         };
         refused += 1;
@@ -161,7 +161,7 @@ fn named_corruptions(net: &Net, bait: &TcpListener, valid: &Handle, good: &[u8; 
             ..*valid
         }
         .encode(&mut h);
-        assert_eq!(net.connect(0, &mut h).unwrap_err(), INVAL, "{what}");
+        assert_eq!(net.connect(0, &mut h).unwrap_err(), INTERNAL, "{what}");
     }
     let mut h = *good;
     oob_handle::set_stage_id(&mut h, 0xdead_beef);

@@ -12,7 +12,6 @@ use std::{
 use crate::common::*;
 use nccl_net_erdma::protocol::{TransportKind, HANDLE_SIZE};
 
-pub const INVAL: ncclResult_t = ncclResult_t::ncclInvalidArgument;
 pub const INTERNAL: ncclResult_t = ncclResult_t::ncclInternalError;
 pub const USAGE: ncclResult_t = ncclResult_t::ncclInvalidUsage;
 pub const REMOTE: ncclResult_t = ncclResult_t::ncclRemoteError;

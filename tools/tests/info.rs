@@ -136,13 +136,13 @@ fn verbs_device_report() {
     assert!(text.contains("used by the plugin"), "{text}");
     // Soft-RoCE is recognised as a software device: clear-to-sends are batched there.
     if dev.starts_with("rxe") {
-        assert!(text.contains("clear-to-send batch 8,"), "{text}");
+        assert!(text.contains("clear-to-send batch 8 ("), "{text}");
     }
     let (_, text) = info(
         &[("NCCL_IB_HCA", &hca), ("NCCL_ERDMA_CTS_BATCH", "3")],
         &["NCCL_ERDMA_TRANSPORT"],
     );
-    assert!(text.contains("clear-to-send batch 3,"), "{text}");
+    assert!(text.contains("clear-to-send batch 3 ("), "{text}");
     // One software device: no fusion, and the report says why.
     assert!(text.contains("== NIC fusion"), "{text}");
     assert!(text.contains("nothing to fuse"), "{text}");

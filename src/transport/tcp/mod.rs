@@ -22,19 +22,19 @@ use std::{
 
 use socket2::Socket;
 
-use crate::buffer::UserBuffer;
 use crate::config::Config;
 use crate::error::{Error, Result};
 use crate::oob::{
-    self, iface::LocalAddr, Channel, Handle, Hello, Listener, MsgKind, Timeouts, TransportKind,
+    self, iface::LocalAddr, Channel, Handle, Hello, MsgKind, Timeouts, TransportKind,
 };
 use crate::sysfs;
+use crate::transport::facts::{self, TransportFacts};
 use crate::transport::{
-    device, BufferKeys, Connecting, DeviceProps, Failure, Hold, KeyCache, Listening, MemKeys,
-    RecvEnd, SendEnd, Transport, MAX_RECVS, PTR_HOST,
+    device, Connector, DeviceProps, Failure, Hold, Listener, MemKeys, Transport, MAX_RECVS,
+    PTR_HOST,
 };
-pub(crate) use recv::TcpRecvComm;
-pub(crate) use send::TcpSendComm;
+pub(crate) use recv::TcpReceiver;
+pub(crate) use send::TcpSender;
 
 pub(super) const FRAME_CTS: u8 = 1;
 pub(super) const FRAME_DATA: u8 = 2;
@@ -48,19 +48,6 @@ pub(super) fn send_nosignal(sock: &Socket, bufs: &[IoSlice<'_>]) -> io::Result<u
     // MSG_NOSIGNAL: a peer that closed must be an error code, not a SIGPIPE that kills the
     // training process.
     sock.send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
-}
-
-/// Checks that NCCL's handles cover the call's buffers `bufs`. Sockets need no keys, but a
-/// handle that does not cover its buffer is NCCL's error on every transport.
-pub(super) fn check_handles(
-    keys: &dyn BufferKeys,
-    bufs: &[UserBuffer],
-    cache: &mut KeyCache,
-) -> Result<()> {
-    for (i, buf) in bufs.iter().enumerate() {
-        keys.keys(i, *buf, cache)?;
-    }
-    Ok(())
 }
 
 fn into_data_socket(stream: std::net::TcpStream) -> Result<Socket> {
@@ -120,8 +107,31 @@ impl TcpTransport {
 }
 
 impl Transport for TcpTransport {
+    type Listener = TcpListener;
+    type Connector = TcpConnector;
+    type Sender = TcpSender;
+    type Receiver = TcpReceiver;
+
     fn kind(&self) -> TransportKind {
         TransportKind::Tcp
+    }
+
+    fn facts(&self) -> TransportFacts {
+        let d = &self.props[0];
+        TransportFacts {
+            transport: TransportKind::Tcp.name().to_string(),
+            devices: vec![facts::Device {
+                index: 0,
+                name: d.name().to_string(),
+                speed_mbps: d.speed_mbps,
+                ptr_support: d.ptr_support,
+                pci_path: d
+                    .pci_path
+                    .as_ref()
+                    .map(|p| p.to_string_lossy().into_owned()),
+            }],
+            ..TransportFacts::default()
+        }
     }
 
     fn device_count(&self) -> usize {
@@ -132,9 +142,9 @@ impl Transport for TcpTransport {
         device(&self.props, dev).map(Arc::clone)
     }
 
-    fn listen(&self, dev: usize, ip: IpAddr) -> Result<Box<dyn Listening>> {
+    fn listen(&self, dev: usize, ip: IpAddr) -> Result<TcpListener> {
         device(&self.props, dev)?;
-        Ok(Box::new(TcpListen::bind(ip, self.timeouts)?))
+        TcpListener::bind(ip, self.timeouts)
     }
 
     fn connect(
@@ -142,9 +152,9 @@ impl Transport for TcpTransport {
         dev: usize,
         handle: &Handle,
         _traffic_class: Option<i32>,
-    ) -> Result<Box<dyn Connecting>> {
+    ) -> Result<TcpConnector> {
         device(&self.props, dev)?;
-        Ok(Box::new(TcpConnecting::start(handle, self.timeouts)?))
+        TcpConnector::start(handle, self.timeouts)
     }
 
     fn register(
@@ -170,7 +180,7 @@ impl Transport for TcpTransport {
         _offset: u64,
         _fd: i32,
     ) -> Result<(MemKeys, Hold)> {
-        Err(Error::usage(
+        Err(Error::misuse(
             "DMA-BUF registration is not supported here (transport tcp); NCCL should not have \
              asked"
                 .into(),
@@ -179,11 +189,17 @@ impl Transport for TcpTransport {
 }
 
 /// Records a failed step of a comm's progress as its failure, naming the peer (and the
-/// keepalive timeout when that was the cause); `dir` is "to" or "from".
+/// keepalive timeout when that was the cause); `dir` is "to" or "from". The failure keeps
+/// the step's kind (a peer gone, or this host's system call).
 pub(super) fn note_broken(failure: &mut Failure, r: Result<()>, dir: &str, peer: SocketAddr) {
     if let Err(e) = r {
         let hint = oob::peer_timeout_hint(&e);
-        failure.set(format!("connection {dir} {peer} failed: {e}{hint}"));
+        let msg = format!("connection {dir} {peer} failed: {e}{hint}");
+        let e = match e.kind() {
+            crate::error::ErrorKind::Remote => Error::remote(msg),
+            _ => Error::io(msg, std::io::Error::other(e.to_string())),
+        };
+        failure.note(&e);
     }
 }
 
@@ -191,22 +207,22 @@ pub(super) fn note_broken(failure: &mut Failure, r: Result<()>, dir: &str, peer:
 // Connection setup
 
 /// The listening side of one connection.
-pub(crate) struct TcpListen {
-    listener: Listener,
+pub(crate) struct TcpListener {
+    listener: oob::Listener,
     accepted: Option<Channel>,
 }
 
-impl TcpListen {
+impl TcpListener {
     /// Binds the bootstrap listener; its handle goes to the peer.
     fn bind(ip: std::net::IpAddr, timeouts: Timeouts) -> Result<Self> {
-        Ok(TcpListen {
-            listener: Listener::bind(ip, TransportKind::Tcp, timeouts)?,
+        Ok(TcpListener {
+            listener: oob::Listener::bind(ip, TransportKind::Tcp, timeouts)?,
             accepted: None,
         })
     }
 
     /// One non-blocking step of `accept`.
-    fn step(&mut self) -> Result<Option<TcpRecvComm>> {
+    fn step(&mut self) -> Result<Option<TcpReceiver>> {
         if self.accepted.is_none() {
             match self.listener.poll_hello()? {
                 Some((mut chan, _hello)) => {
@@ -222,30 +238,32 @@ impl TcpListen {
         }
         let chan = self.accepted.take().expect("set above");
         let peer = chan.peer();
-        Ok(Some(TcpRecvComm::new(
+        Ok(Some(TcpReceiver::new(
             into_data_socket(chan.into_stream())?,
             peer,
         )))
     }
 }
 
-impl Listening for TcpListen {
+impl Listener for TcpListener {
+    type Receiver = TcpReceiver;
+
     fn handle(&self) -> &Handle {
         self.listener.handle()
     }
 
-    fn poll_accept(&mut self) -> Result<Option<RecvEnd>> {
-        Ok(self.step()?.map(RecvEnd::Tcp))
+    fn poll_accept(&mut self) -> Result<Option<TcpReceiver>> {
+        self.step()
     }
 }
 
 /// The connecting side, between NCCL's repeated `connect` calls.
-pub(crate) struct TcpConnecting {
+pub(crate) struct TcpConnector {
     /// Until the listener accepted; then the data socket.
     chan: Option<Channel>,
 }
 
-impl TcpConnecting {
+impl TcpConnector {
     /// Starts connecting to the listener described by `handle`.
     fn start(handle: &Handle, timeouts: Timeouts) -> Result<Self> {
         let mut chan = Channel::connect(handle.addr, timeouts)?;
@@ -255,12 +273,14 @@ impl TcpConnecting {
             payload: Vec::new(),
         };
         chan.queue(MsgKind::Hello, &hello.encode());
-        Ok(TcpConnecting { chan: Some(chan) })
+        Ok(TcpConnector { chan: Some(chan) })
     }
 }
 
-impl Connecting for TcpConnecting {
-    fn poll(&mut self) -> Result<Option<SendEnd>> {
+impl Connector for TcpConnector {
+    type Sender = TcpSender;
+
+    fn poll(&mut self) -> Result<Option<TcpSender>> {
         let chan = self
             .chan
             .as_mut()
@@ -276,7 +296,7 @@ impl Connecting for TcpConnecting {
                     return Ok(None);
                 };
                 let sock = into_data_socket(chan.into_stream())?;
-                Ok(Some(SendEnd::Tcp(TcpSendComm::new(sock, peer))))
+                Ok(Some(TcpSender::new(sock, peer)))
             }
             Some(m) if m.kind == MsgKind::Reject => Err(Error::remote(format!(
                 "{} refused the connection: {}",

@@ -11,19 +11,20 @@ use parking_lot::Mutex;
 use socket2::Socket;
 
 use super::{
-    check_handles, note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER,
-    FLAG_TRUNC, FRAME_CTS, FRAME_DATA,
+    note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER, FLAG_TRUNC, FRAME_CTS,
+    FRAME_DATA,
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Endpoint, Failure, KeyCache, RecvEndpoint, SizeSink, Tested,
-    Traffic, MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, Endpoint, Failure, Handles, KeyCache, Receiver, SizeSink, Tested, Traffic,
+    MAX_RECVS, MAX_REQUESTS,
 };
 
+/// Where a receive request is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum RecvState {
+enum RecvStage {
     Free,
     Active,
     Done,
@@ -31,7 +32,7 @@ enum RecvState {
 
 #[derive(Debug)]
 struct RecvRequest {
-    state: RecvState,
+    stage: RecvStage,
     seq: u32,
     n: usize,
     bufs: [UserBuffer; MAX_RECVS],
@@ -42,7 +43,7 @@ struct RecvRequest {
 
 impl RecvRequest {
     const FREE: RecvRequest = RecvRequest {
-        state: RecvState::Free,
+        stage: RecvStage::Free,
         seq: 0,
         n: 0,
         bufs: [UserBuffer::EMPTY; MAX_RECVS],
@@ -65,7 +66,7 @@ enum RecvRx {
     },
 }
 
-struct RecvInner {
+struct TcpRecvState {
     sock: Socket,
     peer: SocketAddr,
     reqs: [RecvRequest; MAX_REQUESTS],
@@ -82,14 +83,14 @@ struct RecvInner {
 }
 
 /// A receive comm over TCP.
-pub(crate) struct TcpRecvComm {
-    inner: Mutex<RecvInner>,
+pub(crate) struct TcpReceiver {
+    state: Mutex<TcpRecvState>,
 }
 
-impl TcpRecvComm {
+impl TcpReceiver {
     pub(super) fn new(sock: Socket, peer: SocketAddr) -> Self {
-        TcpRecvComm {
-            inner: Mutex::new(RecvInner {
+        TcpReceiver {
+            state: Mutex::new(TcpRecvState {
                 sock,
                 peer,
                 reqs: [RecvRequest::FREE; MAX_REQUESTS],
@@ -108,44 +109,41 @@ impl TcpRecvComm {
     }
 }
 
-impl Endpoint for TcpRecvComm {
+impl Endpoint for TcpReceiver {
     fn peer(&self) -> String {
-        self.inner.lock().peer.to_string()
+        self.state.lock().peer.to_string()
     }
 
     fn traffic(&self) -> Traffic {
-        self.inner.lock().traffic
+        self.state.lock().traffic
     }
 }
 
-impl RecvEndpoint for TcpRecvComm {
-    fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>> {
+impl Receiver for TcpReceiver {
+    fn iflush(&self, bufs: &[UserBuffer], handles: Handles<'_>) -> Result<Option<usize>> {
         // Data is copied by the CPU: nothing to flush.
-        check_handles(keys, bufs, &mut KeyCache::default())?;
+        handles.check_all(bufs, &mut KeyCache::default())?;
         Ok(None)
     }
 
     /// Posts a grouped receive; `Ok(None)` when 32 are already in flight.
-    // Inlined into the boundary, as the verbs receive is: called out of line, it makes the
-    // verbs path keep the receive's result and key lookup in memory too (14 instructions).
-    #[inline(always)]
     fn irecv(
         &self,
         bufs: &[UserBuffer],
         tags: &[i32],
-        keys: &impl BufferKeys,
+        handles: Handles<'_>,
     ) -> Result<Option<usize>> {
-        let mut s = self.inner.lock();
+        let mut s = self.state.lock();
         s.failure.check()?;
         let slot = s.next_seq as usize % MAX_REQUESTS;
-        if s.reqs[slot].state != RecvState::Free {
+        if s.reqs[slot].stage != RecvStage::Free {
             return Ok(None);
         }
-        check_handles(keys, bufs, &mut s.key_cache)?;
+        handles.check_all(bufs, &mut s.key_cache)?;
         let seq = s.next_seq;
         let n = bufs.len();
         let req = &mut s.reqs[slot];
-        req.state = RecvState::Active;
+        req.stage = RecvStage::Active;
         req.seq = seq;
         req.n = n;
         req.bufs[..n].copy_from_slice(bufs);
@@ -169,28 +167,28 @@ impl RecvEndpoint for TcpRecvComm {
     }
 
     /// Tests a receive: done once every message of the group has arrived.
-    #[inline(always)] // into the boundary's receive test
     fn test(&self, slot: usize, sizes: &mut impl SizeSink) -> Tested {
         self.test_receive(slot, sizes).into()
     }
 }
 
-impl TcpRecvComm {
-    #[inline(always)] // into `test`, which turns its result into a `Tested`
+impl TcpReceiver {
     fn test_receive(&self, slot: usize, sizes: &mut impl SizeSink) -> Result<Option<usize>> {
-        let mut s = self.inner.lock();
+        let mut s = self.state.lock();
         s.progress();
         let req = s
             .reqs
             .get_mut(slot)
             .ok_or_else(|| Error::misuse(format!("unknown receive request {slot}")))?;
-        match req.state {
-            RecvState::Done => {
-                req.state = RecvState::Free;
+        match req.stage {
+            RecvStage::Done => {
+                req.stage = RecvStage::Free;
                 if let Some((sent, posted)) = req.truncated {
-                    return Err(Error::truncated(format!(
+                    // The sender's comm failed, so nothing more comes: this one fails too.
+                    let e = Error::truncated(format!(
                         "the peer sent {sent} bytes to a receive of {posted} bytes"
-                    )));
+                    ));
+                    return Err(s.failure.fail(e));
                 }
                 let mut bytes = 0;
                 for (i, size) in req.sizes[..req.n].iter().enumerate() {
@@ -201,16 +199,16 @@ impl TcpRecvComm {
                 s.traffic.add(n, bytes);
                 Ok(Some(n))
             }
-            RecvState::Active => {
+            RecvStage::Active => {
                 s.failure.check()?;
                 Ok(None)
             }
-            RecvState::Free => Err(not_in_flight("receive", slot)),
+            RecvStage::Free => Err(not_in_flight("receive", slot)),
         }
     }
 }
 
-impl RecvInner {
+impl TcpRecvState {
     /// Sends pending CTS frames and reads whatever data has arrived. Failures are recorded,
     /// not returned, so requests that already completed can still be collected.
     fn progress(&mut self) {
@@ -255,14 +253,13 @@ impl RecvInner {
             };
             let n = match n {
                 Ok(0) => {
-                    let busy = self.reqs.iter().any(|r| r.state == RecvState::Active);
+                    let busy = self.reqs.iter().any(|r| r.stage == RecvStage::Active);
                     return if busy {
                         Err(Error::remote("the peer closed the connection".into()))
                     } else {
                         // A peer that finished and closed is not an error until we need it.
                         self.failure
-                            .0
-                            .get_or_insert_with(|| "the peer closed the connection".into());
+                            .note_quietly(Error::remote("the peer closed the connection".into()));
                         Ok(())
                     };
                 }
@@ -309,7 +306,7 @@ impl RecvInner {
         let req = &mut self.reqs[slot];
         let valid = h[0] == FRAME_DATA
             && seq == self.fill_seq
-            && req.state == RecvState::Active
+            && req.stage == RecvStage::Active
             && req.seq == seq
             && entry < req.n
             && req.arrived & (1 << entry) == 0;
@@ -349,7 +346,7 @@ impl RecvInner {
         req.sizes[entry] = size;
         req.arrived |= 1 << entry;
         if req.arrived.count_ones() as usize == req.n {
-            req.state = RecvState::Done;
+            req.stage = RecvStage::Done;
             self.fill_seq = self.fill_seq.wrapping_add(1);
         }
         self.rx = RecvRx::Header {

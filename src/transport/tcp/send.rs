@@ -10,15 +10,15 @@ use parking_lot::Mutex;
 use socket2::Socket;
 
 use super::{
-    check_handles, note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER,
-    FLAG_TRUNC, FRAME_CTS, FRAME_DATA,
+    note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER, FLAG_TRUNC, FRAME_CTS,
+    FRAME_DATA,
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, BufferKeys, Endpoint, Failure, KeyCache, SendEndpoint, Tested, Traffic,
-    MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS,
+    not_in_flight, Endpoint, Failure, Handles, KeyCache, Sender, Tested, Traffic, MAX_RECVS,
+    MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy)]
@@ -30,8 +30,9 @@ struct CtsGroup {
     matched: u8,
 }
 
+/// Where a send request is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum SendState {
+enum SendStage {
     Free,
     Queued,
     Written,
@@ -39,7 +40,7 @@ enum SendState {
 
 #[derive(Debug, Clone, Copy)]
 struct SendRequest {
-    state: SendState,
+    stage: SendStage,
     header: [u8; DATA_HEADER],
     buf: UserBuffer,
     size: usize,
@@ -50,7 +51,7 @@ struct SendRequest {
 
 impl SendRequest {
     const FREE: SendRequest = SendRequest {
-        state: SendState::Free,
+        stage: SendStage::Free,
         header: [0; DATA_HEADER],
         buf: UserBuffer::EMPTY,
         size: 0,
@@ -59,7 +60,7 @@ impl SendRequest {
     };
 }
 
-struct SendInner {
+struct TcpSendState {
     sock: Socket,
     peer: SocketAddr,
     cts: [CtsGroup; MAX_REQUESTS],
@@ -73,20 +74,22 @@ struct SendInner {
     next_seq: u32,
     tx_seq: u32,
     failure: Failure,
+    /// The socket failed: nothing more is read or written.
+    broken: bool,
     /// The last registration handle looked up (see `KeyCache`).
     key_cache: KeyCache,
     traffic: Traffic,
 }
 
 /// A send comm over TCP.
-pub(crate) struct TcpSendComm {
-    inner: Mutex<SendInner>,
+pub(crate) struct TcpSender {
+    state: Mutex<TcpSendState>,
 }
 
-impl TcpSendComm {
+impl TcpSender {
     pub(super) fn new(sock: Socket, peer: SocketAddr) -> Self {
-        TcpSendComm {
-            inner: Mutex::new(SendInner {
+        TcpSender {
+            state: Mutex::new(TcpSendState {
                 sock,
                 peer,
                 cts: [CtsGroup {
@@ -104,6 +107,7 @@ impl TcpSendComm {
                 next_seq: 0,
                 tx_seq: 0,
                 failure: Failure::default(),
+                broken: false,
                 key_cache: KeyCache::default(),
                 traffic: Traffic::default(),
             }),
@@ -111,24 +115,24 @@ impl TcpSendComm {
     }
 }
 
-impl Endpoint for TcpSendComm {
+impl Endpoint for TcpSender {
     fn peer(&self) -> String {
-        self.inner.lock().peer.to_string()
+        self.state.lock().peer.to_string()
     }
 
     fn traffic(&self) -> Traffic {
-        self.inner.lock().traffic
+        self.state.lock().traffic
     }
 }
 
-impl SendEndpoint for TcpSendComm {
+impl Sender for TcpSender {
     /// Posts a send; `Ok(None)` until the receiver has posted a matching receive.
-    fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>> {
-        let mut s = self.inner.lock();
+    fn isend(&self, buf: UserBuffer, tag: i32, handles: Handles<'_>) -> Result<Option<usize>> {
+        let mut s = self.state.lock();
         s.progress();
         s.failure.check()?;
         let slot = s.next_seq as usize % MAX_SEND_REQUESTS;
-        if s.reqs[slot].state != SendState::Free || s.cts_matched == s.cts_received {
+        if s.reqs[slot].stage != SendStage::Free || s.cts_matched == s.cts_received {
             return Ok(None);
         }
         let g = s.cts_matched as usize % MAX_REQUESTS;
@@ -138,7 +142,7 @@ impl SendEndpoint for TcpSendComm {
         else {
             return Ok(None);
         };
-        check_handles(keys, std::slice::from_ref(&buf), &mut s.key_cache)?;
+        handles.check_all(std::slice::from_ref(&buf), &mut s.key_cache)?;
         let group = &mut s.cts[g];
         group.matched |= 1 << entry;
         let (group_seq, posted) = (group.seq, group.sizes[entry]);
@@ -153,7 +157,7 @@ impl SendEndpoint for TcpSendComm {
         header[4..8].copy_from_slice(&group_seq.to_le_bytes());
         header[8..16].copy_from_slice(&(buf.len() as u64).to_le_bytes());
         s.reqs[slot] = SendRequest {
-            state: SendState::Queued,
+            stage: SendStage::Queued,
             header,
             buf: if truncated { UserBuffer::EMPTY } else { buf },
             size: buf.len(),
@@ -163,12 +167,14 @@ impl SendEndpoint for TcpSendComm {
         s.next_seq = s.next_seq.wrapping_add(1);
         s.progress();
         if truncated {
-            return Err(Error::truncated(format!(
+            // The comm fails from here on, as over verbs: every later call returns this.
+            let e = Error::truncated(format!(
                 "send of {} bytes (tag {tag}) to {} is larger than the {posted}-byte receive \
                  posted for it",
                 buf.len(),
                 s.peer
-            )));
+            ));
+            return Err(s.failure.fail(e));
         }
         Ok(Some(slot))
     }
@@ -179,35 +185,37 @@ impl SendEndpoint for TcpSendComm {
     }
 }
 
-impl TcpSendComm {
-    #[inline(always)] // into `test`, which turns its result into a `Tested`
+impl TcpSender {
     fn test_send(&self, slot: usize) -> Result<Option<usize>> {
-        let mut s = self.inner.lock();
+        let mut s = self.state.lock();
         s.progress();
         let req = s
             .reqs
             .get_mut(slot)
             .ok_or_else(|| Error::misuse(format!("unknown send request {slot}")))?;
-        match req.state {
-            SendState::Written => {
-                req.state = SendState::Free;
+        match req.stage {
+            SendStage::Written => {
+                req.stage = SendStage::Free;
                 let size = req.size;
                 s.traffic.add(1, size as u64);
                 Ok(Some(size))
             }
-            SendState::Queued => {
+            SendStage::Queued => {
                 s.failure.check()?;
                 Ok(None)
             }
-            SendState::Free => Err(not_in_flight("send", slot)),
+            SendStage::Free => Err(not_in_flight("send", slot)),
         }
     }
 }
 
-impl SendInner {
+impl TcpSendState {
+    /// Reads clear-to-send frames and writes what is queued, until the socket breaks: a comm
+    /// failed by a truncation still writes the TRUNC notice and the sends queued before it.
     fn progress(&mut self) {
-        if !self.failure.is_set() {
+        if !self.broken {
             let r = self.read_cts().and_then(|()| self.write_data());
+            self.broken = r.is_err();
             note_broken(&mut self.failure, r, "to", self.peer);
         }
     }
@@ -218,13 +226,12 @@ impl SendInner {
             let n = match (&self.sock).read(&mut self.rx[self.rx_len..]) {
                 Ok(0) => {
                     let busy = self.tx_seq != self.next_seq
-                        || self.reqs.iter().any(|r| r.state == SendState::Queued);
+                        || self.reqs.iter().any(|r| r.stage == SendStage::Queued);
                     if busy {
                         return Err(Error::remote("the peer closed the connection".into()));
                     }
                     self.failure
-                        .0
-                        .get_or_insert_with(|| "the peer closed the connection".into());
+                        .note_quietly(Error::remote("the peer closed the connection".into()));
                     return Ok(());
                 }
                 Ok(n) => n,
@@ -297,10 +304,10 @@ impl SendInner {
                     Err(e) => return Err(Error::io("sending data", e)),
                 }
             }
-            req.state = if req.orphan {
-                SendState::Free
+            req.stage = if req.orphan {
+                SendStage::Free
             } else {
-                SendState::Written
+                SendStage::Written
             };
             self.tx_seq = self.tx_seq.wrapping_add(1);
         }

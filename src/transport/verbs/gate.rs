@@ -1,10 +1,10 @@
-//! What an idle receive `test` reads without taking the comm's lock (see [`RecvGate`]): the
-//! proxy tests a receive in a tight loop while its data is on the way, and such a test is one
-//! CQ poll per rail that finds nothing. Completions a poll finds go to the locked call in the
+//! What a receive's `test` reads without taking the comm's lock (see [`RecvGate`]): the proxy
+//! tests a receive in a tight loop while its data is on the way, and such a test is one CQ
+//! poll per rail that finds nothing. Completions a poll finds go to the locked call in the
 //! batch they were polled into, so none is handed out twice or lost.
 
 use std::sync::{
-    atomic::{AtomicU32, Ordering::Relaxed},
+    atomic::{AtomicU32, AtomicU64, Ordering::Relaxed},
     Arc,
 };
 
@@ -14,23 +14,13 @@ use super::wire::SLOTS;
 use crate::verbs::dma::WcBatch;
 use crate::verbs::nic::Nic;
 
-/// What [`RecvGate::poll`] or [`RecvGate::look`] concluded.
-pub(crate) enum Look {
-    /// The poll found nothing: "not done", without the lock.
-    Idle,
-    /// The poll found completions, now in the caller's batch for the locked call.
-    Found,
-    /// The receive still waits, on a comm of several rails: see [`RecvGate::look_further`].
-    Further,
-    /// Anything else: the locked call decides (and polls itself).
-    Lock,
-}
-
-/// What [`RecvGate::look_further`] concluded.
-pub(crate) enum LookFurther {
+/// What [`RecvGate::poll`] found.
+pub(crate) enum GatePoll {
+    /// The receive waits and no CQ had anything: "not done", without the lock.
     Idle,
     /// This rail's CQ had completions, now in the caller's batch for the locked call.
     Found(usize),
+    /// Anything else: the locked call decides (and polls itself).
     Lock,
 }
 
@@ -38,92 +28,60 @@ pub(crate) enum LookFurther {
 /// the QPs in the comm's state.
 type GateCq<N> = (Arc<N>, <N as Nic>::Cq);
 
-/// What an idle `test` reads without taking the comm's lock: which receives still wait for
-/// their data, as the last locked call left them, and the CQs the data's completions come
-/// to. One progress thread drives a comm, so these are its own writes; were they stale, the
-/// lock decides.
+/// In [`RecvGate`]'s word: the comm has work only a locked call does (a clear-to-send held
+/// back, a failure to report, a peer gone).
+const LOCK: u64 = 1 << 63;
+const _: () = assert!(SLOTS < 63);
+
+/// What an idle `test` reads without taking the comm's lock, and the one record of which
+/// receives wait for their data. Only the holder of the comm's lock writes it (one progress
+/// thread drives a comm), so its writes are plain loads and stores; a reader that found it
+/// stale would only take the lock.
 pub(crate) struct RecvGate<N: Nic> {
-    /// Rail 0's CQ, and the other rails'.
-    first: GateCq<N>,
-    others: Box<[GateCq<N>]>,
-    /// One bit per slot whose receive waits for data, while the comm is quiet; else 0, and
-    /// every test takes the lock.
-    waiting: AtomicU32,
-    /// Tests the gate looked at for the lock.
+    /// Every rail's CQ, rail 0 first.
+    cqs: Box<[GateCq<N>]>,
+    /// Bit `s`: the receive in slot `s` waits for its data. [`LOCK`]: every test locks.
+    word: AtomicU64,
+    /// Tests the gate looked at (wrapping).
     looks: AtomicU32,
 }
 
 impl<N: Nic> RecvGate<N> {
-    /// The gate of a comm over `rails`; it answers nothing until [`Self::publish`]ed.
+    /// The gate of a comm over `rails`: no receive waits.
     pub(crate) fn new(rails: &[Rail<N>]) -> Self {
-        let cq = |r: &Rail<N>| (Arc::clone(&r.nic), r.cq.cq.clone());
         RecvGate {
-            first: cq(&rails[0]),
-            others: rails[1..].iter().map(cq).collect(),
-            waiting: AtomicU32::new(0),
+            cqs: rails
+                .iter()
+                .map(|r| (Arc::clone(&r.nic), r.cq.cq.clone()))
+                .collect(),
+            word: AtomicU64::new(0),
             looks: AtomicU32::new(0),
         }
     }
 
-    /// Whether `test` of request `id` may be answered by [`Self::poll`], without the lock:
-    /// the receive waits, on a comm of one rail, so a poll of its CQ that finds nothing
-    /// answers "not done". Every [`IDLE_LOOK_EVERY`]th such test takes the lock instead, to
-    /// run what the locked poll does besides (the slow checks). Decided before the poll, so
-    /// that the caller keeps nothing but its own arguments across it.
-    #[inline(always)]
-    pub(crate) fn may_poll(&self, id: usize) -> bool {
-        self.waits(id) && self.others.is_empty() && !self.lock_this_time()
-    }
-
-    /// The poll [`Self::may_poll`] allows: rail 0's CQ, into `wc`.
-    #[inline(always)]
-    pub(crate) fn poll(&self, wc: &mut WcBatch) -> Look {
-        let (nic, cq) = &self.first;
-        match wc.try_poll(&**nic, cq) {
-            Some(0) => Look::Idle,
-            Some(_) => Look::Found,
-            // The locked poll meets the error again and fails the comm with it.
-            None => Look::Lock,
+    /// The test of request `id` without the lock: where receive `id` waits and the comm has
+    /// nothing else to do, a poll of every rail's CQ into `wc`. Every [`IDLE_LOOK_EVERY`]th
+    /// such test locks instead, to run what the locked poll does besides (the slow checks).
+    #[inline]
+    pub(crate) fn poll(&self, id: usize, wc: &mut WcBatch) -> GatePoll {
+        let waits = id < SLOTS && self.word.load(Relaxed) & (LOCK | 1 << id) == 1 << id;
+        if !waits || self.lock_this_time() {
+            return GatePoll::Lock;
         }
-    }
-
-    /// What a test that [`Self::may_poll`] did not let poll does: a receive waiting on a
-    /// comm of several rails looks at every rail's CQ ([`Look::Further`]); all else locks.
-    pub(crate) fn look(&self, id: usize) -> Look {
-        if self.waits(id) && !self.others.is_empty() {
-            Look::Further
-        } else {
-            Look::Lock
-        }
-    }
-
-    /// Whether receive `id` waits for data, as the last locked call left it.
-    #[inline(always)]
-    fn waits(&self, id: usize) -> bool {
-        id < SLOTS && self.waiting.load(Relaxed) & (1 << id) != 0
-    }
-
-    /// [`Look::Further`]: the CQs of every rail, into `wc` (as [`Self::may_poll`], every
-    /// [`IDLE_LOOK_EVERY`]th such test takes the lock instead).
-    pub(crate) fn look_further(&self, wc: &mut WcBatch) -> LookFurther {
-        if self.lock_this_time() {
-            return LookFurther::Lock;
-        }
-        let first = std::iter::once(&self.first);
-        for (r, (nic, cq)) in first.chain(self.others.iter()).enumerate() {
+        for (r, (nic, cq)) in self.cqs.iter().enumerate() {
             match wc.try_poll(&**nic, cq) {
                 Some(0) => {}
-                Some(_) => return LookFurther::Found(r),
-                // As in `poll`: the locked poll meets the error again.
-                None => return LookFurther::Lock,
+                Some(_) => return GatePoll::Found(r),
+                // The locked poll meets the error again and fails the comm with it.
+                None => return GatePoll::Lock,
             }
         }
-        LookFurther::Idle
+        GatePoll::Idle
     }
 
-    /// Counts a test the gate looks at for the lock: whether it takes the lock after all,
-    /// as every [`IDLE_LOOK_EVERY`]th does.
-    #[inline(always)]
+    /// Counts a test the gate looked at: whether it locks after all, as every
+    /// [`IDLE_LOOK_EVERY`]th does.
+    #[inline]
     fn lock_this_time(&self) -> bool {
         // Load and store, not an atomic add: one thread counts, and a lost count is harmless.
         let n = self.looks.load(Relaxed).wrapping_add(1);
@@ -131,16 +89,39 @@ impl<N: Nic> RecvGate<N> {
         n % IDLE_LOOK_EVERY == 0
     }
 
-    /// Records what a locked call left: one bit per slot whose receive waits for data, that
-    /// the gate may answer for (none while the comm is not quiet).
-    #[inline(always)]
-    pub(crate) fn publish(&self, waiting: u32) {
-        self.waiting.store(waiting, Relaxed);
-    }
-
     /// Tests looked at so far (wrapping): when it moves, the caller is testing.
-    #[inline(always)]
     pub(crate) fn looks(&self) -> u32 {
         self.looks.load(Relaxed)
+    }
+
+    /// Whether the receive in `slot` waits for its data.
+    #[inline]
+    pub(crate) fn waits(&self, slot: usize) -> bool {
+        self.word.load(Relaxed) & (1 << slot) != 0
+    }
+
+    /// The lock holder posted a receive in `slot`: it waits for its data.
+    #[inline]
+    pub(crate) fn posted(&self, slot: usize) {
+        self.word
+            .store(self.word.load(Relaxed) | 1 << slot, Relaxed);
+    }
+
+    /// The lock holder saw the last of `slot`'s data arrive.
+    #[inline]
+    pub(crate) fn arrived(&self, slot: usize) {
+        self.word
+            .store(self.word.load(Relaxed) & !(1 << slot), Relaxed);
+    }
+
+    /// The lock holder's verdict at the end of a locked call: whether the comm has work only
+    /// a locked call does.
+    #[inline]
+    pub(crate) fn lock_wanted(&self, yes: bool) {
+        let word = self.word.load(Relaxed);
+        let want = if yes { word | LOCK } else { word & !LOCK };
+        if want != word {
+            self.word.store(want, Relaxed);
+        }
     }
 }

@@ -1,17 +1,19 @@
 //! Verbs transport: NCCL's p2p contract over RC QPs on eRDMA, RoCE or IB, receiver-driven as
-//! NCCL's IB transport is. This module is the backend: the devices (found as NCCL IB finds
-//! them), their registration caches, `ibv_fork_init`, DMA-BUF registration and the eRDMA
-//! profile. The rest, by lifecycle:
+//! NCCL's IB transport is. This module is the backend: the ports (found as NCCL IB finds
+//! them), their registration caches, `ibv_fork_init`, DMA-BUF registration, the eRDMA
+//! profile, and what it all came to ([`TransportFacts`]). The rest, by lifecycle:
 //! - [`wire`]: what the two ends agree on (setup message, clear-to-send entries, ids);
 //! - [`setup`]: connect and accept over `oob`, QPs brought up;
-//! - [`send`] and [`recv`]: the data path state machines;
+//! - [`send`] and [`recv`]: the data path, each end in its own room, with the gates an idle
+//!   call reads instead of the lock ([`gate`] for the receiver);
 //! - [`cq`]: completions, the peer watch and the work watchdog;
 //! - [`profile`]: the settings a device changes, and each connection's parameters;
-//! - [`rail`]: the NICs of a connection; [`fusion`]: devices over several NICs.
+//! - [`rail`]: the NICs of a connection; [`fusion`]: devices over several NICs;
+//! - [`survey`]: what the ports tell, used or not.
 //!
-//! Everything below `setup` works on any [`Nic`], so the unit tests (`tests`) run the whole
-//! protocol on the in-memory fabric of `verbs::fake`. eRDMA limits are honoured: RC only, no
-//! SRQ, one SGE, inline <= 96 bytes, legacy verbs.
+//! Everything below `setup` works on any [`Nic`](crate::verbs::nic::Nic), so the unit tests
+//! (`tests`) run the whole protocol on the in-memory fabric of `verbs::fake`. eRDMA limits are
+//! honoured: RC only, no SRQ, one SGE, inline <= 96 bytes, legacy verbs.
 
 mod cq;
 pub(crate) mod fusion;
@@ -22,6 +24,7 @@ mod rail;
 mod recv;
 mod send;
 mod setup;
+mod survey;
 #[cfg(test)]
 mod tests;
 mod wire;
@@ -32,36 +35,30 @@ use parking_lot::RwLock;
 
 use crate::config::Config;
 use crate::error::{Error, Result};
-use crate::log::INIT;
 use crate::oob::{Handle, TransportKind};
+use crate::transport::facts::{self, TransportFacts};
 use crate::transport::{
-    device, Connecting, DeviceProps, Hold, Listening, MemKeys, Transport, PTR_CUDA, PTR_DMABUF,
-    PTR_HOST,
+    device, DeviceProps, Hold, MemKeys, Transport, PTR_CUDA, PTR_DMABUF, PTR_HOST,
 };
-use crate::verbs::device::{self as vdev, mtu_bytes, VerbsDevice};
+use crate::verbs::device::{self as vdev, VerbsDevice};
 use crate::verbs::dma::ACCESS_RDMA;
 use crate::verbs::VerbsLib;
 
 use mr_cache::MrCache;
-use setup::{VerbsConnecting, VerbsListen};
 
-pub(crate) use crate::verbs::dma::WcBatch;
-pub(crate) use gate::Look;
+pub(crate) use recv::VerbsReceiver;
+pub(crate) use send::VerbsSender;
+pub(crate) use setup::{VerbsConnector, VerbsListener};
 
-/// The sending end of a connection over real devices.
-pub(crate) type VerbsSendEnd = send::VerbsSendComm<VerbsDevice>;
-/// The receiving end of a connection over real devices.
-pub(crate) type VerbsRecvEnd = recv::VerbsRecvComm<VerbsDevice>;
-
-/// One NIC (port) the transport uses.
-struct Nic {
+/// One port the transport uses, with its registration cache.
+struct OpenPort {
     verbs: Arc<VerbsDevice>,
     cache: Arc<MrCache<VerbsDevice>>,
 }
 
-/// One device as NCCL numbers them: one NIC, or several fused.
+/// One device as NCCL numbers them: one port, or several fused.
 struct Device {
-    /// Indexes into `VerbsTransport::nics`: the rails of its connections.
+    /// Indexes into `VerbsTransport::ports`: the rails of its connections.
     members: Vec<usize>,
     props: Arc<DeviceProps>,
 }
@@ -69,23 +66,19 @@ struct Device {
 /// The verbs backend of the plugin.
 pub(crate) struct VerbsTransport {
     config: Config,
-    nics: Vec<Nic>,
-    /// NICs described for fusion.
+    ports: Vec<OpenPort>,
+    /// The ports described for fusion.
     infos: Vec<fusion::NicInfo>,
     /// How many of `devices` are NCCL's physical devices (fused automatically or not); the
     /// rest are virtual ones NCCL made (`makeVDevice`).
     physical: usize,
     devices: RwLock<Vec<Device>>,
-}
-
-/// Finds the usable verbs devices, or says why there are none.
-pub(crate) fn discover(config: &Config) -> Result<Vec<VerbsDevice>> {
-    let lib = VerbsLib::get(config.ibverbs_lib.value.as_deref())?;
-    vdev::discover(lib, config)
+    /// What `open` found and decided (the devices are read from `devices` when asked).
+    facts: TransportFacts,
 }
 
 /// What fusion needs to know of `d`.
-pub(crate) fn nic_info(d: &VerbsDevice) -> fusion::NicInfo {
+fn nic_info(d: &VerbsDevice) -> fusion::NicInfo {
     let mut ptr_support = PTR_HOST;
     if d.peermem {
         ptr_support |= PTR_CUDA;
@@ -106,23 +99,38 @@ pub(crate) fn nic_info(d: &VerbsDevice) -> fusion::NicInfo {
     }
 }
 
-/// Whether the user asked NCCL to fuse NICs itself (then automatic fusion stays off).
-pub(crate) fn nccl_merges() -> bool {
-    ["NCCL_NET_FORCE_MERGE", "NCCL_NET_MERGE_LEVEL"]
-        .iter()
-        .any(|v| std::env::var(v).is_ok_and(|s| !s.trim().is_empty()))
-}
-
-/// The automatic fusion decision for the usable `devs`.
-pub(crate) fn auto_fusion(config: &Config, devs: &[fusion::NicInfo]) -> fusion::Fusion {
-    fusion::auto_fuse(config.fuse_nics.value, devs, nccl_merges())
+/// What the verbs transport would see on this host: for a report of why it cannot open.
+pub(crate) fn survey_facts(config: &Config) -> TransportFacts {
+    let mut facts = TransportFacts {
+        transport: TransportKind::Verbs.name().to_string(),
+        ..TransportFacts::default()
+    };
+    let Ok(lib) = VerbsLib::get(config.ibverbs_lib.value.as_deref()) else {
+        return facts;
+    };
+    facts.libibverbs = Some(lib.name.clone());
+    if let Ok(all) = vdev::survey(lib, config) {
+        facts.ports = all.iter().map(|d| survey::port(d, config)).collect();
+        facts.warnings = survey::warnings(&all, config);
+        facts.gpudirect = survey::gpudirect(&all, config, &mut facts.warnings);
+    }
+    facts
 }
 
 impl VerbsTransport {
-    /// Opens every usable device, or fails saying why there is none.
+    /// Opens every usable port, or fails saying why there is none.
     pub(crate) fn open(config: &Config) -> Result<Self> {
-        let found = discover(config)?;
         let lib = VerbsLib::get(config.ibverbs_lib.value.as_deref())?;
+        let all = vdev::survey(lib, config)?;
+        let mut facts = TransportFacts {
+            transport: TransportKind::Verbs.name().to_string(),
+            libibverbs: Some(lib.name.clone()),
+            ports: all.iter().map(|d| survey::port(d, config)).collect(),
+            warnings: survey::warnings(&all, config),
+            ..TransportFacts::default()
+        };
+        facts.gpudirect = survey::gpudirect(&all, config, &mut facts.warnings);
+        let found = vdev::usable(all, config)?;
         // Before the first registration, or it fails (rdma-core makes it a no-op on kernels
         // with copy-on-fork for pinned memory).
         if let Err(e) = lib.fork_init() {
@@ -135,35 +143,27 @@ impl VerbsTransport {
             );
         }
         let infos: Vec<fusion::NicInfo> = found.iter().map(nic_info).collect();
-        let mut nics = Vec::with_capacity(found.len());
-        for d in found {
-            let t = profile::tuning(config, d.class());
-            tracing::info!(
-                target: INIT,
-                "{}: port {} {} GID index {} MTU {} vendor {:#x} peermem {} dmabuf {}; \
-                 NCCL_IB_QPS_PER_CONNECTION {} ({}), NCCL_ERDMA_CTS_BATCH {} ({})",
-                d.name(),
-                d.local.port,
-                if d.is_roce() { "RoCE" } else { "IB" },
-                d.local.gid_index,
-                mtu_bytes(d.local.active_mtu),
-                d.vendor_id,
-                d.peermem,
-                d.dmabuf,
-                t.qps_per_connection.value,
-                t.qps_per_connection.source,
-                t.cts_batch.value,
-                t.cts_batch.source,
-            );
-            let verbs = Arc::new(d);
-            nics.push(Nic {
-                cache: MrCache::new(Arc::clone(&verbs)),
-                verbs,
-            });
-        }
-        let fused = auto_fusion(config, &infos);
-        tracing::info!(target: INIT, "NIC fusion: {}", fused.reason);
+        let ports: Vec<OpenPort> = found
+            .into_iter()
+            .map(|d| {
+                let verbs = Arc::new(d);
+                OpenPort {
+                    cache: MrCache::new(Arc::clone(&verbs)),
+                    verbs,
+                }
+            })
+            .collect();
+        let fused = fusion::auto_fuse(config.fuse_nics.value, &infos, config.nccl_merges());
         let force_flush = config.force_flush.value;
+        facts.fusion = facts::Fusion {
+            members: fused
+                .members
+                .iter()
+                .flatten()
+                .map(|&i| infos[i].name.clone())
+                .collect(),
+            reason: fused.reason,
+        };
         let devices: Vec<Device> = match fused.members {
             Some(members) => vec![Device {
                 props: Arc::new(fusion::props(&infos, &members, vec![0], -1, force_flush)),
@@ -187,14 +187,15 @@ impl VerbsTransport {
         };
         Ok(VerbsTransport {
             config: config.clone(),
-            nics,
+            ports,
             infos,
             physical: devices.len(),
             devices: RwLock::new(devices),
+            facts,
         })
     }
 
-    /// The NICs of device `dev` (checked).
+    /// The ports of device `dev` (checked).
     fn members(&self, dev: usize) -> Result<Vec<usize>> {
         Ok(device(&self.devices.read(), dev)?.members.clone())
     }
@@ -204,14 +205,41 @@ impl VerbsTransport {
         Ok(self
             .members(dev)?
             .iter()
-            .map(|&i| Arc::clone(&self.nics[i].verbs))
+            .map(|&i| Arc::clone(&self.ports[i].verbs))
             .collect())
     }
 }
 
 impl Transport for VerbsTransport {
+    type Listener = VerbsListener;
+    type Connector = VerbsConnector;
+    type Sender = VerbsSender;
+    type Receiver = VerbsReceiver;
+
     fn kind(&self) -> TransportKind {
         TransportKind::Verbs
+    }
+
+    fn facts(&self) -> TransportFacts {
+        let mut facts = self.facts.clone();
+        facts.devices = self
+            .devices
+            .read()
+            .iter()
+            .enumerate()
+            .map(|(index, d)| facts::Device {
+                index,
+                name: d.props.name().to_string(),
+                speed_mbps: d.props.speed_mbps,
+                ptr_support: d.props.ptr_support,
+                pci_path: d
+                    .props
+                    .pci_path
+                    .as_ref()
+                    .map(|p| p.to_string_lossy().into_owned()),
+            })
+            .collect();
+        facts
     }
 
     fn device_count(&self) -> usize {
@@ -236,7 +264,7 @@ impl Transport for VerbsTransport {
         let mut devices = self.devices.write();
         let d = devices.len();
         tracing::info!(
-            target: INIT,
+            target: crate::log::INIT,
             "made virtual device {d}: {} speed {} Mbps over devices {devs:?}",
             props.name(),
             props.speed_mbps
@@ -248,10 +276,10 @@ impl Transport for VerbsTransport {
         Ok(d)
     }
 
-    fn listen(&self, dev: usize, ip: IpAddr) -> Result<Box<dyn Listening>> {
+    fn listen(&self, dev: usize, ip: IpAddr) -> Result<VerbsListener> {
         let rails = self.rails(dev)?;
         let params = profile::conn_params(&self.config, &rails[0], None);
-        Ok(Box::new(VerbsListen::bind(ip, &rails, params)?))
+        VerbsListener::bind(ip, &rails, params)
     }
 
     fn connect(
@@ -259,10 +287,10 @@ impl Transport for VerbsTransport {
         dev: usize,
         handle: &Handle,
         traffic_class: Option<i32>,
-    ) -> Result<Box<dyn Connecting>> {
+    ) -> Result<VerbsConnector> {
         let rails = self.rails(dev)?;
         let params = profile::conn_params(&self.config, &rails[0], traffic_class);
-        Ok(Box::new(VerbsConnecting::start(&rails, handle, params)?))
+        VerbsConnector::start(&rails, handle, params)
     }
 
     fn register(
@@ -280,7 +308,7 @@ impl Transport for VerbsTransport {
         };
         let mut held = Vec::with_capacity(members.len());
         for (r, &i) in members.iter().enumerate() {
-            let cache = &self.nics[i].cache;
+            let cache = &self.ports[i].cache;
             let (mr, hit) = cache.register(addr, len)?;
             tracing::debug!(
                 "regMr {addr:#x}+{len} on device {dev} rail {}: cache {} (hits {}, misses {}, \
@@ -314,7 +342,7 @@ impl Transport for VerbsTransport {
         let mut held = Vec::with_capacity(rails.len());
         for (r, d) in rails.iter().enumerate() {
             if !d.dmabuf {
-                return Err(Error::usage(format!(
+                return Err(Error::misuse(format!(
                     "DMA-BUF registration is not supported on {}; NCCL should not have asked",
                     d.name()
                 )));

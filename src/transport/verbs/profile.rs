@@ -39,27 +39,30 @@ pub(crate) struct Tuning {
 
 /// The settings a device of `class` changes where the user set nothing.
 pub(crate) fn tuning(config: &Config, class: DeviceClass) -> Tuning {
-    fn pick<T: Copy>(s: &Setting<T>, device: Option<(T, &'static str)>) -> Resolved<T> {
-        match device {
-            Some((value, source)) if !s.from_env => Resolved { value, source },
-            _ => Resolved {
-                value: s.value,
-                source: s.source(),
+    /// `setting`'s value from the environment, else the device's `(value, why)`.
+    fn pick(setting: &Setting<Option<u32>>, device: (u32, &'static str)) -> Resolved<u32> {
+        match setting.value {
+            Some(value) => Resolved {
+                value,
+                source: setting.source(),
+            },
+            None => Resolved {
+                value: device.0,
+                source: device.1,
             },
         }
     }
-    let qps = (class == DeviceClass::Erdma).then_some((ERDMA_DEFAULT_QPS, "eRDMA preset"));
+    let qps = match class {
+        DeviceClass::Erdma => (ERDMA_DEFAULT_QPS, "eRDMA preset"),
+        DeviceClass::Software | DeviceClass::Hardware => (1, "default"),
+    };
     let batch = match class {
         DeviceClass::Software => (CTS_BATCH_SOFTWARE, "software device"),
         DeviceClass::Erdma | DeviceClass::Hardware => (1, "hardware device"),
     };
-    let batch_setting = Setting {
-        value: config.cts_batch.value.unwrap_or(batch.0),
-        from_env: config.cts_batch.from_env,
-    };
     Tuning {
         qps_per_connection: pick(&config.qps_per_connection, qps),
-        cts_batch: pick(&batch_setting, Some(batch)),
+        cts_batch: pick(&config.cts_batch, batch),
     }
 }
 

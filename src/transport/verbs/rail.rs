@@ -15,10 +15,8 @@ use crate::verbs::nic::Nic;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(crate) struct RailStats {
     pub(crate) bytes: u64,
-    pub(crate) errors: u64,
-    // After `errors`, not next to `bytes`: two neighbouring counters bumped together become
-    // one vector add, which takes more instructions than the two adds.
     pub(crate) messages: u64,
+    pub(crate) errors: u64,
 }
 
 /// One NIC of a connection.
@@ -62,14 +60,14 @@ impl<N: Nic> Rail<N> {
 
     /// Polls this rail's CQ once into `wc` (see [`CqPoller::poll`]): whether [`Self::drain`]
     /// has anything to do. A failed poll counts as the rail's error.
-    #[inline(always)]
+    #[inline]
     pub(crate) fn poll(&mut self, wc: &mut WcBatch) -> Result<bool> {
         let r = self.cq.poll(&self.nic, wc);
         self.count_error(r)
     }
 
     /// Passes `r` through, counting its error as the rail's.
-    #[inline(always)]
+    #[inline]
     fn count_error<T>(&mut self, r: Result<T>) -> Result<T> {
         if r.is_err() {
             self.stats.errors += 1;
@@ -77,18 +75,15 @@ impl<N: Nic> Rail<N> {
         r
     }
 
-    /// Hands what a poll put in `wc` to `on` (see [`CqPoller::hand_out`]), which
-    /// says whether a completion retires signaled work of this side (then it leaves
-    /// `in_flight`); then runs the slow checks when due, `waiting`: whether the comm waits for
-    /// its peer (asked only then). Returns whether this rail should post a probe. A failure
-    /// counts as the rail's error.
-    #[inline(always)]
-    #[allow(clippy::ptr_arg)] // one pointer, not two, held through the loop
+    /// Hands what a poll put in `wc` to `on` (see [`CqPoller::hand_out`]), which says
+    /// whether a completion retires signaled work of this side (then it leaves `in_flight`);
+    /// then runs the slow checks when due, `waiting`: whether the comm waits for its peer.
+    /// Returns whether this rail should post a probe. A failure counts as the rail's error.
     pub(crate) fn drain(
         &mut self,
         wc: &mut WcBatch,
-        peer: &String,
-        waiting: impl FnOnce() -> bool,
+        peer: &str,
+        waiting: bool,
         mut on: impl FnMut(Completion<'_>) -> bool,
     ) -> Result<bool> {
         let mut done = 0;
@@ -107,7 +102,7 @@ impl<N: Nic> Rail<N> {
         let work = self.in_flight > 0;
         let r = self
             .cq
-            .slow_checks(&self.nic, &self.qps, peer, work, waiting());
+            .slow_checks(&self.nic, &self.qps, peer, work, waiting);
         self.count_error(r)
     }
 }
@@ -131,7 +126,7 @@ pub(crate) fn summary<N: Nic>(rails: &[Rail<N>]) -> String {
 }
 
 /// The rail and rail-local index of connection QP `q` over `rails` rails.
-#[inline(always)]
+#[inline]
 pub(crate) fn locate(q: usize, rails: usize) -> (usize, usize) {
     if rails == 1 {
         (0, q)

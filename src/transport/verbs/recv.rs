@@ -10,24 +10,25 @@
 //! receive ever waits on batching.
 //!
 //! A `test` of a receive whose data has not come takes no lock: the comm's [`RecvGate`]
-//! answers it (`gate.rs`).
+//! answers it (`gate.rs`), and it is also the one record of which receives wait.
 //!
 //! `iflush` (GPUDirect): on each rail, a 1-byte RDMA READ through a QP connected to itself,
 //! which completes only after the NIC's earlier writes to GPU memory are visible.
 
 use parking_lot::Mutex;
 
-use super::gate::{Look, LookFurther, RecvGate};
+use super::gate::{GatePoll, RecvGate};
 use super::rail::{self, locate, Rail};
 use super::wire::{
-    cts_index, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_BYTES, MAX_RAILS, SLOTS, TRUNCATED,
+    cts_index, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_BYTES, SLOTS, TRUNCATED,
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, BufferKeys, Endpoint, Failure, KeyCache, RecvEndpoint, SizeSink, Tested,
-    Traffic, MAX_RECVS,
+    not_in_flight, Endpoint, Failure, Handles, KeyCache, Receiver, SizeSink, Tested, Traffic,
+    MAX_RAILS, MAX_RECVS,
 };
+use crate::verbs::device::VerbsDevice;
 use crate::verbs::dma::{DmaBuffer, FixedWrite, SendChain, WcBatch, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
 
@@ -54,9 +55,11 @@ pub(crate) const FLUSH_ID_BASE: usize = SLOTS;
 
 #[derive(Debug, Clone, Copy)]
 struct RecvSlot {
+    /// Posted and not yet reported done.
     busy: bool,
     n: usize,
-    /// WRITE_WITH_IMMs still to arrive (one per QP the receive uses).
+    /// WRITE_WITH_IMMs still to come (one per QP the receive uses): when the last arrives,
+    /// the gate learns the receive no longer waits.
     imm_pending: u32,
     /// The size of a single receive, from its immediate.
     size0: u32,
@@ -118,10 +121,6 @@ pub(crate) struct RecvState<N: Nic> {
     /// Clear-to-send writes posted, for the comm's summary (with the receives they
     /// announced, `cts_posted`).
     cts_writes: u64,
-    /// [`Self::is_quiet`] as the last locked call left it.
-    quiet: bool,
-    /// One bit per slot whose receive still waits for data (WRITE_WITH_IMMs to arrive).
-    waiting: u32,
     chain: SendChain,
     /// Clear-to-send writes: from `cts_local` to the sender's FIFO over rail 0.
     cts_write: FixedWrite,
@@ -164,8 +163,6 @@ impl<N: Nic> RecvState<N> {
             polled: false,
             looks_seen: 0,
             cts_writes: 0,
-            quiet: true,
-            waiting: 0,
             chain: SendChain::new(),
             cts_write,
             key_cache: KeyCache::default(),
@@ -175,39 +172,249 @@ impl<N: Nic> RecvState<N> {
         }
     }
 
+    /// Whether the comm has work only a locked call does: a clear-to-send held back, or a
+    /// failure (its own, or the peer gone) to report. The gate answers no test then.
+    fn needs_lock(&self) -> bool {
+        self.cts_posted != self.seq || self.lost()
+    }
+
+    /// Whether the comm has failed or its peer is gone: a receive still waiting never ends.
+    fn lost(&self) -> bool {
+        self.failure.is_set() || self.rails[0].cq.peer_gone
+    }
+
     /// `irecv`: the request id is the slot.
-    #[inline(always)]
     fn irecv(
         &mut self,
+        gate: &RecvGate<N>,
         bufs: &[UserBuffer],
         tags: &[i32],
-        keys: &impl BufferKeys,
+        handles: Handles<'_>,
     ) -> Result<Option<usize>> {
-        if !self.quiet {
-            // Quiet: neither failed nor left by the peer (nor holding clear-to-sends).
-            self.failure.check()?;
-            // No CQ poll here: `test` polls, and a free slot depends only on `test`.
-            if self.rails[0].cq.peer_gone {
-                let e = self.rails[0].cq.gone_error(&self.peer);
-                return Err(self.failure.fail(e));
-            }
+        self.failure.check()?;
+        // No CQ poll here: `test` polls, and a free slot depends only on `test`.
+        if self.rails[0].cq.peer_gone {
+            let e = self.rails[0].cq.gone_error(&self.peer);
+            return Err(self.failure.fail(e));
         }
         let slot = (self.seq % SLOTS as u64) as usize;
         if self.slots[slot].busy {
             return Ok(None);
         }
+        let looks = gate.looks();
+        if looks != self.looks_seen {
+            // Tested since the last irecv, without the lock.
+            self.looks_seen = looks;
+            self.polled = true;
+        }
         // A handle that does not cover its buffer fails the call, not the comm: nothing is
         // posted before every key is known.
-        self.announce(slot, bufs, tags, keys)?;
-        let r = self.post_receive(slot, bufs);
+        self.announce(slot, bufs, tags, handles)?;
+        let r = self.post_receive(gate, slot, bufs);
         self.polled = false;
         self.failure.record(r)?;
         Ok(Some(slot))
     }
 
+    /// Writes free `slot`'s clear-to-send entries, one per buffer (into local memory: the
+    /// sender sees them once posted), with the keys `handles` has for them.
+    fn announce(
+        &mut self,
+        slot: usize,
+        bufs: &[UserBuffer],
+        tags: &[i32],
+        handles: Handles<'_>,
+    ) -> Result<()> {
+        let n = bufs.len();
+        for (i, (buf, tag)) in bufs.iter().zip(tags).enumerate() {
+            let mem = handles.keys(i, *buf, &mut self.key_cache)?;
+            // All of them, as the registration holds them: the sender reads those of this
+            // comm's rails.
+            let entry = CtsEntry::new(buf.addr() as u64, buf.len(), mem.rkeys, *tag, n, self.seq);
+            self.cts_local.set(cts_index(slot, i), entry);
+        }
+        Ok(())
+    }
+
+    /// Posts receive `slot` (announced) on the QPs it uses, then its clear-to-send unless
+    /// held back.
+    fn post_receive(&mut self, gate: &RecvGate<N>, slot: usize, bufs: &[UserBuffer]) -> Result<()> {
+        // The sender decides from the first entry's size, saturated as the entry holds it.
+        let posted = bufs[0].len().min(u32::MAX as usize);
+        let (first_qp, used) = self.plan.qps(self.seq, posted);
+        let wr_id = WrKind::Recv.id(slot);
+        for q in first_qp..first_qp + used {
+            let (r, i) = locate(q, self.rails.len());
+            let rail = &self.rails[r];
+            rail.nic.post_recv(&rail.qps[i], wr_id)?;
+        }
+        self.slots[slot] = RecvSlot {
+            busy: true,
+            n: bufs.len(),
+            imm_pending: used as u32,
+            size0: 0,
+            span: (first_qp, used, self.seq),
+        };
+        gate.posted(slot);
+        self.seq += 1;
+        // Held back while the sender holds enough to work on and the caller polls its
+        // receives, up to the batch size: one RDMA write (and, on Soft-RoCE, one system
+        // call) then announces several receives.
+        let pending = self.seq - self.cts_posted;
+        if pending >= self.cts_batch || self.announced() < CTS_HOLD_MIN || !self.polled {
+            self.post_pending_cts()?;
+        }
+        Ok(())
+    }
+
+    /// `test` of receive or flush request `id`; `found`: the gate polled this rail's CQ into
+    /// this batch, which holds completions. Out of line: the gate answers the idle tests.
+    #[inline(never)]
+    fn test(
+        &mut self,
+        gate: &RecvGate<N>,
+        id: usize,
+        sizes: &mut impl SizeSink,
+        found: Found<'_>,
+    ) -> Tested {
+        let r = self.test_receive(gate, id, sizes, found);
+        gate.lock_wanted(self.needs_lock());
+        r
+    }
+
+    /// [`Self::test`], before the gate learns whether the comm needs the lock.
+    fn test_receive(
+        &mut self,
+        gate: &RecvGate<N>,
+        id: usize,
+        sizes: &mut impl SizeSink,
+        found: Found<'_>,
+    ) -> Tested {
+        // Drained whatever becomes of the request: the completions are off the CQ.
+        let drained = found.map(|(rail, wc)| {
+            self.rails[rail].cq.polled_unlocked();
+            self.drain_rail(gate, rail, wc)
+        });
+        if !self.slots.get(id).is_some_and(|st| st.busy) {
+            if let Some(r) = drained {
+                let _ = self.failure.record(r);
+            }
+            return self.test_flush(gate, id).into();
+        }
+        self.polled = true;
+        // The CQ is polled only for a receive still waiting.
+        let r = match drained {
+            Some(r) => r,
+            None if gate.waits(id) => self.progress(gate),
+            None => Ok(()),
+        };
+        let _ = self.failure.record(r);
+        // A receive still waiting needs its clear-to-send at the sender, and the sender
+        // should keep holding a few.
+        if self.cts_posted != self.seq && (self.cts_held(id) || self.announced() < CTS_HOLD_MIN) {
+            let r = self.post_pending_cts();
+            if let Err(e) = self.failure.record(r) {
+                return Tested::Failed(e);
+            }
+        }
+        if !gate.waits(id) {
+            return self.finish_receive(id, sizes);
+        }
+        if self.lost() {
+            return self.receive_lost(gate, id, sizes);
+        }
+        Tested::Pending
+    }
+
+    /// Receive `id` has not finished and the comm failed or the peer is gone.
+    #[cold]
+    fn receive_lost(&mut self, gate: &RecvGate<N>, id: usize, sizes: &mut impl SizeSink) -> Tested {
+        if let Err(e) = self.failure.check() {
+            return Tested::Failed(e);
+        }
+        // Completions the peer caused before it left are already in the CQ: look once more
+        // before calling the request lost.
+        let r = self.progress(gate);
+        let _ = self.failure.record(r);
+        if gate.waits(id) {
+            let e = self.rails[0].cq.gone_error(&self.peer);
+            return Tested::Failed(self.failure.fail(e));
+        }
+        self.finish_receive(id, sizes)
+    }
+
+    /// Frees receive `id`, whose data has all arrived, and reports its sizes.
+    fn finish_receive(&mut self, id: usize, sizes: &mut impl SizeSink) -> Tested {
+        // Freed by its flag alone: `post_receive` writes the whole slot at its next use.
+        let st = &mut self.slots[id];
+        st.busy = false;
+        let (n, size0, (first, used, _)) = (st.n, st.size0, st.span);
+        self.finished += 1;
+        let mut bytes = 0;
+        for i in 0..n {
+            // A single receive's size came in its immediate, a group's in the size record.
+            let size = if n == 1 {
+                size0
+            } else {
+                self.sizes_record.get(cts_index(id, i))
+            };
+            if size == TRUNCATED {
+                // The sender's comm failed, so nothing more comes: this one fails too.
+                let e = self.truncated();
+                return Tested::Failed(self.failure.fail(e));
+            }
+            sizes.set(i, size);
+            bytes += u64::from(size);
+        }
+        self.traffic.add(n, bytes);
+        if used == 1 {
+            let rail = modulo(first, self.rails.len());
+            let stats = &mut self.rails[rail].stats;
+            stats.bytes += bytes;
+            stats.messages += u64::from(bytes > 0);
+        } else {
+            self.count_pieces(id);
+        }
+        Tested::Done(n)
+    }
+
+    /// The error of a receive the sender found too small for its message.
+    #[cold]
+    fn truncated(&self) -> Error {
+        Error::truncated(format!(
+            "{} sent more bytes than the receive posted for them",
+            self.peer
+        ))
+    }
+
+    /// Adds receive `id`, striped or split over the QPs of its span, to the counters of the
+    /// rails its pieces came on (the sender cut them as `post_slot` does).
+    fn count_pieces(&mut self, id: usize) {
+        let st = self.slots[id];
+        let (first, used, seq) = st.span;
+        let mut sizes = [st.size0; MAX_RECVS];
+        if st.n > 1 {
+            for (i, size) in sizes[..st.n].iter_mut().enumerate() {
+                *size = self.sizes_record.get(cts_index(id, i));
+            }
+        }
+        let sizes = &sizes[..st.n];
+        let rails = self.rails.len();
+        for k in 0..used {
+            let q = self.plan.qp_of_piece(seq, first, used, k);
+            let bytes: u64 = sizes
+                .iter()
+                .map(|s| piece(*s as usize, k, used).1 as u64)
+                .sum();
+            let stats = &mut self.rails[modulo(q, rails)].stats;
+            stats.bytes += bytes;
+            stats.messages += u64::from(bytes > 0);
+        }
+    }
+
     /// `iflush` of the last non-empty buffer, on every rail; `Ok(None)` when there is nothing
     /// to flush.
-    fn iflush(&mut self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>> {
+    fn iflush(&mut self, bufs: &[UserBuffer], handles: Handles<'_>) -> Result<Option<usize>> {
         self.failure.check()?;
         if self.rails[0].flush_qp.is_none() {
             return Ok(None);
@@ -215,7 +422,7 @@ impl<N: Nic> RecvState<N> {
         let Some(last) = (0..bufs.len()).rev().find(|&i| !bufs[i].is_empty()) else {
             return Ok(None);
         };
-        let mem = *keys.keys(last, bufs[last], &mut self.key_cache)?;
+        let mem = *handles.keys(last, bufs[last], &mut self.key_cache)?;
         // NULL would tell NCCL "no flush needed" and it would not retry, so a busy slot
         // (a flush of another sub still untested) means taking the next free one. NCCL keeps
         // at most 32 requests in flight per comm, so one is free unless the caller broke that.
@@ -247,108 +454,13 @@ impl<N: Nic> RecvState<N> {
         Ok(Some(FLUSH_ID_BASE + fslot))
     }
 
-    /// `test` of receive or flush request `id`; `found`: the comm's [`RecvGate`] found
-    /// receive `id` waiting and polled this rail's CQ into this batch, which holds
-    /// completions.
-    #[inline(always)]
-    fn test(&mut self, id: usize, sizes: &mut impl SizeSink, found: Found<'_>) -> Tested {
-        let r = self.test_request(id, sizes, found);
-        self.quiet = self.is_quiet();
-        r
-    }
-
-    /// Whether nothing but data is awaited: the comm has not failed, the peer is there, and
-    /// no clear-to-send is held back. Kept in [`Self::quiet`] by every locked call.
-    fn is_quiet(&self) -> bool {
-        self.cts_posted == self.seq && !self.lost()
-    }
-
-    /// What the comm's [`RecvGate`] may answer for: the receives still waiting for data,
-    /// while the comm is quiet; none else.
-    #[inline(always)]
-    fn gate_waiting(&self) -> u32 {
-        if self.quiet {
-            self.waiting
-        } else {
-            0
-        }
-    }
-
-    /// Whether the comm has failed or its peer is gone: a receive still waiting never ends.
-    fn lost(&self) -> bool {
-        self.failure.is_set() || self.rails[0].cq.peer_gone
-    }
-
-    /// [`Self::test`], before the quiet flag is brought up to date.
-    #[inline(always)] // into `test`
-    fn test_request(&mut self, id: usize, sizes: &mut impl SizeSink, found: Found<'_>) -> Tested {
-        let r = if let Some((rail, wc)) = found {
-            // Drained whatever becomes of the request: the completions are off the CQ.
-            self.rails[rail].cq.polled_unlocked();
-            let r = self.drain_rail(rail, wc);
-            if !self.slots.get(id).is_some_and(|st| st.busy) {
-                // Finished since the gate looked, by a test from another thread (NCCL tests
-                // a comm from its one proxy thread).
-                let _ = self.failure.record(r);
-                return Tested::Failed(not_in_flight("receive", id));
-            }
-            r
-        } else {
-            if !self.slots.get(id).is_some_and(|st| st.busy) {
-                return self.test_flush(id).into();
-            }
-            // As for sends, the CQ is polled only for a receive not yet known to be done.
-            if self.slots[id].imm_pending == 0 {
-                self.polled = true;
-                return self.finish_receive(id, sizes);
-            }
-            self.progress()
-        };
-        self.polled = true;
-        let _ = self.failure.record(r);
-        // A receive still waiting needs its clear-to-send at the sender, and the sender
-        // should keep holding a few.
-        if self.cts_posted != self.seq && (self.cts_held(id) || self.announced() < CTS_HOLD_MIN) {
-            let r = self.post_pending_cts();
-            if let Err(e) = self.failure.record(r) {
-                return Tested::Failed(e);
-            }
-        }
-        if self.slots[id].imm_pending > 0 {
-            if !self.lost() {
-                return Tested::Pending;
-            }
-            return self.receive_lost(id, sizes);
-        }
-        self.finish_receive(id, sizes)
-    }
-
-    /// Receive `id` has not finished and the comm failed or the peer is gone.
-    #[cold]
-    fn receive_lost(&mut self, id: usize, sizes: &mut impl SizeSink) -> Tested {
-        if let Err(e) = self.failure.check() {
-            return Tested::Failed(e);
-        }
-        // Completions the peer caused before it left are already in the CQ: look once more
-        // before calling the request lost.
-        let r = self.progress();
-        let _ = self.failure.record(r);
-        if self.slots[id].imm_pending > 0 {
-            let e = self.rails[0].cq.gone_error(&self.peer);
-            self.failure.note(&e);
-            return Tested::Failed(e);
-        }
-        self.finish_receive(id, sizes)
-    }
-
     /// `test` of flush request `id` (a receive not in flight is NCCL's error).
-    #[inline(never)] // flushes (GPUDirect only) stay off the receive's path
-    fn test_flush(&mut self, id: usize) -> Result<Option<usize>> {
+    fn test_flush(&mut self, gate: &RecvGate<N>, id: usize) -> Result<Option<usize>> {
         let Some(f) = id.checked_sub(FLUSH_ID_BASE) else {
             return Err(not_in_flight("receive", id));
         };
         if matches!(self.flush_slots.get(f), Some(FlushSlot::Pending(_))) {
-            let r = self.progress();
+            let r = self.progress(gate);
             let _ = self.failure.record(r);
         }
         match self.flush_slots.get(f) {
@@ -359,165 +471,6 @@ impl<N: Nic> RecvState<N> {
             Some(FlushSlot::Pending(_)) => self.failure.check().map(|()| None),
             _ => Err(not_in_flight("flush", f)),
         }
-    }
-
-    /// Frees receive `id`, whose data has all arrived, and reports its sizes.
-    #[inline(always)] // into `test`: once per receive
-    fn finish_receive(&mut self, id: usize, sizes: &mut impl SizeSink) -> Tested {
-        // Freed by its flag alone: `post_receive` writes the whole slot at its next use. The
-        // fields are read where they are, not copied out.
-        let st = &mut self.slots[id];
-        st.busy = false;
-        let (n, size0, (first, used, _)) = (st.n, st.size0, st.span);
-        self.finished += 1;
-        let bytes = if n == 1 {
-            // NCCL's usual receive: one size, from the immediate.
-            if size0 == TRUNCATED {
-                return Tested::Failed(self.truncated());
-            }
-            sizes.set(0, size0);
-            u64::from(size0)
-        } else {
-            let mut bytes = 0;
-            for i in 0..n {
-                let size = self.sizes_record.get(cts_index(id, i));
-                if size == TRUNCATED {
-                    return Tested::Failed(self.truncated());
-                }
-                sizes.set(i, size);
-                bytes += u64::from(size);
-            }
-            bytes
-        };
-        self.traffic.add(n, bytes);
-        if used == 1 {
-            // All of it on one QP (the common case: no piece arithmetic).
-            let rail = modulo(first, self.rails.len());
-            let stats = &mut self.rails[rail].stats;
-            stats.bytes += bytes;
-            stats.messages += u64::from(bytes > 0);
-        } else {
-            self.count_pieces(id);
-        }
-        Tested::Done(n)
-    }
-
-    /// The error of a receive the sender found too small for its message.
-    #[cold]
-    fn truncated(&self) -> Error {
-        Error::truncated(format!(
-            "{} sent more bytes than the receive posted for them",
-            self.peer
-        ))
-    }
-
-    /// Adds receive `id`, striped or split over the QPs of its span, to the counters of the
-    /// rails its pieces came on (the sender cut them as `post_slot` does).
-    #[inline(never)]
-    fn count_pieces(&mut self, id: usize) {
-        let st = self.slots[id];
-        let (first, used, seq) = st.span;
-        let mut sizes = [st.size0; MAX_RECVS];
-        if st.n > 1 {
-            for (i, size) in sizes[..st.n].iter_mut().enumerate() {
-                *size = self.sizes_record.get(cts_index(id, i));
-            }
-        }
-        let sizes = &sizes[..st.n];
-        let rails = self.rails.len();
-        for k in 0..used {
-            let q = self.plan.qp_of_piece(seq, first, used, k);
-            let bytes: u64 = sizes
-                .iter()
-                .map(|s| piece(*s as usize, k, used).1 as u64)
-                .sum();
-            let stats = &mut self.rails[modulo(q, rails)].stats;
-            stats.bytes += bytes;
-            stats.messages += u64::from(bytes > 0);
-        }
-    }
-
-    /// Writes free `slot`'s clear-to-send entries, one per buffer (into local memory: the
-    /// sender sees them once posted).
-    #[inline(always)] // into `irecv`: once per receive
-    fn announce(
-        &mut self,
-        slot: usize,
-        bufs: &[UserBuffer],
-        tags: &[i32],
-        keys: &impl BufferKeys,
-    ) -> Result<()> {
-        let n = bufs.len();
-        if n == 1 {
-            // NCCL's usual receive: no loop to set up.
-            return self.announce_entry((slot, 0, 1), bufs[0], tags[0], keys);
-        }
-        for (i, b) in bufs.iter().enumerate() {
-            self.announce_entry((slot, i, n), *b, tags[i], keys)?;
-        }
-        Ok(())
-    }
-
-    /// Writes entry `i` of `n` of `slot`: buffer `buf` (whose keys `keys` has as its `i`th)
-    /// with `tag`.
-    #[inline(always)]
-    fn announce_entry(
-        &mut self,
-        (slot, i, n): (usize, usize, usize),
-        buf: UserBuffer,
-        tag: i32,
-        keys: &impl BufferKeys,
-    ) -> Result<()> {
-        let mem = keys.keys(i, buf, &mut self.key_cache)?;
-        // All of them, as the registration holds them: the sender reads those of this
-        // comm's rails.
-        let entry = CtsEntry::new(buf.addr() as u64, buf.len(), mem.rkeys, tag, n, self.seq);
-        self.cts_local.set(cts_index(slot, i), entry);
-        Ok(())
-    }
-
-    /// Posts one receive `wr_id` on connection QP `q` (of `rails` rails).
-    #[inline(always)] // into `post_receive`: once per receive
-    fn post_recv_on(&self, q: usize, rails: usize, wr_id: u64) -> Result<()> {
-        let (r, i) = locate(q, rails);
-        let rail = &self.rails[r];
-        rail.nic.post_recv(&rail.qps[i], wr_id)
-    }
-
-    /// Posts receive `slot` (announced) on the QPs it uses, then its clear-to-send unless
-    /// held back.
-    #[inline(always)] // into `irecv`: one call layer less per message
-    fn post_receive(&mut self, slot: usize, bufs: &[UserBuffer]) -> Result<()> {
-        let n = bufs.len();
-        let rails = self.rails.len();
-        // The sender decides from the first entry's size, saturated as the entry holds it.
-        let posted = bufs[0].len().min(u32::MAX as usize);
-        let (first_qp, used) = self.plan.qps(self.seq, posted);
-        let wr_id = WrKind::Recv.id(slot);
-        if used == 1 {
-            self.post_recv_on(first_qp, rails, wr_id)?;
-        } else {
-            for q in first_qp..first_qp + used {
-                self.post_recv_on(q, rails, wr_id)?;
-            }
-        }
-        self.slots[slot] = RecvSlot {
-            busy: true,
-            n,
-            imm_pending: used as u32,
-            size0: 0,
-            span: (first_qp, used, self.seq),
-        };
-        self.waiting |= 1 << slot;
-        self.seq += 1;
-        // Held back while the sender holds enough to work on and the caller polls its
-        // receives, up to the batch size: one RDMA write (and, on Soft-RoCE, one system
-        // call) then announces several receives.
-        let pending = self.seq - self.cts_posted;
-        if pending >= self.cts_batch || self.announced() < CTS_HOLD_MIN || !self.polled {
-            self.post_pending_cts()?;
-        }
-        Ok(())
     }
 
     /// Receives whose clear-to-send is posted and that have not finished. (Data arrives only
@@ -536,18 +489,7 @@ impl<N: Nic> RecvState<N> {
     /// Posts every clear-to-send held back, in FIFO order: one RDMA WRITE per contiguous run
     /// of slots (whole slots, then the last slot's entries; the sender reads only the entries
     /// a slot announces, each checked by its sequence number).
-    #[inline(always)] // into post_receive: once per receive at the default batch of 1
     fn post_pending_cts(&mut self) -> Result<()> {
-        if self.seq - self.cts_posted == 1 {
-            // The default batch of 1: the receive just posted, in one write.
-            return self.post_cts_run((self.cts_posted % SLOTS as u64) as usize, 1);
-        }
-        self.post_cts_runs()
-    }
-
-    /// [`Self::post_pending_cts`] of several receives (or none).
-    #[inline(never)]
-    fn post_cts_runs(&mut self) -> Result<()> {
         while self.cts_posted != self.seq {
             let first = (self.cts_posted % SLOTS as u64) as usize;
             let pending = (self.seq - self.cts_posted) as usize;
@@ -558,10 +500,8 @@ impl<N: Nic> RecvState<N> {
 
     /// Posts the clear-to-send entries of the `k` receives from slot `first` on, the next
     /// ones due, in one write.
-    #[inline(always)]
     fn post_cts_run(&mut self, first: usize, k: usize) -> Result<()> {
         let bytes = ((k - 1) * MAX_RECVS + self.slots[first + k - 1].n) * CTS_BYTES;
-        // Every CTS_SIGNAL_EVERY-th write (a power of two: a mask) is signaled.
         self.cts_unsignaled = (self.cts_unsignaled + 1) % CTS_SIGNAL_EVERY;
         let signaled = self.cts_unsignaled == 0;
         // The connection's QP 0: the receiver's rail 0 to the sender's rail 0.
@@ -582,27 +522,12 @@ impl<N: Nic> RecvState<N> {
         Ok(())
     }
 
-    /// Polls every rail's CQ once; what arrived is handled out of line.
-    #[inline(always)] // into `test`
-    fn progress(&mut self) -> Result<()> {
-        if self.rails.len() != 1 {
-            return self.progress_rails();
-        }
-        let mut wc = WcBatch::new();
-        if self.rails[0].poll(&mut wc)? {
-            self.drain_rail(0, &mut wc)
-        } else {
-            Ok(())
-        }
-    }
-
-    /// [`Self::progress`] of a comm over several rails: each polled and drained in turn.
-    #[inline(never)]
-    fn progress_rails(&mut self) -> Result<()> {
+    /// Polls every rail's CQ once and hands out what arrived.
+    fn progress(&mut self, gate: &RecvGate<N>) -> Result<()> {
         let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
             if self.rails[r].poll(&mut wc)? {
-                self.drain_rail(r, &mut wc)?;
+                self.drain_rail(gate, r, &mut wc)?;
             }
         }
         Ok(())
@@ -610,46 +535,38 @@ impl<N: Nic> RecvState<N> {
 
     /// Hands what rail `r`'s poll put in `wc` to the receives, flushes and probes it
     /// completes.
-    #[inline(always)] // into `progress` and `test`
-    fn drain_rail(&mut self, r: usize, wc: &mut WcBatch) -> Result<()> {
-        let (seq, finished) = (&self.seq, &self.finished);
-        let (slots, flush_slots, waiting) =
-            (&mut self.slots, &mut self.flush_slots, &mut self.waiting);
-        let probe = self.rails[r].drain(
-            wc,
-            &self.peer,
-            || seq != finished,
-            |c| {
-                let slot = WrKind::slot(c.wr_id());
-                if c.opcode() == WC_RECV_RDMA_WITH_IMM {
-                    // The common case first: a sender's write landed, consuming one of our
-                    // receives (the only requests that complete so). Not counted in flight: the
-                    // sender's work completes them.
-                    let st = &mut slots[slot];
-                    if st.n == 1 {
-                        st.size0 = c.write_imm();
-                    }
-                    if st.imm_pending > 1 {
-                        st.imm_pending -= 1;
-                    } else {
-                        st.imm_pending = 0;
-                        *waiting &= !(1 << slot);
-                    }
-                    return false;
+    fn drain_rail(&mut self, gate: &RecvGate<N>, r: usize, wc: &mut WcBatch) -> Result<()> {
+        let waiting = self.seq != self.finished;
+        let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);
+        let probe = self.rails[r].drain(wc, &self.peer, waiting, |c| {
+            let slot = WrKind::slot(c.wr_id());
+            if c.opcode() == WC_RECV_RDMA_WITH_IMM {
+                // A sender's write landed, consuming one of our receives (the only requests
+                // that complete so). Not counted in flight: the sender's work completes them.
+                let st = &mut slots[slot];
+                if st.n == 1 {
+                    st.size0 = c.write_imm();
                 }
-                match WrKind::of(c.wr_id()) {
-                    Some(WrKind::Flush) => {
-                        flush_slots[slot] = match flush_slots[slot] {
-                            FlushSlot::Pending(n) if n > 1 => FlushSlot::Pending(n - 1),
-                            _ => FlushSlot::Done,
-                        };
-                        true
-                    }
-                    Some(WrKind::Cts | WrKind::Probe) => true,
-                    _ => false,
+                if st.imm_pending > 1 {
+                    st.imm_pending -= 1;
+                } else {
+                    st.imm_pending = 0;
+                    gate.arrived(slot);
                 }
-            },
-        )?;
+                return false;
+            }
+            match WrKind::of(c.wr_id()) {
+                Some(WrKind::Flush) => {
+                    flush_slots[slot] = match flush_slots[slot] {
+                        FlushSlot::Pending(n) if n > 1 => FlushSlot::Pending(n - 1),
+                        _ => FlushSlot::Done,
+                    };
+                    true
+                }
+                Some(WrKind::Cts | WrKind::Probe) => true,
+                _ => false,
+            }
+        })?;
         if probe {
             self.post_probe(r)?;
         }
@@ -677,11 +594,6 @@ impl<N: Nic> RecvState<N> {
         rail.in_flight += 1;
         Ok(())
     }
-
-    /// Clear-to-send writes posted so far, and the receives they announced.
-    fn clear_to_send_counts(&self) -> (u64, u64) {
-        (self.cts_writes, self.cts_posted)
-    }
 }
 
 #[cold]
@@ -691,71 +603,19 @@ fn too_many_flushes() -> Error {
     ))
 }
 
-/// A receive comm over verbs.
-pub(crate) struct VerbsRecvComm<N: Nic> {
-    // Field order is teardown order: the QPs (in the state) before the CQ the gate holds.
-    inner: Mutex<RecvState<N>>,
+/// The receiving end of a verbs connection: its state behind the comm's lock, and the gate
+/// an idle `test` reads instead.
+pub(crate) struct VerbsReceiver<N: Nic = VerbsDevice> {
+    // Field order is teardown order: the QPs (in the state) before the CQs the gate holds.
+    state: Mutex<RecvState<N>>,
     gate: RecvGate<N>,
 }
 
-impl<N: Nic> VerbsRecvComm<N> {
-    /// The proxy's idle test, without the lock: a poll of rail 0's CQ into `wc`, where the
-    /// gate allows one ([`RecvGate::may_poll`]), which finds nothing ([`Look::Idle`]). `None`
-    /// where the gate allows no poll.
-    #[inline(always)]
-    pub(crate) fn poll_unlocked(&self, id: usize, wc: &mut WcBatch) -> Option<Look> {
-        if self.gate.may_poll(id) {
-            Some(self.gate.poll(wc))
-        } else {
-            None
-        }
-    }
-
-    /// The rest of a `test` of request `id`, after [`Self::poll_unlocked`] found `polled`
-    /// (its completions in `wc`).
-    #[inline(always)]
-    pub(crate) fn test_after(
-        &self,
-        id: usize,
-        sizes: &mut impl SizeSink,
-        polled: Option<Look>,
-        wc: &mut WcBatch,
-    ) -> Tested {
-        let found = match polled.unwrap_or_else(|| self.gate.look(id)) {
-            Look::Idle => return Tested::Pending,
-            Look::Found => Some((0, wc)),
-            Look::Further => return self.test_further(id, sizes, wc),
-            Look::Lock => None,
-        };
-        self.test_locked(id, sizes, found)
-    }
-
-    /// `test` under the lock: what the gate did not answer.
-    #[inline(always)]
-    fn test_locked(&self, id: usize, sizes: &mut impl SizeSink, found: Found<'_>) -> Tested {
-        let mut s = self.inner.lock();
-        let r = s.test(id, sizes, found);
-        self.gate.publish(s.gate_waiting());
-        r
-    }
-
-    /// `test` of a comm over several rails whose rail 0 had nothing: the others' CQs.
-    #[inline(never)]
-    fn test_further(&self, id: usize, sizes: &mut impl SizeSink, wc: &mut WcBatch) -> Tested {
-        let found = match self.gate.look_further(wc) {
-            LookFurther::Idle => return Tested::Pending,
-            LookFurther::Found(r) => Some((r, wc)),
-            LookFurther::Lock => None,
-        };
-        self.test_locked(id, sizes, found)
-    }
-
+impl<N: Nic> VerbsReceiver<N> {
     pub(crate) fn new(state: RecvState<N>) -> Self {
-        let gate = RecvGate::new(&state.rails);
-        gate.publish(state.gate_waiting());
-        VerbsRecvComm {
-            inner: Mutex::new(state),
-            gate,
+        VerbsReceiver {
+            gate: RecvGate::new(&state.rails),
+            state: Mutex::new(state),
         }
     }
 
@@ -763,7 +623,7 @@ impl<N: Nic> VerbsRecvComm<N> {
     /// in flight: tests cross the 32-bit boundary without 2^32 messages.
     #[cfg(test)]
     pub(crate) fn skip_to(&self, seq: u64) {
-        let mut s = self.inner.lock();
+        let mut s = self.state.lock();
         assert!(s.slots.iter().all(|st| !st.busy) && s.cts_posted == s.seq);
         (s.seq, s.cts_posted, s.finished) = (seq, seq, seq);
     }
@@ -771,73 +631,67 @@ impl<N: Nic> VerbsRecvComm<N> {
     /// Clear-to-send writes posted, and the receives they announced.
     #[cfg(test)]
     pub(crate) fn cts_counts(&self) -> (u64, u64) {
-        self.inner.lock().clear_to_send_counts()
+        let s = self.state.lock();
+        (s.cts_writes, s.cts_posted)
     }
 
     /// What each rail carried.
     #[cfg(test)]
     pub(crate) fn rail_stats(&self) -> Vec<rail::RailStats> {
-        self.inner.lock().rails.iter().map(|r| r.stats).collect()
+        self.state.lock().rails.iter().map(|r| r.stats).collect()
     }
 }
 
-impl<N: Nic> Endpoint for VerbsRecvComm<N> {
+impl<N: Nic> Endpoint for VerbsReceiver<N> {
     fn peer(&self) -> String {
-        self.inner.lock().peer.clone()
+        self.state.lock().peer.clone()
     }
 
     fn traffic(&self) -> Traffic {
-        self.inner.lock().traffic
+        self.state.lock().traffic
     }
 
     fn summary(&self) -> String {
         // How well clear-to-sends were batched (NCCL_ERDMA_CTS_BATCH), and the rails.
-        let s = self.inner.lock();
-        let (writes, entries) = s.clear_to_send_counts();
+        let s = self.state.lock();
         format!(
-            " ({writes} clear-to-send writes for {entries} receives){}",
+            " ({} clear-to-send writes for {} receives){}",
+            s.cts_writes,
+            s.cts_posted,
             rail::summary(&s.rails)
         )
     }
 }
 
-impl<N: Nic> RecvEndpoint for VerbsRecvComm<N> {
-    #[inline(always)]
+impl<N: Nic> Receiver for VerbsReceiver<N> {
     fn irecv(
         &self,
         bufs: &[UserBuffer],
         tags: &[i32],
-        keys: &impl BufferKeys,
+        handles: Handles<'_>,
     ) -> Result<Option<usize>> {
-        let mut s = self.inner.lock();
-        let looks = self.gate.looks();
-        if looks != s.looks_seen {
-            s.looks_seen = looks;
-            s.polled = true;
-        }
-        let r = s.irecv(bufs, tags, keys);
-        // A quiet comm stays so through a receive that went well (it polls nothing) unless
-        // its clear-to-send is held back.
-        s.quiet = if s.quiet && r.is_ok() {
-            s.cts_posted == s.seq
-        } else {
-            s.is_quiet()
-        };
-        self.gate.publish(s.gate_waiting());
+        let mut s = self.state.lock();
+        let r = s.irecv(&self.gate, bufs, tags, handles);
+        self.gate.lock_wanted(s.needs_lock());
         r
     }
 
-    fn iflush(&self, bufs: &[UserBuffer], keys: &impl BufferKeys) -> Result<Option<usize>> {
-        let mut s = self.inner.lock();
-        let r = s.iflush(bufs, keys);
-        s.quiet = s.is_quiet();
-        self.gate.publish(s.gate_waiting());
+    fn iflush(&self, bufs: &[UserBuffer], handles: Handles<'_>) -> Result<Option<usize>> {
+        let mut s = self.state.lock();
+        let r = s.iflush(bufs, handles);
+        self.gate.lock_wanted(s.needs_lock());
         r
     }
 
+    /// The gate answers a test of a receive still waiting whose CQs hold nothing (most
+    /// tests); everything else is decided under the lock, with what the gate polled.
     fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Tested {
         let mut wc = WcBatch::new();
-        let polled = self.poll_unlocked(id, &mut wc);
-        self.test_after(id, sizes, polled, &mut wc)
+        let found = match self.gate.poll(id, &mut wc) {
+            GatePoll::Idle => return Tested::Pending,
+            GatePoll::Found(rail) => Some((rail, &mut wc)),
+            GatePoll::Lock => None,
+        };
+        self.state.lock().test(&self.gate, id, sizes, found)
     }
 }

@@ -21,14 +21,15 @@ use parking_lot::Mutex;
 use super::cq::IDLE_LOOK_EVERY;
 use super::rail::{self, locate, Rail};
 use super::wire::{
-    cts_index, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_SEQ_OFFSET, MAX_RAILS, SLOTS, TRUNCATED,
+    cts_index, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_SEQ_OFFSET, SLOTS, TRUNCATED,
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, BufferKeys, Endpoint, Failure, KeyCache, SendEndpoint, Tested, Traffic,
+    not_in_flight, Endpoint, Failure, Handles, KeyCache, Sender, Tested, Traffic, MAX_RAILS,
     MAX_RECVS,
 };
+use crate::verbs::device::VerbsDevice;
 use crate::verbs::dma::{DmaBuffer, SendChain, WcBatch, WriteImm};
 use crate::verbs::nic::{Nic, QueuePair};
 
@@ -165,7 +166,6 @@ impl<N: Nic> SendState<N> {
     /// What the next slot's first clear-to-send entry holds once it has landed (its
     /// receive's sequence number + 1), or [`NOT_AWAITED`] while the slot's previous use is
     /// not tested.
-    #[inline(always)]
     fn awaited(&self) -> u64 {
         let st = &self.slots[(self.seq % SLOTS as u64) as usize];
         if st.busy && st.posted {
@@ -175,38 +175,28 @@ impl<N: Nic> SendState<N> {
         }
     }
 
-    /// Whether the next slot's previous use is tested and the receiver's clear-to-send for
-    /// it has landed.
-    #[inline(always)]
-    fn clear_to_send(&self) -> bool {
-        cts_awaited_landed(&self.fifo, self.awaited())
-    }
-
-    /// `isend` once [`Self::clear_to_send`] (see the module doc); returns the request id
-    /// `slot * 8 + entry`.
-    #[inline(always)] // into the endpoint's isend: the idle path stops at `may_send`
+    /// `isend` once the gate saw the clear-to-send `awaited` land in the next slot (see the
+    /// module doc); returns the request id `slot * 8 + entry`.
     fn isend(
         &mut self,
+        awaited: u64,
         buf: UserBuffer,
         tag: i32,
-        keys: &impl BufferKeys,
+        handles: Handles<'_>,
     ) -> Result<Option<usize>> {
         self.failure.check()?;
+        if awaited != self.awaited() {
+            // The gate read what an earlier call left (NCCL drives a comm from one thread,
+            // so this is never expected).
+            return Ok(None);
+        }
         let slot = (self.seq % SLOTS as u64) as usize;
         let want = self.seq + 1;
         let base = cts_index(slot, 0);
-        // Not yet: the slot's previous use is not tested, or its clear-to-send has not come.
-        let st = &self.slots[slot];
-        if st.busy && st.posted {
-            return Ok(None);
-        }
-        // Only the fields used: a whole entry is a 64-byte-aligned copy.
-        let first = self.fifo.read_landed(base, CTS_SEQ_OFFSET, want, |e| {
-            (e.nreqs as usize, e.tag, e.size)
-        });
-        let Some((n, first_tag, first_size)) = first else {
-            return Ok(None);
-        };
+        // The first entry has landed (the gate saw its sequence number): only the fields
+        // used are read.
+        let (n, first_tag, first_size) =
+            self.fifo.read(base, |e| (e.nreqs as usize, e.tag, e.size));
         if n == 0 || n > MAX_RECVS {
             return self.protocol_error(n);
         }
@@ -217,7 +207,7 @@ impl<N: Nic> SendState<N> {
             if used == 1 {
                 let remote_rail = modulo(qp, self.remote_sizes.2);
                 let remote = self.fifo.read(base, |e| (e.addr, e.rkeys[remote_rail]));
-                return self.post_single(slot, (remote, first_size), qp, buf, keys);
+                return self.post_single(slot, (remote, first_size), qp, buf, handles);
             }
         }
         let st = &mut self.slots[slot];
@@ -248,7 +238,7 @@ impl<N: Nic> SendState<N> {
         let Some((e, room)) = found else {
             return Ok(None);
         };
-        let mem = keys.keys(0, buf, &mut self.key_cache)?;
+        let mem = handles.keys(0, buf, &mut self.key_cache)?;
         let st = &mut self.slots[slot];
         st.matched |= 1 << e;
         st.sizes[e] = buf.len();
@@ -273,9 +263,9 @@ impl<N: Nic> SendState<N> {
             // No request goes back, so this slot is never tested and never free again: the
             // comm fails from here on (every later call returns the error rather than
             // waiting on the slot).
-            let e = truncation_error(buf.len(), tag, &self.peer, room);
-            self.failure.note(&e);
-            return Err(e);
+            return Err(self
+                .failure
+                .fail(truncation_error(buf.len(), tag, &self.peer, room)));
         }
         Ok(Some(base + e))
     }
@@ -284,16 +274,15 @@ impl<N: Nic> SendState<N> {
     /// address and key on the QP's rail, holding `room` bytes), which it fits, over
     /// connection QP `qp`: one WRITE_WITH_IMM carrying the data and its size. Only what
     /// `test` reads of the slot is recorded.
-    #[inline(always)] // into `isend`: once per message
     fn post_single(
         &mut self,
         slot: usize,
         (remote, room): ((u64, u32), u32),
         qp: usize,
         buf: UserBuffer,
-        keys: &impl BufferKeys,
+        handles: Handles<'_>,
     ) -> Result<Option<usize>> {
-        let mem = keys.keys(0, buf, &mut self.key_cache)?;
+        let mem = handles.keys(0, buf, &mut self.key_cache)?;
         let (r, i) = locate(qp, self.plan.rails);
         let rail = &mut self.rails[r];
         let qp_r = &rail.qps[i];
@@ -337,14 +326,11 @@ impl<N: Nic> SendState<N> {
         if st.done() {
             let size = st.sizes[e];
             st.tested |= 1 << e;
-            // The two counts apart: made one vector add, they would take three times the
-            // instructions.
-            self.traffic.messages += 1;
             // Every send of the receive tested (each was matched first).
             if st.tested == st.all {
                 st.busy = false;
             }
-            self.traffic.bytes += size as u64;
+            self.traffic.add(1, size as u64);
             return Tested::Done(size);
         }
         if let Err(e) = self.failure.check() {
@@ -352,22 +338,9 @@ impl<N: Nic> SendState<N> {
         }
         if self.rails[0].cq.peer_gone {
             let e = self.rails[0].cq.gone_error(&self.peer);
-            self.failure.note(&e);
-            return Tested::Failed(e);
+            return Tested::Failed(self.failure.fail(e));
         }
         Tested::Pending
-    }
-
-    /// An `isend` that found nothing to post: it looks around when `gate` let it through
-    /// only for that (no clear-to-send had come), or when it is an idle call due to look.
-    /// (A `Result<()>`, one register, so the caller's result needs no memory.)
-    #[inline(never)]
-    fn not_yet(&mut self, gate: &SendGate<N::Mr>) -> Result<()> {
-        if !self.clear_to_send() || gate.idle_call_looks() {
-            self.look_around()
-        } else {
-            Ok(())
-        }
     }
 
     /// An idle isend's look around: drains the CQs (the watchdog and peer watch ride along)
@@ -392,24 +365,9 @@ impl<N: Nic> SendState<N> {
         Err(self.failure.fail(e))
     }
 
-    /// Polls every rail's CQ once, what arrived handled out of line; `waiting`: a send
-    /// waits for its clear-to-send.
-    #[inline(always)] // into `test`: an idle test is one poll
+    /// Polls every rail's CQ once and hands out what arrived; `waiting`: a send waits for
+    /// its clear-to-send.
     fn progress(&mut self, waiting: bool) -> Result<()> {
-        if self.rails.len() != 1 {
-            return self.progress_rails(waiting);
-        }
-        let mut wc = WcBatch::new();
-        if self.rails[0].poll(&mut wc)? {
-            self.drain_rail(0, &mut wc, waiting)
-        } else {
-            Ok(())
-        }
-    }
-
-    /// [`Self::progress`] of a comm over several rails: each polled and drained in turn.
-    #[inline(never)]
-    fn progress_rails(&mut self, waiting: bool) -> Result<()> {
         let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
             if self.rails[r].poll(&mut wc)? {
@@ -420,14 +378,10 @@ impl<N: Nic> SendState<N> {
     }
 
     /// Hands what rail `r`'s poll put in `wc` to the slots and probes it completes.
-    #[inline(always)] // into `progress`
     fn drain_rail(&mut self, r: usize, wc: &mut WcBatch, waiting: bool) -> Result<()> {
         let slots = &mut self.slots;
-        let probe = self.rails[r].drain(
-            wc,
-            &self.peer,
-            || waiting,
-            |c| match WrKind::of(c.wr_id()) {
+        let probe =
+            self.rails[r].drain(wc, &self.peer, waiting, |c| match WrKind::of(c.wr_id()) {
                 Some(WrKind::Send) => {
                     let st = &mut slots[WrKind::slot(c.wr_id())];
                     st.cqe_pending = st.cqe_pending.saturating_sub(1);
@@ -435,8 +389,7 @@ impl<N: Nic> SendState<N> {
                 }
                 Some(WrKind::Probe) => true,
                 _ => false,
-            },
-        )?;
+            })?;
         if probe {
             self.post_probe(r)?;
         }
@@ -560,25 +513,16 @@ fn truncation_error(len: usize, tag: i32, peer: &str, room: u32) -> Error {
 
 /// The sequence number + 1 of the receive clear-to-send entry `i` of `fifo` announces, once
 /// the receiver's write has placed it (and the fields before it).
-#[inline(always)]
+#[inline]
 fn cts_landed<R>(fifo: &DmaBuffer<CtsEntry, R>, i: usize) -> u64 {
     fifo.get_u64(i, CTS_SEQ_OFFSET)
-}
-
-/// Whether the clear-to-send `awaited` (see `SendState::awaited`) has landed: one load of
-/// the FIFO decides "not yet", as in NCCL's IB transport. An entry's sequence number is read
-/// first and alone, the rest only once it matches.
-#[inline(always)]
-fn cts_awaited_landed<R>(fifo: &DmaBuffer<CtsEntry, R>, awaited: u64) -> bool {
-    let slot = (awaited.wrapping_sub(1) % SLOTS as u64) as usize;
-    cts_landed(fifo, cts_index(slot, 0)) == awaited
 }
 
 /// What `SendState::awaited` says while nothing may be sent: a value no entry ever holds
 /// (that would take 2^64 receives), so the one comparison answers "not yet".
 const NOT_AWAITED: u64 = u64::MAX;
 
-/// What `may_send` reads without taking the comm's lock: the FIFO, and what the last locked
+/// What an `isend` reads without taking the comm's lock: the FIFO, and what the last locked
 /// call left. One progress thread drives a comm, so these are its own writes; were they
 /// stale, `isend` decides again under the lock.
 struct SendGate<R> {
@@ -592,18 +536,21 @@ struct SendGate<R> {
 }
 
 impl<R> SendGate<R> {
-    /// Whether an `isend` has anything to do: the clear-to-send has landed, or this idle
-    /// call looks around (see [`Self::idle_call_looks`]).
-    #[inline(always)]
-    fn may_send(&self) -> bool {
-        cts_awaited_landed(&self.fifo, self.awaited.load(Relaxed)) || self.idle_call_looks()
+    /// The clear-to-send the next send waits for, once it has landed: one load of the FIFO
+    /// decides "not yet", as in NCCL's IB transport. (An entry's sequence number is read
+    /// first and alone, the rest only once it matches.)
+    #[inline]
+    fn landed(&self) -> Option<u64> {
+        let awaited = self.awaited.load(Relaxed);
+        let slot = (awaited.wrapping_sub(1) % SLOTS as u64) as usize;
+        (cts_landed(&self.fifo, cts_index(slot, 0)) == awaited).then_some(awaited)
     }
 
     /// Counts an `isend` that finds nothing to post: whether it should look around, as every
     /// [`IDLE_LOOK_EVERY`]th such call does and every call on a failed comm. That keeps
     /// completions, the peer watch and the watchdog moving without a CQ poll on every "not
     /// yet".
-    #[inline(always)]
+    #[inline]
     fn idle_call_looks(&self) -> bool {
         // Load and store, not an atomic add: one thread counts, and a lost count is harmless.
         let n = self.idle_calls.load(Relaxed).wrapping_add(1);
@@ -612,21 +559,21 @@ impl<R> SendGate<R> {
     }
 
     /// Records what a locked call left.
-    #[inline(always)]
     fn publish<N: Nic<Mr = R>>(&self, s: &SendState<N>) {
         self.awaited.store(s.awaited(), Relaxed);
         self.failed.store(s.failure.is_set(), Relaxed);
     }
 }
 
-/// A send comm over verbs.
-pub(crate) struct VerbsSendComm<N: Nic> {
+/// The sending end of a verbs connection: its state behind the comm's lock, and the gate an
+/// idle `isend` reads instead.
+pub(crate) struct VerbsSender<N: Nic = VerbsDevice> {
     // Field order is teardown order: the QPs (in the state) before the FIFO.
-    inner: Mutex<SendState<N>>,
+    state: Mutex<SendState<N>>,
     gate: SendGate<N::Mr>,
 }
 
-impl<N: Nic> VerbsSendComm<N> {
+impl<N: Nic> VerbsSender<N> {
     pub(crate) fn new(state: SendState<N>) -> Self {
         let gate = SendGate {
             fifo: Arc::clone(&state.fifo),
@@ -634,17 +581,35 @@ impl<N: Nic> VerbsSendComm<N> {
             idle_calls: AtomicU32::new(0),
             failed: AtomicBool::new(false),
         };
-        VerbsSendComm {
-            inner: Mutex::new(state),
+        VerbsSender {
+            state: Mutex::new(state),
             gate,
         }
+    }
+
+    /// An `isend` with nothing to post: "not yet", after a look around when one is due.
+    #[inline]
+    fn not_yet(&self) -> Result<Option<usize>> {
+        if self.gate.idle_call_looks() {
+            self.look_around()
+        } else {
+            Ok(None)
+        }
+    }
+
+    /// [`SendState::look_around`], under the lock.
+    fn look_around(&self) -> Result<Option<usize>> {
+        let mut s = self.state.lock();
+        let r = s.look_around();
+        self.gate.publish(&s);
+        r.map(|()| None)
     }
 
     /// Makes the next slot the one of receive `seq` (the receiver must do the same). Only
     /// while nothing is in flight: tests cross the 32-bit boundary without 2^32 messages.
     #[cfg(test)]
     pub(crate) fn skip_to(&self, seq: u64) {
-        let mut s = self.inner.lock();
+        let mut s = self.state.lock();
         assert!(s.slots.iter().all(|st| !st.busy) && s.rails.iter().all(|r| r.in_flight == 0));
         s.seq = seq;
         self.gate.publish(&s);
@@ -653,7 +618,7 @@ impl<N: Nic> VerbsSendComm<N> {
     /// The QP numbers of the connection, in connection order.
     #[cfg(test)]
     pub(crate) fn qpns(&self) -> Vec<u32> {
-        let s = self.inner.lock();
+        let s = self.state.lock();
         (0..s.plan.nqps)
             .map(|q| {
                 let (r, i) = locate(q, s.rails.len());
@@ -665,41 +630,44 @@ impl<N: Nic> VerbsSendComm<N> {
     /// What each rail carried.
     #[cfg(test)]
     pub(crate) fn rail_stats(&self) -> Vec<rail::RailStats> {
-        self.inner.lock().rails.iter().map(|r| r.stats).collect()
+        self.state.lock().rails.iter().map(|r| r.stats).collect()
     }
 }
 
-impl<N: Nic> Endpoint for VerbsSendComm<N> {
+impl<N: Nic> Endpoint for VerbsSender<N> {
     fn peer(&self) -> String {
-        self.inner.lock().peer.clone()
+        self.state.lock().peer.clone()
     }
 
     fn traffic(&self) -> Traffic {
-        self.inner.lock().traffic
+        self.state.lock().traffic
     }
 
     fn summary(&self) -> String {
-        rail::summary(&self.inner.lock().rails)
+        rail::summary(&self.state.lock().rails)
     }
 }
 
-impl<N: Nic> SendEndpoint for VerbsSendComm<N> {
-    fn may_send(&self) -> bool {
-        self.gate.may_send()
-    }
-
-    fn isend(&self, buf: UserBuffer, tag: i32, keys: &impl BufferKeys) -> Result<Option<usize>> {
-        let mut s = self.inner.lock();
-        let r = match s.isend(buf, tag, keys) {
-            Ok(None) => s.not_yet(&self.gate).map(|()| None),
-            r => r,
+impl<N: Nic> Sender for VerbsSender<N> {
+    /// The gate answers an `isend` whose clear-to-send has not landed (most calls); the rest
+    /// is decided under the lock.
+    fn isend(&self, buf: UserBuffer, tag: i32, handles: Handles<'_>) -> Result<Option<usize>> {
+        let Some(awaited) = self.gate.landed() else {
+            return self.not_yet();
         };
+        let mut s = self.state.lock();
+        let r = s.isend(awaited, buf, tag, handles);
         self.gate.publish(&s);
-        r
+        drop(s);
+        match r {
+            // Landed, but not for this send yet (another tag, an entry of a group to come).
+            Ok(None) => self.not_yet(),
+            r => r,
+        }
     }
 
     fn test(&self, id: usize) -> Tested {
-        let mut s = self.inner.lock();
+        let mut s = self.state.lock();
         let r = s.test(id);
         // A send not done yet freed no slot and found the comm alive: nothing to publish.
         if !matches!(r, Tested::Pending) {

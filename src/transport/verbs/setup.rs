@@ -10,12 +10,12 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use super::cq::CqPoller;
 use super::rail::{locate, Rail};
-use super::recv::{RecvState, VerbsRecvComm, RECEIVER_SEND_DEPTH};
-use super::send::{SendState, VerbsSendComm, PROBE_AT};
-use super::wire::{ConnInfo, CtsEntry, QpPlan, RailInfo, MAX_INLINE, MAX_QPS, MAX_RAILS, SLOTS};
+use super::recv::{RecvState, VerbsReceiver, RECEIVER_SEND_DEPTH};
+use super::send::{SendState, VerbsSender, PROBE_AT};
+use super::wire::{ConnInfo, CtsEntry, QpPlan, RailInfo, MAX_INLINE, MAX_QPS, SLOTS};
 use crate::error::{Error, Result};
-use crate::oob::{Channel, Handle, Hello, Listener, Message, MsgKind, Timeouts, TransportKind};
-use crate::transport::{Connecting, Listening, RecvEnd, SendEnd, MAX_RECVS};
+use crate::oob::{self, Channel, Handle, Hello, Message, MsgKind, Timeouts, TransportKind};
+use crate::transport::{Connector, Listener, MAX_RAILS, MAX_RECVS};
 use crate::verbs::device::{mtu_bytes, VerbsDevice, LINK_LAYER_ETHERNET};
 use crate::verbs::dma::DmaBuffer;
 use crate::verbs::nic::{LocalPort, MemoryRegion, Nic, QueuePair};
@@ -238,14 +238,14 @@ struct Unconnected<N: Nic> {
 }
 
 /// The connecting side, between NCCL's repeated `connect` calls.
-pub(crate) struct VerbsConnecting<N: Nic> {
+pub(crate) struct VerbsConnector<N: Nic = VerbsDevice> {
     chan: Channel,
     made: Option<Unconnected<N>>,
     sender: Option<SendState<N>>,
     params: ConnParams,
 }
 
-impl<N: Nic> VerbsConnecting<N> {
+impl<N: Nic> VerbsConnector<N> {
     /// Creates the sender's QPs (over the rails `nics`) and FIFO and starts the handshake
     /// with the listener.
     pub(crate) fn start(nics: &[Arc<N>], handle: &Handle, params: ConnParams) -> Result<Self> {
@@ -263,7 +263,7 @@ impl<N: Nic> VerbsConnecting<N> {
             payload: info.encode(),
         };
         chan.queue(MsgKind::Hello, &hello.encode());
-        Ok(VerbsConnecting {
+        Ok(VerbsConnector {
             chan,
             made: Some(Unconnected {
                 rails,
@@ -275,8 +275,8 @@ impl<N: Nic> VerbsConnecting<N> {
         })
     }
 
-    /// One non-blocking step; the send comm once the listener is ready.
-    pub(crate) fn step(&mut self) -> Result<Option<VerbsSendComm<N>>> {
+    /// One non-blocking step; the sending end once the listener is ready.
+    fn step(&mut self) -> Result<Option<VerbsSender<N>>> {
         if !self.chan.flush()? {
             return Ok(None);
         }
@@ -296,7 +296,7 @@ impl<N: Nic> VerbsConnecting<N> {
         if let Some(stream) = self.chan.try_clone_stream() {
             s.rails[0].cq.watch(stream);
         }
-        Ok(Some(VerbsSendComm::new(s)))
+        Ok(Some(VerbsSender::new(s)))
     }
 
     /// Brings the QPs up against the listener's answer.
@@ -354,30 +354,27 @@ impl<N: Nic> VerbsConnecting<N> {
     }
 }
 
-impl Connecting for VerbsConnecting<VerbsDevice> {
-    fn poll(&mut self) -> Result<Option<SendEnd>> {
-        Ok(self.step()?.map(SendEnd::Verbs))
+impl<N: Nic> Connector for VerbsConnector<N> {
+    type Sender = VerbsSender<N>;
+
+    fn poll(&mut self) -> Result<Option<VerbsSender<N>>> {
+        self.step()
     }
 }
 
 /// The listening side of one connection.
-pub(crate) struct VerbsListen<N: Nic> {
-    listener: Listener,
+pub(crate) struct VerbsListener<N: Nic = VerbsDevice> {
+    listener: oob::Listener,
     nics: Vec<Arc<N>>,
     params: ConnParams,
     accepting: Option<(Channel, RecvState<N>)>,
 }
 
-impl<N: Nic> VerbsListen<N> {
-    /// The handle for the peer's `connect`.
-    pub(crate) fn handle(&self) -> &Handle {
-        self.listener.handle()
-    }
-
+impl<N: Nic> VerbsListener<N> {
     /// Binds the bootstrap listener for a device over the rails `nics`.
     pub(crate) fn bind(ip: std::net::IpAddr, nics: &[Arc<N>], params: ConnParams) -> Result<Self> {
-        Ok(VerbsListen {
-            listener: Listener::bind(ip, TransportKind::Verbs, params.timeouts)?,
+        Ok(VerbsListener {
+            listener: oob::Listener::bind(ip, TransportKind::Verbs, params.timeouts)?,
             nics: nics.to_vec(),
             params,
             accepting: None,
@@ -385,7 +382,7 @@ impl<N: Nic> VerbsListen<N> {
     }
 
     /// One non-blocking step of `accept`.
-    pub(crate) fn step(&mut self) -> Result<Option<VerbsRecvComm<N>>> {
+    fn step(&mut self) -> Result<Option<VerbsReceiver<N>>> {
         if self.accepting.is_none() {
             let Some((mut chan, hello)) = self.listener.poll_hello()? else {
                 return Ok(None);
@@ -425,7 +422,7 @@ impl<N: Nic> VerbsListen<N> {
                     return Ok(None);
                 };
                 state.rails[0].cq.watch(chan.into_stream());
-                Ok(Some(VerbsRecvComm::new(state)))
+                Ok(Some(VerbsReceiver::new(state)))
             }
             Some(m) => Err(Error::remote(format!(
                 "{} sent message type {:?} instead of ready",
@@ -471,12 +468,14 @@ impl<N: Nic> VerbsListen<N> {
     }
 }
 
-impl Listening for VerbsListen<VerbsDevice> {
+impl<N: Nic> Listener for VerbsListener<N> {
+    type Receiver = VerbsReceiver<N>;
+
     fn handle(&self) -> &Handle {
-        VerbsListen::handle(self)
+        self.listener.handle()
     }
 
-    fn poll_accept(&mut self) -> Result<Option<RecvEnd>> {
-        Ok(self.step()?.map(RecvEnd::Verbs))
+    fn poll_accept(&mut self) -> Result<Option<VerbsReceiver<N>>> {
+        self.step()
     }
 }

@@ -4,7 +4,7 @@
 //! with, and how a message is split over several QPs. Pure data and arithmetic, no verbs.
 
 use crate::error::{Error, Result};
-use crate::transport::{MAX_RECVS, MAX_REQUESTS};
+use crate::transport::{MAX_RAILS, MAX_RECVS, MAX_REQUESTS};
 
 /// Receive slots per connection: one per request NCCL may keep in flight.
 pub(crate) const SLOTS: usize = MAX_REQUESTS;
@@ -12,8 +12,6 @@ pub(crate) const SLOTS: usize = MAX_REQUESTS;
 pub(crate) const TRUNCATED: u32 = u32::MAX;
 /// Bytes per clear-to-send entry (one cache line; the `seq` word never straddles one).
 pub(crate) const CTS_BYTES: usize = 64;
-/// Most NICs (rails) one connection spans: a virtual device of NCCL's v12 ABI.
-pub(crate) const MAX_RAILS: usize = 8;
 /// Alignment of the pieces a message is split into over several QPs (LL/LL128 lines).
 pub(crate) const SPLIT_ALIGN: usize = 128;
 /// eRDMA's inline limit, and enough for three clear-to-send entries.
@@ -71,7 +69,7 @@ impl CtsEntry {
 }
 
 /// Entry `i` of `slot` in a FIFO of `SLOTS * MAX_RECVS` entries.
-#[inline(always)]
+#[inline]
 pub(crate) fn cts_index(slot: usize, i: usize) -> usize {
     slot * MAX_RECVS + i
 }
@@ -94,13 +92,13 @@ pub(crate) enum WrKind {
 
 impl WrKind {
     /// The id of a request of this kind for `slot`.
-    #[inline(always)]
+    #[inline]
     pub(crate) const fn id(self, slot: usize) -> u64 {
         (self as u64) << 32 | slot as u64
     }
 
     /// The kind of request `wr_id` (None for an id we never post).
-    #[inline(always)]
+    #[inline]
     pub(crate) fn of(wr_id: u64) -> Option<WrKind> {
         Some(match wr_id >> 32 {
             1 => WrKind::Recv,
@@ -113,7 +111,7 @@ impl WrKind {
     }
 
     /// The slot of request `wr_id`.
-    #[inline(always)]
+    #[inline]
     pub(crate) fn slot(wr_id: u64) -> usize {
         (wr_id & 0xffff_ffff) as usize % SLOTS
     }
@@ -151,7 +149,7 @@ pub(crate) const STRIPE_MIN: usize = 16 << 10;
 
 /// `x % n` (n > 0) on the data path: a mask for the usual counts of QPs and rails (1, 2, 4,
 /// 8), which are powers of two, and a division (tens of cycles) only for the others.
-#[inline(always)]
+#[inline]
 pub(crate) fn modulo(x: usize, n: usize) -> usize {
     if n == 1 {
         // One QP, one rail: the common case, decided by one compare.
@@ -179,7 +177,7 @@ impl QpPlan {
     /// The QPs request `seq` uses, whose first receive buffer holds `posted` bytes: (first,
     /// how many). Split: every QP. A large receive on several rails: one QP of each rail, the
     /// QP group taking turns. Otherwise one QP, taking turns (so over every rail).
-    #[inline(always)]
+    #[inline]
     pub(crate) fn qps(&self, seq: u64, posted: usize) -> (usize, usize) {
         if self.nqps == 1 {
             (0, 1)
@@ -196,7 +194,7 @@ impl QpPlan {
     /// The QP (index into the connection's QPs) that carries piece `k` of request `seq`'s
     /// `used` pieces starting at `first`. Pieces rotate with the sequence number, so the
     /// first piece (all of a small message) lands on each rail in turn.
-    #[inline(always)]
+    #[inline]
     pub(crate) fn qp_of_piece(&self, seq: u64, first: usize, used: usize, k: usize) -> usize {
         if used == 1 {
             first

@@ -17,13 +17,13 @@ pub(super) fn isend(b: &mut Bench) {
         "isend with a NULL request slot",
         "isend",
         raw_isend(net, s, p, 8, mh, null()),
-        INVAL,
+        INTERNAL,
     );
     e.code(
         "isend on a NULL comm",
         "isend",
         raw_isend(net, Opaque::NULL, p, 8, mh, &mut req),
-        INVAL,
+        INTERNAL,
     );
     e.code(
         "isend on a recv comm",
@@ -50,27 +50,27 @@ pub(super) fn isend_matched(b: &mut Bench, rmh: Opaque) {
         "isend of a NULL buffer",
         "isend",
         isend_answer(net, s, null(), 8, mh, &mut req),
-        INVAL,
+        INTERNAL,
     );
     if v <= 8 {
         e.code(
             "isend of size -1 (int)",
             "isend",
             isend_answer(net, s, p, -1, mh, &mut req),
-            INVAL,
+            INTERNAL,
         );
         e.code(
             "isend of size INT_MIN (int)",
             "isend",
             isend_answer(net, s, p, i64::from(i32::MIN), mh, &mut req),
-            INVAL,
+            INTERNAL,
         );
     } else {
         e.code(
             "isend beyond maxP2pBytes",
             "isend",
             isend_answer(net, s, p, (1 << 30) + 1, mh, &mut req),
-            INVAL,
+            INTERNAL,
         );
     }
     e.code(
@@ -126,37 +126,37 @@ pub(super) fn irecv_arrays(b: &mut Bench, ok: Arrays<'_>) {
                 request: false,
                 ..ok
             },
-            INVAL,
+            INTERNAL,
         ),
-        ("irecv with n = 0", Arrays { n: 0, ..ok }, INVAL),
-        ("irecv with n = -1", Arrays { n: -1, ..ok }, INVAL),
+        ("irecv with n = 0", Arrays { n: 0, ..ok }, INTERNAL),
+        ("irecv with n = -1", Arrays { n: -1, ..ok }, INTERNAL),
         (
             "irecv with n = maxRecvs + 1",
             Arrays {
                 n: max_recvs + 1,
                 ..ok
             },
-            INVAL,
+            INTERNAL,
         ),
         (
             "irecv with n = INT_MAX",
             Arrays { n: i32::MAX, ..ok },
-            INVAL,
+            INTERNAL,
         ),
         (
             "irecv with a NULL data array",
             Arrays { data: None, ..ok },
-            INVAL,
+            INTERNAL,
         ),
         (
             "irecv with a NULL sizes array",
             Arrays { sizes: None, ..ok },
-            INVAL,
+            INTERNAL,
         ),
         (
             "irecv with a NULL tags array",
             Arrays { tags: None, ..ok },
-            INVAL,
+            INTERNAL,
         ),
         (
             "irecv with a NULL mhandles array",
@@ -164,7 +164,7 @@ pub(super) fn irecv_arrays(b: &mut Bench, ok: Arrays<'_>) {
                 mhandles: None,
                 ..ok
             },
-            INVAL,
+            INTERNAL,
         ),
         (
             "irecv of a NULL buffer",
@@ -172,7 +172,7 @@ pub(super) fn irecv_arrays(b: &mut Bench, ok: Arrays<'_>) {
                 data: Some(&[null(); 16]),
                 ..ok
             },
-            INVAL,
+            INTERNAL,
         ),
         (
             "irecv with an unknown mhandle",
@@ -203,7 +203,7 @@ pub(super) fn irecv_comms(b: &mut Bench, ok: Arrays<'_>) {
     let (v, s, r) = (b.v, b.s, b.r);
     let (net, e) = (&b.net, &mut b.e);
     let (code, _) = raw_irecv(net, Opaque::NULL, ok);
-    e.code("irecv on a NULL comm", "irecv", code, INVAL);
+    e.code("irecv on a NULL comm", "irecv", code, INTERNAL);
     let (code, _) = raw_irecv(net, s, ok);
     e.code("irecv on a send comm", "irecv", code, INTERNAL);
     if v <= 8 {
@@ -215,7 +215,7 @@ pub(super) fn irecv_comms(b: &mut Bench, ok: Arrays<'_>) {
                 ..ok
             },
         );
-        e.code("irecv of size -5 (int)", "irecv", code, INVAL);
+        e.code("irecv of size -5 (int)", "irecv", code, INTERNAL);
     }
 }
 
@@ -261,13 +261,13 @@ pub(super) fn iflush(b: &mut Bench, ok: Arrays<'_>) {
             },
         ),
     ] {
-        e.code(what, "iflush", raw_iflush(net, r, a), INVAL);
+        e.code(what, "iflush", raw_iflush(net, r, a), INTERNAL);
     }
     e.code(
         "iflush on a NULL comm",
         "iflush",
         raw_iflush(net, Opaque::NULL, ok),
-        INVAL,
+        INTERNAL,
     );
     e.code(
         "iflush on a send comm",
@@ -295,13 +295,13 @@ pub(super) fn test_requests(b: &mut Bench) {
         "test with a NULL done",
         "test",
         net.test_code(rreq, None),
-        INVAL,
+        INTERNAL,
     );
     e.code(
         "test(NULL)",
         "test",
         net.test_code(Opaque::NULL, Some(&mut 0)),
-        INVAL,
+        INTERNAL,
     );
     e.code(
         "test of a comm",
@@ -330,13 +330,13 @@ pub(super) fn close_comms(b: &mut Bench) {
         "closeSend(NULL)",
         "closeSend",
         net.close_send(Opaque::NULL),
-        INVAL,
+        INTERNAL,
     );
     e.err(
         "closeRecv(NULL)",
         "closeRecv",
         net.close_recv(Opaque::NULL),
-        INVAL,
+        INTERNAL,
     );
     e.err(
         "closeSend of a recv comm",

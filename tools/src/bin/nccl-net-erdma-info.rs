@@ -1,16 +1,19 @@
 //! `nccl-net-erdma-info`: what the plugin sees on this host, as the plugin would use it, with
 //! a fix for every problem found. Exit status 0 when the plugin can run here, 1 otherwise.
+//! The library runs its `init` once and hands over the facts (`report::collect`); this
+//! program only renders them, as text or JSON.
 
-use std::{io::Write, process::ExitCode};
+use std::{fmt::Write as _, io::Write, process::ExitCode};
 
 use clap::Parser;
-use nccl_net_erdma::report::{self, Report};
+use nccl_net_erdma::report::{self, Port, Report};
 use serde_json::{json, Value};
 
 /// What nccl-net-erdma sees on this host: RDMA devices and ports as the plugin would use
-/// them (GID, MTU, speed, QPs per connection), GPUDirect RDMA readiness, every setting and
-/// where it came from, what NCCL would get, and warnings with their fixes. Run it with the
-/// same environment as the job. Exit status 0 when the plugin can run here, 1 otherwise.
+/// them (GID, MTU, speed, QPs per connection, NUMA node), GPUDirect RDMA readiness, NIC
+/// fusion, every setting and where it came from, what NCCL would get, and warnings with their
+/// fixes. Run it with the same environment as the job. Exit status 0 when the plugin can run
+/// here, 1 otherwise.
 #[derive(Parser)]
 #[command(name = "nccl-net-erdma-info", version)]
 struct Args {
@@ -19,13 +22,167 @@ struct Args {
     json: bool,
 }
 
+fn yes_no(b: bool, yes: &str, no: &str) -> String {
+    (if b { yes } else { no }).to_string()
+}
+
+/// One port, as the text report shows it.
+fn describe_port(p: &Port) -> String {
+    let netdev = match &p.netdev {
+        Some((n, Some(m))) => format!("netdev {n} MTU {m}"),
+        Some((n, None)) => format!("netdev {n}"),
+        None => "no netdev".into(),
+    };
+    let speed = if p.speed_mbps.source == "the port" {
+        format!("{} Mbps (from the port)", p.port_speed_mbps)
+    } else {
+        format!(
+            "{} Mbps ({}; port says {})",
+            p.speed_mbps.value, p.speed_mbps.source, p.port_speed_mbps
+        )
+    };
+    let driver = p.driver.as_deref().unwrap_or(if p.pci_path.is_none() {
+        "none (a software device)"
+    } else {
+        "?"
+    });
+    format!(
+        "{} port {}: {} {}, driver {driver}, vendor {:#06x}\n    \
+         active MTU {} ({netdev}), GID index {} {} ({}), speed {speed}\n    \
+         PCI {}, NUMA node {}, max QPs {}, QPs per connection {} ({}), clear-to-send batch \
+         {} ({}), {}",
+        p.device,
+        p.port,
+        p.state,
+        p.link_layer,
+        p.vendor_id,
+        p.active_mtu,
+        p.gid_index,
+        p.gid,
+        p.gid_source,
+        p.pci_path.as_deref().unwrap_or("none"),
+        p.numa_node.map_or("?".to_string(), |n| n.to_string()),
+        p.max_qp,
+        p.qps_per_connection.value,
+        p.qps_per_connection.source,
+        p.cts_batch.value,
+        p.cts_batch.source,
+        match &p.used {
+            Ok(()) => "used by the plugin",
+            Err(why) => why,
+        }
+    )
+}
+
+/// The report as text: titled sections, then the warnings and the verdict.
+fn render(r: &Report) -> String {
+    let f = &r.facts;
+    let mut sections: Vec<(&str, Vec<String>)> = vec![(
+        "plugin",
+        vec![
+            format!("nccl-net-erdma {}", r.version),
+            format!("ABI: {}", r.abi),
+        ],
+    )];
+    if let Some(b) = &r.bootstrap {
+        sections.push(("bootstrap", vec![b.clone()]));
+    }
+    if let Some(lib) = &f.libibverbs {
+        let mut lines = vec![format!("libibverbs: {lib}")];
+        lines.extend(f.ports.iter().map(describe_port));
+        if f.ports.is_empty() {
+            lines.push("none".into());
+        }
+        sections.push(("RDMA devices", lines));
+    }
+    if !f.fusion.reason.is_empty() {
+        let mut lines = vec![f.fusion.reason.clone()];
+        if !f.fusion.members.is_empty() {
+            lines.push(format!(
+                "NCCL sees one device {} over {} rails; large messages are striped over all of \
+                 them",
+                f.fusion.members.join("+"),
+                f.fusion.members.len()
+            ));
+        } else if f.devices.len() > 1 {
+            lines.push(
+                "NCCL sees each NIC as its own device and may fuse them itself (makeVDevice, \
+                 NCCL_NET_FORCE_MERGE)"
+                    .into(),
+            );
+        }
+        sections.push(("NIC fusion", lines));
+    }
+    if f.libibverbs.is_some() {
+        let g = &f.gpudirect;
+        sections.push((
+            "GPUDirect RDMA",
+            vec![
+                format!("NVIDIA GPU present: {}", yes_no(g.gpu, "yes", "no")),
+                format!(
+                    "peer memory (nvidia_peermem): {}",
+                    yes_no(g.peermem, "present", "absent")
+                ),
+                format!(
+                    "DMA-BUF registration (ibv_reg_dmabuf_mr): {}",
+                    yes_no(g.dmabuf, "supported", "not supported")
+                ),
+            ],
+        ));
+    }
+    sections.push((
+        "settings",
+        r.settings
+            .iter()
+            .map(|s| format!("{} = {} ({})", s.name, s.value, s.source))
+            .collect(),
+    ));
+    if r.plugin_runs {
+        let mut lines = vec![format!("transport: {}", f.transport)];
+        lines.extend(f.devices.iter().map(|d| {
+            format!(
+                "device {}: {} speed {} Mbps ptrSupport {:#x} PCI {}",
+                d.index,
+                d.name,
+                d.speed_mbps,
+                d.ptr_support,
+                d.pci_path.as_deref().unwrap_or("none")
+            )
+        }));
+        sections.push(("what NCCL would get", lines));
+    }
+    let mut out = String::new();
+    for (title, lines) in sections {
+        let _ = writeln!(out, "== {title}");
+        for l in lines {
+            let _ = writeln!(out, "  {l}");
+        }
+    }
+    let warnings: Vec<_> = r.all_warnings().collect();
+    let _ = writeln!(out, "== warnings ({})", warnings.len());
+    for w in warnings {
+        let _ = writeln!(out, "  WARNING: {}\n    fix: {}", w.what, w.fix);
+    }
+    match &r.failure {
+        None => {
+            let _ = writeln!(out, "== result: the plugin can run here");
+        }
+        Some(why) => {
+            let _ = writeln!(out, "== result: the plugin cannot run here: {why}");
+        }
+    }
+    out
+}
+
 fn to_json(r: &Report) -> Value {
-    let ports: Vec<Value> = r
+    let f = &r.facts;
+    let ports: Vec<Value> = f
         .ports
         .iter()
         .map(|p| {
             json!({
                 "name": p.name,
+                "device": p.device,
                 "port": p.port,
                 "state": p.state,
                 "link_layer": p.link_layer,
@@ -37,13 +194,14 @@ fn to_json(r: &Report) -> Value {
                 "gid_index": p.gid_index,
                 "gid": p.gid,
                 "gid_source": p.gid_source,
-                "speed_mbps": p.speed_mbps,
+                "speed_mbps": p.speed_mbps.value,
+                "speed_source": p.speed_mbps.source,
                 "port_speed_mbps": p.port_speed_mbps,
                 "pci_path": p.pci_path,
                 "numa_node": p.numa_node,
                 "max_qp": p.max_qp,
-                "qps_per_connection": {"value": p.qps_per_connection.0, "source": p.qps_per_connection.1},
-                "cts_batch": {"value": p.cts_batch.0, "source": p.cts_batch.1},
+                "qps_per_connection": {"value": p.qps_per_connection.value, "source": p.qps_per_connection.source},
+                "cts_batch": {"value": p.cts_batch.value, "source": p.cts_batch.source},
                 "used": p.used.is_ok(),
                 "unused_because": p.used.as_ref().err(),
             })
@@ -53,31 +211,32 @@ fn to_json(r: &Report) -> Value {
         "version": r.version,
         "abi": r.abi,
         "bootstrap": r.bootstrap,
-        "libibverbs": r.libibverbs,
+        "libibverbs": f.libibverbs,
         "devices": ports,
         "fusion": {
-            "fused": !r.fusion.members.is_empty(),
-            "members": r.fusion.members,
-            "reason": r.fusion.reason,
+            "fused": !f.fusion.members.is_empty(),
+            "members": f.fusion.members,
+            "reason": f.fusion.reason,
         },
         "gpudirect": {
-            "nvidia_gpu": r.gpudirect.gpu,
-            "peer_memory": r.gpudirect.peermem,
-            "dmabuf": r.gpudirect.dmabuf,
+            "nvidia_gpu": f.gpudirect.gpu,
+            "peer_memory": f.gpudirect.peermem,
+            "dmabuf": f.gpudirect.dmabuf,
         },
         "settings": r.settings.iter().map(|s| json!({
             "name": s.name, "value": s.value, "source": s.source, "doc": s.doc,
         })).collect::<Vec<_>>(),
         "nccl": {
-            "transport": r.transport,
-            "devices": r.nccl_devices.iter().map(|d| json!({
+            "transport": r.plugin_runs.then_some(&f.transport),
+            "devices": f.devices.iter().map(|d| json!({
                 "index": d.index,
                 "name": d.name,
                 "speed_mbps": d.speed_mbps,
                 "ptr_support": format!("{:#x}", d.ptr_support),
+                "pci_path": d.pci_path,
             })).collect::<Vec<_>>(),
         },
-        "warnings": r.warnings.iter().map(|w| json!({"what": w.what, "fix": w.fix})).collect::<Vec<_>>(),
+        "warnings": r.all_warnings().map(|w| json!({"what": w.what, "fix": w.fix})).collect::<Vec<_>>(),
         "plugin_runs": r.plugin_runs,
         "failure": r.failure,
     })
@@ -89,7 +248,7 @@ fn main() -> ExitCode {
     let text = if args.json {
         format!("{:#}\n", to_json(&report))
     } else {
-        report.render()
+        render(&report)
     };
     // A closed pipe (`| head`) is not an error worth a panic.
     let _ = std::io::stdout().lock().write_all(text.as_bytes());

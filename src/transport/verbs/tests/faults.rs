@@ -10,13 +10,13 @@ fn a_send_larger_than_its_receive_fails_on_both_sides() {
     let mut dst = c.buf(false, 64, 0);
     let mut src = c.buf(true, 65, 1);
     let r = c.irecv(&mut [&mut dst], &[3]);
-    let e = c.isend(src.whole(), src.keys(), 3).unwrap_err();
+    let e = c.isend(src.whole(), src.mh, 3).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidUsage);
     assert!(e.to_string().contains("65 bytes"), "{e}");
     let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
     assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
     // The comm stays failed: a later send is an error, not a wait.
-    assert!(c.send.isend(src.whole(), 3, &src.keys()).is_err());
+    assert!(c.send.isend(src.whole(), 3, c.handles(&[src.mh])).is_err());
 }
 
 #[test]
@@ -26,7 +26,7 @@ fn a_truncated_first_send_of_a_group_fails_the_receive_while_the_sender_lives() 
     let mut b = c.buf(false, 64, 0);
     let r = c.irecv(&mut [&mut a, &mut b], &[1, 2]);
     let mut big = c.buf(true, 128, 1);
-    let e = c.isend(big.whole(), big.keys(), 1).unwrap_err();
+    let e = c.isend(big.whole(), big.mh, 1).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidUsage);
     // The second send never comes (the comm failed); the receive must fail, not wait.
     let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
@@ -42,7 +42,7 @@ fn a_truncated_last_send_of_a_group_fails_the_receive_and_the_first_completes() 
     let mut ok = c.buf(true, 64, 1);
     let mut big = c.buf(true, 65, 2);
     let first = c.send_buf(&mut ok, 2);
-    assert!(c.isend(big.whole(), big.keys(), 1).is_err());
+    assert!(c.isend(big.whole(), big.mh, 1).is_err());
     assert_eq!(wait(|| c.test_send(first)).unwrap(), Completion::single(64));
     let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
     assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
@@ -64,8 +64,10 @@ fn a_failing_cq_poll_fails_a_waiting_receive_with_its_error_and_the_comm_stays_f
     c.fabric.fail_polls(None);
     // Failed for good: the next receive is refused, not posted.
     let mut again = c.buf(false, 64, 0);
-    let keys = again.keys();
-    assert!(c.recv.irecv(&[again.whole()], &[0], &keys).is_err());
+    assert!(c
+        .recv
+        .irecv(&[again.whole()], &[0], c.handles(&[again.mh]))
+        .is_err());
 }
 
 #[test]
@@ -90,7 +92,7 @@ fn a_failed_write_is_an_error_naming_peer_operation_and_status() {
         assert!(msg.contains(part), "{part:?} missing in: {msg}");
     }
     // The comm stays failed.
-    assert!(c.send.isend(src.whole(), 0, &src.keys()).is_err());
+    assert!(c.send.isend(src.whole(), 0, c.handles(&[src.mh])).is_err());
 }
 
 #[test]
@@ -142,7 +144,10 @@ fn a_peer_that_closes_fails_the_waiting_side() {
     drop(c.recv);
     let deadline = Instant::now() + Duration::from_secs(10);
     let e = loop {
-        match c.send.isend(src.whole(), 0, &src.keys()) {
+        match c
+            .send
+            .isend(src.whole(), 0, Handles::new(&c.registry, 0, &[src.mh]))
+        {
             Err(e) => break e,
             Ok(None) => assert!(Instant::now() < deadline, "no error"),
             Ok(Some(_)) => panic!("posted to a closed peer"),
@@ -197,7 +202,10 @@ fn a_sender_waiting_for_a_clear_to_send_on_a_dead_link_probes_and_fails() {
     let mut src = c.buf(true, 64, 0);
     let deadline = Instant::now() + Duration::from_secs(10);
     let e = loop {
-        match c.send.isend(src.whole(), 0, &src.keys()) {
+        match c
+            .send
+            .isend(src.whole(), 0, Handles::new(&c.registry, 0, &[src.mh]))
+        {
             Err(e) => break e,
             Ok(None) => assert!(Instant::now() < deadline, "no error"),
             Ok(Some(_)) => panic!("nothing was announced"),
@@ -271,34 +279,95 @@ fn a_connect_to_a_device_of_another_link_layer_is_refused_with_both_names() {
     assert!(msg.contains("NCCL_IB_HCA"), "{msg}");
 }
 
-/// Keys whose every lookup fails, as for a handle that does not cover its buffer.
-struct BadHandle;
-
-impl BufferKeys for BadHandle {
-    fn keys<'c>(&self, _: usize, _: UserBuffer, _: &'c mut KeyCache) -> Result<&'c MemKeys> {
-        Err(Error::misuse("bad handle".into()))
-    }
-}
-
 #[test]
 fn a_bad_handle_fails_only_its_call_and_a_send_meets_it_once_matched() {
     let c = connect(params());
     let mut dst = c.buf(false, 64, 0);
     let mut src = c.buf(true, 64, 5);
-    let bad = BadHandle;
+    // A handle that covers 8 bytes of a 64-byte buffer: every lookup of it fails.
+    let bad = [c.register(dst.mem.addr(), 8, dst.keys)];
     // A receive with a bad handle posts nothing.
-    let e = c.recv.irecv(&[dst.whole()], &[2], &bad).unwrap_err();
+    let e = c
+        .recv
+        .irecv(&[dst.whole()], &[2], c.handles(&bad))
+        .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Internal);
     // A send looks its handle up once a receive matches it (as NCCL's IB transport uses it):
     // before, it waits; after, the error, and the receive is left for the next send.
-    assert_eq!(c.send.isend(src.whole(), 2, &bad).unwrap(), None);
+    let bad = [c.register(src.mem.addr(), 8, src.keys)];
+    assert_eq!(c.send.isend(src.whole(), 2, c.handles(&bad)).unwrap(), None);
     let r = c.irecv(&mut [&mut dst], &[2]);
     let e = (0..POLLS)
-        .find_map(|_| c.send.isend(src.whole(), 2, &bad).err())
+        .find_map(|_| c.send.isend(src.whole(), 2, c.handles(&bad)).err())
         .expect("an error once the send is matched");
     assert_eq!(e.kind(), ErrorKind::Internal);
     let s = c.send_buf(&mut src, 2);
     assert_eq!(wait(|| c.test_send(s)).unwrap(), Completion::single(64));
     assert_eq!(wait(|| c.test_recv(r)).unwrap(), Completion::single(64));
     assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 5));
+}
+
+/// Asserts that `first` comes back, code and message, from every later call `again` makes.
+fn keeps_failing(first: &Error, mut again: impl FnMut() -> Result<Option<Completion>>) {
+    for _ in 0..3 {
+        let e = again().expect_err("a failed comm answers with its failure");
+        assert_eq!((e.code(), e.to_string()), (first.code(), first.to_string()));
+    }
+}
+
+#[test]
+fn a_truncation_a_dead_peer_and_a_fatal_event_each_keep_their_code_on_every_later_call() {
+    use crate::ffi::ncclResult_t::{ncclInvalidUsage, ncclRemoteError, ncclSystemError};
+    let irecv_again = |c: &Conn| {
+        let mut d = c.buf(false, 64, 0);
+        let b = d.whole();
+        c.recv.irecv(&[b], &[0], c.handles(&[d.mh])).map(|_| None)
+    };
+    // A truncation fails both ends with ncclInvalidUsage.
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 65, 1);
+    let r = c.irecv(&mut [&mut dst], &[3]);
+    let e = c.isend(src.whole(), src.mh, 3).unwrap_err();
+    assert_eq!(e.code(), ncclInvalidUsage);
+    keeps_failing(&e, || {
+        c.send
+            .isend(src.whole(), 3, c.handles(&[src.mh]))
+            .map(|_| None)
+    });
+    let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
+    assert_eq!(e.code(), ncclInvalidUsage);
+    keeps_failing(&e, || irecv_again(&c));
+    // A peer that closed: ncclRemoteError, on the waiting receive and every later call.
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    let mut again = c.buf(false, 8, 0);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    let Conn {
+        send,
+        recv,
+        registry,
+        ..
+    } = c;
+    drop(send);
+    let e = wait_error(Duration::from_secs(10), || test_recv(&recv, r));
+    assert_eq!(e.code(), ncclRemoteError);
+    keeps_failing(&e, || test_recv(&recv, r));
+    keeps_failing(&e, || {
+        recv.irecv(
+            &[again.whole()],
+            &[0],
+            Handles::new(&registry, 0, &[again.mh]),
+        )
+        .map(|_| None)
+    });
+    // A fatal event on the device: ncclSystemError, on every later call.
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    c.fabric.fatal_event(&c.rx_nics[0], None, "device fatal");
+    let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
+    assert_eq!(e.code(), ncclSystemError, "{e}");
+    keeps_failing(&e, || c.test_recv(r));
+    keeps_failing(&e, || irecv_again(&c));
 }

@@ -12,18 +12,22 @@ use std::{
     time::{Duration, Instant},
 };
 
-use super::recv::{VerbsRecvComm, FLUSH_ID_BASE};
-use super::send::VerbsSendComm;
-use super::setup::{ConnParams, VerbsConnecting, VerbsListen};
+use super::recv::{VerbsReceiver, FLUSH_ID_BASE};
+use super::send::VerbsSender;
+use super::setup::{ConnParams, VerbsConnector, VerbsListener};
 use super::wire::{SLOTS, SPLIT_ALIGN};
 use crate::buffer::{TestMem, UserBuffer};
 use crate::error::{Error, ErrorKind, Result};
 use crate::oob::Timeouts;
+use crate::transport::registry::Registration;
 use crate::transport::{
-    BufferKeys, Endpoint, KeyCache, MemKeys, RecvEndpoint, SendEndpoint, Sizes, MAX_RECVS,
+    Connector, Endpoint, Handles, Listener, MemKeys, Receiver, Registry, Sender, MAX_RECVS,
 };
 use crate::verbs::fake::{Cut, Fabric, FakeMr, FakeNic, REMOTE_ACCESS_ERROR, RETRY_EXCEEDED};
 use crate::verbs::nic::{MemoryRegion, Nic};
+
+/// Sizes as the tests keep them.
+type Sizes = [u32; MAX_RECVS];
 
 /// How many polls a request that should complete at once may take (the fake carries work
 /// out as it is posted; the peer and watchdog checks run every 256 polls).
@@ -47,13 +51,15 @@ fn params() -> ConnParams {
     }
 }
 
-/// A connection between fake NICs: the sender's rails and the receiver's.
+/// A connection between fake NICs: the sender's rails and the receiver's, and the
+/// registrations of the memory both ends use (as the plugin's, on device 0).
 struct Conn {
     fabric: Fabric,
     tx_nics: Vec<Arc<FakeNic>>,
     rx_nics: Vec<Arc<FakeNic>>,
-    send: VerbsSendComm<FakeNic>,
-    recv: VerbsRecvComm<FakeNic>,
+    send: VerbsSender<FakeNic>,
+    recv: VerbsReceiver<FakeNic>,
+    registry: Registry,
 }
 
 /// Connects the rails `tx` (sender, with `tx_params`) to the rails `rx` (receiver) over
@@ -63,18 +69,18 @@ fn try_connect(
     rx: &[Arc<FakeNic>],
     tx_params: ConnParams,
     rx_params: ConnParams,
-) -> Result<(VerbsSendComm<FakeNic>, VerbsRecvComm<FakeNic>)> {
-    let mut listen = VerbsListen::bind("127.0.0.1".parse().unwrap(), rx, rx_params)?;
+) -> Result<(VerbsSender<FakeNic>, VerbsReceiver<FakeNic>)> {
+    let mut listen = VerbsListener::bind("127.0.0.1".parse().unwrap(), rx, rx_params)?;
     let handle = *listen.handle();
-    let mut connecting = VerbsConnecting::start(tx, &handle, tx_params)?;
+    let mut connecting = VerbsConnector::start(tx, &handle, tx_params)?;
     let (mut send, mut recv) = (None, None);
     let deadline = Instant::now() + Duration::from_secs(10);
     while send.is_none() || recv.is_none() {
         if send.is_none() {
-            send = connecting.step()?;
+            send = connecting.poll()?;
         }
         if recv.is_none() {
-            recv = listen.step()?;
+            recv = listen.poll_accept()?;
         }
         assert!(Instant::now() < deadline, "connect/accept did not complete");
     }
@@ -108,6 +114,7 @@ fn connect_rails(
         rx_nics,
         send,
         recv,
+        registry: Registry::default(),
     }
 }
 
@@ -119,64 +126,75 @@ fn connect(p: ConnParams) -> Conn {
     connect_with(p, p)
 }
 
-/// Test memory registered on fake NICs (the rails of one end).
+/// Test memory registered on fake NICs (the rails of one end), and its handle.
 struct Buf {
     mem: TestMem,
-    mrs: Vec<FakeMr>,
+    /// What holds the registrations.
+    _mrs: Vec<FakeMr>,
+    keys: MemKeys,
+    /// The handle of its registration in the connection's registry.
+    mh: u64,
 }
 
 impl Buf {
-    fn new(nics: &[Arc<FakeNic>], len: usize, seed: u64) -> Self {
-        let mem = TestMem::new(len, seed);
-        let mrs = nics
-            .iter()
-            .map(|n| n.register(mem.addr(), len.max(1)).unwrap())
-            .collect();
-        Buf { mem, mrs }
-    }
-    fn keys(&self) -> MemKeys {
-        let mut k = MemKeys {
-            rails: self.mrs.len() as u8,
-            host: true,
-            ..MemKeys::default()
-        };
-        for (r, mr) in self.mrs.iter().enumerate() {
-            k.set(r, (mr.lkey(), mr.rkey()));
-        }
-        k
-    }
     fn whole(&mut self) -> UserBuffer {
         self.mem.buffer()
     }
 }
 
 impl Conn {
+    /// `len` bytes of `seed`'s pattern, registered on the sender's rails or the receiver's.
     fn buf(&self, sender: bool, len: usize, seed: u64) -> Buf {
-        Buf::new(
-            if sender { &self.tx_nics } else { &self.rx_nics },
-            len,
-            seed,
-        )
+        let nics = if sender { &self.tx_nics } else { &self.rx_nics };
+        let mem = TestMem::new(len, seed);
+        let mrs: Vec<FakeMr> = nics
+            .iter()
+            .map(|n| n.register(mem.addr(), len.max(1)).unwrap())
+            .collect();
+        let mut keys = MemKeys {
+            rails: mrs.len() as u8,
+            host: true,
+            ..MemKeys::default()
+        };
+        for (r, mr) in mrs.iter().enumerate() {
+            keys.set(r, (mr.lkey(), mr.rkey()));
+        }
+        let mh = self.register(mem.addr(), len, keys);
+        Buf {
+            mem,
+            _mrs: mrs,
+            keys,
+            mh,
+        }
+    }
+
+    /// A handle of `addr..addr+len` with `keys`, as the plugin's `regMr` makes one.
+    fn register(&self, addr: usize, len: usize, keys: MemKeys) -> u64 {
+        self.registry
+            .insert(Registration::new(addr, len, 0, keys), None)
+            .unwrap()
+    }
+
+    /// The handles `mhs` of one call's buffers.
+    fn handles<'a>(&'a self, mhs: &'a [u64]) -> Handles<'a> {
+        Handles::new(&self.registry, 0, mhs)
     }
 
     /// Posts a receive of `bufs` with `tags`, which must be accepted at once.
     fn irecv(&self, bufs: &mut [&mut Buf], tags: &[i32]) -> usize {
-        let keys: Vec<MemKeys> = bufs.iter().map(|b| b.keys()).collect();
+        let mhs: Vec<u64> = bufs.iter().map(|b| b.mh).collect();
         let ubufs: Vec<UserBuffer> = bufs.iter_mut().map(|b| b.whole()).collect();
         self.recv
-            .irecv(&ubufs, tags, &keys)
+            .irecv(&ubufs, tags, self.handles(&mhs))
             .expect("irecv")
             .expect("a free receive slot")
     }
 
-    /// Polls `isend` until it posts (the clear-to-send must arrive within `POLLS`), asking
-    /// `may_send` first as the plugin does.
-    fn isend(&self, buf: UserBuffer, keys: MemKeys, tag: i32) -> Result<usize> {
+    /// Polls `isend` of `buf` (registered as `mh`) until it posts (the clear-to-send must
+    /// arrive within `POLLS`).
+    fn isend(&self, buf: UserBuffer, mh: u64, tag: i32) -> Result<usize> {
         for _ in 0..POLLS {
-            if !self.send.may_send() {
-                continue;
-            }
-            if let Some(id) = self.send.isend(buf, tag, &keys)? {
+            if let Some(id) = self.send.isend(buf, tag, self.handles(&[mh]))? {
                 return Ok(id);
             }
         }
@@ -184,7 +202,7 @@ impl Conn {
     }
 
     fn send_buf(&self, b: &mut Buf, tag: i32) -> usize {
-        self.isend(b.whole(), b.keys(), tag).expect("isend")
+        self.isend(b.whole(), b.mh, tag).expect("isend")
     }
 
     /// `test` of send request `id`.
@@ -199,7 +217,7 @@ impl Conn {
 }
 
 /// `test` of receive or flush request `id` of `recv`.
-fn test_recv(recv: &impl RecvEndpoint, id: usize) -> Result<Option<Completion>> {
+fn test_recv(recv: &impl Receiver, id: usize) -> Result<Option<Completion>> {
     let mut sizes = [0; MAX_RECVS];
     Ok(recv
         .test(id, &mut sizes)

@@ -130,7 +130,7 @@ fn grouped_receives_over_two_rails_split_and_striped() {
             let ids: Vec<usize> = [2, 0, 1]
                 .iter()
                 .map(|&i| {
-                    let (b, k) = (srcs[i].whole(), srcs[i].keys());
+                    let (b, k) = (srcs[i].whole(), srcs[i].mh);
                     c.isend(b, k, i as i32 + 1).unwrap()
                 })
                 .collect();
@@ -178,12 +178,20 @@ fn flushes_read_on_every_rail() {
     };
     let c = connect_rails(2, 2, p, p);
     let mut dst = c.buf(false, 64, 0);
-    let (b, k) = (dst.whole(), dst.keys());
-    let id = c.recv.iflush(&[b], &[k]).unwrap().expect("a flush");
+    let (b, k) = (dst.whole(), dst.mh);
+    let id = c
+        .recv
+        .iflush(&[b], c.handles(&[k]))
+        .unwrap()
+        .expect("a flush");
     assert_eq!(wait(|| c.test_recv(id)).unwrap(), Completion::EMPTY);
     // A flush whose read on one rail fails is an error naming that rail.
     c.fabric.cut(&c.rx_nics[1], Some(Cut::Fail(RETRY_EXCEEDED)));
-    let id = c.recv.iflush(&[b], &[k]).unwrap().expect("a flush");
+    let id = c
+        .recv
+        .iflush(&[b], c.handles(&[k]))
+        .unwrap()
+        .expect("a flush");
     let e = wait_error(Duration::from_secs(5), || c.test_recv(id));
     assert!(
         e.to_string().contains("flush RDMA read") && e.to_string().contains("on rx1"),
@@ -253,7 +261,7 @@ fn a_send_larger_than_its_striped_receive_fails_both_sides_and_sends_nothing() {
     let mut big = c.buf(true, posted + 1, 9);
     let (before, untouched) = (c.send.rail_stats(), dst.mem.bytes());
     let r = c.irecv(&mut [&mut dst], &[1]);
-    let e = c.isend(big.whole(), big.keys(), 1).unwrap_err();
+    let e = c.isend(big.whole(), big.mh, 1).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
     let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
     assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");

@@ -22,7 +22,10 @@ fn a_send_waits_for_its_clear_to_send() {
     let mut src = c.buf(true, 64, 3);
     let mut dst = c.buf(false, 64, 0);
     for _ in 0..1000 {
-        assert_eq!(c.send.isend(src.whole(), 5, &src.keys()).unwrap(), None);
+        assert_eq!(
+            c.send.isend(src.whole(), 5, c.handles(&[src.mh])).unwrap(),
+            None
+        );
     }
     let r = c.irecv(&mut [&mut dst], &[5]);
     let s = c.send_buf(&mut src, 5);
@@ -37,7 +40,10 @@ fn a_send_with_another_tag_waits() {
     let mut src = c.buf(true, 16, 1);
     let mut dst = c.buf(false, 16, 0);
     let r = c.irecv(&mut [&mut dst], &[1]);
-    assert_eq!(c.send.isend(src.whole(), 2, &src.keys()).unwrap(), None);
+    assert_eq!(
+        c.send.isend(src.whole(), 2, c.handles(&[src.mh])).unwrap(),
+        None
+    );
     let s = c.send_buf(&mut src, 1);
     wait(|| c.test_send(s)).unwrap();
     wait(|| c.test_recv(r)).unwrap();
@@ -59,7 +65,7 @@ fn grouped_receive_matches_tags_in_any_order_and_fills_every_size() {
         .collect();
     let mut ids = Vec::new();
     for i in [2, 1, 3, 0] {
-        let (b, k) = (srcs[i].mem.slice(0, lens[i]), srcs[i].keys());
+        let (b, k) = (srcs[i].mem.slice(0, lens[i]), srcs[i].mh);
         ids.push((i, c.isend(b, k, tags[i]).unwrap()));
     }
     for (i, id) in ids {
@@ -87,9 +93,9 @@ fn receives_beyond_the_window_are_null_and_slots_come_back_when_tested() {
     for d in dsts.iter_mut().take(SLOTS) {
         ids.push(c.irecv(&mut [d], &[0]));
     }
-    let (k, b) = (dsts[SLOTS].keys(), dsts[SLOTS].whole());
+    let (k, b) = (dsts[SLOTS].mh, dsts[SLOTS].whole());
     assert_eq!(
-        c.recv.irecv(&[b], &[0], &[k]).unwrap(),
+        c.recv.irecv(&[b], &[0], c.handles(&[k])).unwrap(),
         None,
         "33rd receive"
     );
@@ -98,7 +104,7 @@ fn receives_beyond_the_window_are_null_and_slots_come_back_when_tested() {
     wait(|| c.test_send(s)).unwrap();
     wait(|| c.test_recv(ids[0])).unwrap();
     assert!(
-        c.recv.irecv(&[b], &[0], &[k]).unwrap().is_some(),
+        c.recv.irecv(&[b], &[0], c.handles(&[k])).unwrap().is_some(),
         "slot 0 free again"
     );
 }
@@ -139,7 +145,10 @@ fn the_sender_reuses_a_slot_only_after_its_sends_are_tested() {
     rids.push(c.irecv(&mut [last], &[0]));
     // Slot 0 holds an untested send: the 33rd send must wait for it.
     for _ in 0..1000 {
-        assert_eq!(c.send.isend(src.whole(), 0, &src.keys()).unwrap(), None);
+        assert_eq!(
+            c.send.isend(src.whole(), 0, c.handles(&[src.mh])).unwrap(),
+            None
+        );
     }
     wait(|| c.test_send(sids[0])).unwrap();
     let s = c.send_buf(&mut src, 0);
@@ -224,14 +233,14 @@ fn clear_to_sends_are_batched_while_the_receiver_polls() {
         while posted.len() < 4 && received + posted.len() < n {
             let k = (received + posted.len()) % 4;
             let d = &mut dsts[k];
-            let (b, keys) = (d.whole(), d.keys());
-            let Some(id) = c.recv.irecv(&[b], &[0], &[keys]).unwrap() else {
+            let (b, keys) = (d.whole(), d.mh);
+            let Some(id) = c.recv.irecv(&[b], &[0], c.handles(&[keys])).unwrap() else {
                 break;
             };
             posted.push_back(id);
         }
         if sent < n {
-            if let Some(s) = c.send.isend(src.whole(), 0, &src.keys()).unwrap() {
+            if let Some(s) = c.send.isend(src.whole(), 0, c.handles(&[src.mh])).unwrap() {
                 wait(|| c.test_send(s)).unwrap();
                 sent += 1;
             }
@@ -352,10 +361,10 @@ fn a_stale_entry_from_2_pow_32_receives_ago_never_matches() {
     let r = c.irecv(&mut [&mut new_a, &mut new_b], &[1, 2]);
     c.fabric.place_partial(super::super::wire::CTS_BYTES);
     let mut src = c.buf(true, 16, 3);
-    let (b, k) = (src.whole(), src.keys());
+    let (b, k) = (src.whole(), src.mh);
     for _ in 0..1000 {
         assert_eq!(
-            c.send.isend(b, 2, &k).unwrap(),
+            c.send.isend(b, 2, c.handles(&[k])).unwrap(),
             None,
             "the second entry has not landed: it must not match its stale predecessor"
         );
@@ -388,7 +397,10 @@ fn a_half_placed_clear_to_send_is_not_yet() {
     c.fabric.place_partial(super::super::wire::CTS_BYTES - 8);
     let mut src = c.buf(true, 64, 8);
     for _ in 0..100 {
-        assert_eq!(c.send.isend(src.whole(), 4, &src.keys()).unwrap(), None);
+        assert_eq!(
+            c.send.isend(src.whole(), 4, c.handles(&[src.mh])).unwrap(),
+            None
+        );
     }
     c.fabric.hold(false);
     let s = c.send_buf(&mut src, 4);
@@ -404,29 +416,36 @@ fn flushes_complete_and_reuse_their_slots_and_a_33rd_is_refused() {
         ..params()
     });
     let mut dst = c.buf(false, 64, 0);
-    let keys = [dst.keys()];
+    let keys = [dst.mh];
     let bufs = [dst.whole()];
     let mut held = Vec::new();
     for _ in 0..SLOTS {
         held.push(
             c.recv
-                .iflush(&bufs, &keys)
+                .iflush(&bufs, c.handles(&keys))
                 .unwrap()
                 .expect("a flush request"),
         );
     }
-    let e = c.recv.iflush(&bufs, &keys).unwrap_err();
+    let e = c.recv.iflush(&bufs, c.handles(&keys)).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidUsage);
     assert!(held.iter().all(|&id| id >= FLUSH_ID_BASE));
     assert_eq!(wait(|| c.test_recv(held[3])).unwrap(), Completion::EMPTY);
-    let again = c.recv.iflush(&bufs, &keys).unwrap().unwrap();
+    let again = c.recv.iflush(&bufs, c.handles(&keys)).unwrap().unwrap();
     assert_eq!(again, held[3], "the freed slot is taken");
     // Nothing to flush: no request.
     let empty = [UserBuffer::EMPTY];
-    assert_eq!(c.recv.iflush(&empty, &keys).unwrap(), None);
+    assert_eq!(c.recv.iflush(&empty, c.handles(&keys)).unwrap(), None);
     // Without GPUDirect there is no flush QP: no request either.
     let plain = connect(params());
-    assert_eq!(plain.recv.iflush(&bufs, &keys).unwrap(), None);
+    let plain_keys = [plain.register(dst.mem.addr(), 64, dst.keys)];
+    assert_eq!(
+        plain
+            .recv
+            .iflush(&bufs, plain.handles(&plain_keys))
+            .unwrap(),
+        None
+    );
 }
 
 #[test]
@@ -435,10 +454,14 @@ fn gpu_memory_is_never_inlined() {
     // 8 bytes (one write) and a group of two small ones (chained writes).
     let mut src = c.buf(true, 64, 21);
     c.fabric.device_memory(src.mem.addr(), 64);
-    let gpu = MemKeys {
-        host: false,
-        ..src.keys()
-    };
+    let gpu = c.register(
+        src.mem.addr(),
+        64,
+        MemKeys {
+            host: false,
+            ..src.keys
+        },
+    );
     let mut d1 = c.buf(false, 8, 0);
     let r = c.irecv(&mut [&mut d1], &[0]);
     let s = c.isend(src.mem.slice(0, 8), gpu, 0).unwrap();

@@ -1,13 +1,15 @@
-//! Memory registrations as NCCL sees them: opaque handles from `regMr`, checked on every use.
+//! Memory registrations as NCCL holds them: opaque handles from `regMr`, checked on every
+//! use, and looked up by the transports where a request is built ([`Handles`]).
 //!
 //! A handle is a generation-tagged slot index, never a pointer, so an unknown, forged or
 //! already-released handle is an error code instead of a crash. `regIsGlobal` is 1: a
-//! registration is not tied to the comm it was made on.
+//! registration is not tied to the comm it was made on, only to its device.
 //!
 //! The data path looks a handle up on every `isend`/`irecv`, from several progress threads at
 //! once, while service threads register and deregister: lookups take no lock and write no
 //! shared memory. Slots live in chunks that are never freed or moved, and each slot is a
 //! small seqlock: a reader checks the slot's state word before and after reading its fields.
+//! A comm keeps its last lookup ([`KeyCache`]), so a repeated handle costs two compares.
 
 use std::{
     collections::HashMap,
@@ -19,8 +21,114 @@ use std::{
 
 use parking_lot::Mutex;
 
+use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
-use crate::transport::{Hold, KeyCache, MemKeys, MAX_RAILS};
+use crate::transport::{Hold, MAX_RAILS};
+
+/// A registration as the data path uses it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub(crate) struct MemKeys {
+    /// Local key on each rail (NIC) of the device it was registered on (verbs; none for
+    /// tcp).
+    pub(crate) lkeys: [u32; MAX_RAILS],
+    /// Remote key on each rail: as a clear-to-send entry carries them, copied whole.
+    pub(crate) rkeys: [u32; MAX_RAILS],
+    /// Rails with keys.
+    pub(crate) rails: u8,
+    /// Host memory (the CPU may read it), as opposed to GPU memory.
+    pub(crate) host: bool,
+}
+
+impl MemKeys {
+    /// Local key on rail `r`.
+    #[inline]
+    pub(crate) fn lkey(&self, r: usize) -> u32 {
+        self.lkeys[r]
+    }
+
+    /// Remote key on rail `r`.
+    #[inline]
+    pub(crate) fn rkey(&self, r: usize) -> u32 {
+        self.rkeys[r]
+    }
+
+    /// Sets rail `r`'s keys.
+    pub(crate) fn set(&mut self, r: usize, (lkey, rkey): (u32, u32)) {
+        self.lkeys[r] = lkey;
+        self.rkeys[r] = rkey;
+    }
+}
+
+/// The last registration handle one comm looked up, and what it found. Filled by
+/// [`Registry::keys`], which alone knows when a handle stops standing; the comm only keeps it
+/// (under its lock).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KeyCache {
+    /// The handle looked up (0, which no registration has: none).
+    handle: u64,
+    /// The registry's release count when the handle was read (`u64::MAX`: nothing cached).
+    releases: u64,
+    /// (start, end, device) of the registration.
+    reg: (usize, usize, usize),
+    keys: MemKeys,
+}
+
+impl Default for KeyCache {
+    fn default() -> Self {
+        KeyCache {
+            handle: 0,
+            releases: u64::MAX,
+            reg: (0, 0, 0),
+            keys: MemKeys::default(),
+        }
+    }
+}
+
+/// NCCL's registration handles of one call's buffers, on the device of the comm making the
+/// call, and the registry to look them up in.
+#[derive(Clone, Copy)]
+pub(crate) struct Handles<'a> {
+    registry: &'a Registry,
+    dev: usize,
+    handles: &'a [u64],
+}
+
+impl<'a> Handles<'a> {
+    /// `handles` (one per buffer of the call) of `registry`, used on device `dev`.
+    pub(crate) fn new(registry: &'a Registry, dev: usize, handles: &'a [u64]) -> Self {
+        Handles {
+            registry,
+            dev,
+            handles,
+        }
+    }
+
+    /// The keys of buffer `i` of the call, `buf`, through the comm's `cache`; an error when
+    /// its handle is unknown, does not cover it, or was registered on another device.
+    #[inline]
+    pub(crate) fn keys<'c>(
+        &self,
+        i: usize,
+        buf: UserBuffer,
+        cache: &'c mut KeyCache,
+    ) -> Result<&'c MemKeys> {
+        let handle = *self
+            .handles
+            .get(i)
+            .ok_or_else(|| Error::misuse(format!("no memory handle for buffer {i}")))?;
+        self.registry
+            .keys(cache, handle, (buf.addr(), buf.len()), self.dev)
+    }
+
+    /// Checks that every handle covers its buffer of `bufs` (a transport that needs no keys
+    /// still refuses what NCCL would be wrong to pass).
+    pub(crate) fn check_all(&self, bufs: &[UserBuffer], cache: &mut KeyCache) -> Result<()> {
+        for (i, buf) in bufs.iter().enumerate() {
+            self.keys(i, *buf, cache)?;
+        }
+        Ok(())
+    }
+}
 
 /// What was registered.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,7 +174,7 @@ fn covers(reg: (usize, usize, usize), addr: usize, len: usize) -> bool {
 
 #[cold]
 fn outside_registration(addr: usize, len: usize, reg: &(usize, usize, usize)) -> Error {
-    Error::invalid_argument(format!(
+    Error::misuse(format!(
         "buffer {addr:#x}+{len} lies outside its registration {:#x}+{}",
         reg.0,
         reg.1 - reg.0
@@ -75,7 +183,7 @@ fn outside_registration(addr: usize, len: usize, reg: &(usize, usize, usize)) ->
 
 #[cold]
 fn wrong_device(registered: usize, dev: usize) -> Error {
-    Error::invalid_argument(format!(
+    Error::misuse(format!(
         "buffer registered on device {registered} used on device {dev}"
     ))
 }
@@ -126,7 +234,7 @@ struct Writer {
 }
 
 /// All live registrations of the process.
-pub(crate) struct MrTable {
+pub(crate) struct Registry {
     chunks: Box<[OnceLock<Box<[Slot]>>]>,
     writer: Mutex<Writer>,
     /// Releases so far: while it stands still, every handle looked up before is as it was
@@ -134,9 +242,9 @@ pub(crate) struct MrTable {
     releases: AtomicU64,
 }
 
-impl Default for MrTable {
+impl Default for Registry {
     fn default() -> Self {
-        MrTable {
+        Registry {
             chunks: (0..CHUNKS).map(|_| OnceLock::new()).collect(),
             writer: Mutex::new(Writer::default()),
             releases: AtomicU64::new(0),
@@ -157,7 +265,7 @@ fn unknown(handle: u64) -> Error {
     ))
 }
 
-impl MrTable {
+impl Registry {
     #[inline]
     fn slot(&self, index: usize) -> Option<&Slot> {
         self.chunks
@@ -240,21 +348,21 @@ impl MrTable {
         })
     }
 
-    /// The keys of `addr..addr+len` registered as `handle`, on device `dev` when given: the
-    /// data path's lookup, once per buffer (inlined, its errors out of line), through a
-    /// comm's `cache` of its last handle. A handle found live stays as it was until some
-    /// handle is released, so while the table's release count stands still a repeated
-    /// lookup is two compares and the table is not read.
-    #[inline(always)]
+    /// The keys of `addr..addr+len` registered as `handle` on device `dev`: the data path's
+    /// lookup, once per buffer (its errors out of line), through a comm's `cache` of its last
+    /// handle. A handle found live stays as it was until some handle is released, so while the
+    /// registry's release count stands still a repeated lookup is two compares and the slots
+    /// are not read.
+    #[inline]
     pub(crate) fn keys<'c>(
         &self,
         cache: &'c mut KeyCache,
         handle: u64,
         (addr, len): (usize, usize),
-        dev: Option<usize>,
+        dev: usize,
     ) -> Result<&'c MemKeys> {
         // Read before the slot, so a release racing the read leaves a stale count behind
-        // and the next lookup reads the table again.
+        // and the next lookup reads the slot again.
         let releases = self.releases.load(Ordering::Acquire);
         if cache.handle != handle || cache.releases != releases {
             self.fill(cache, handle, releases)?;
@@ -263,8 +371,8 @@ impl MrTable {
         if !covers((start, end, reg_dev), addr, len) {
             return Err(outside_registration(addr, len, &cache.reg));
         }
-        if dev.is_some_and(|d| d != reg_dev) {
-            return Err(wrong_device(reg_dev, dev.unwrap_or(0)));
+        if dev != reg_dev {
+            return Err(wrong_device(reg_dev, dev));
         }
         Ok(&cache.keys)
     }
@@ -334,7 +442,7 @@ mod tests {
 
     #[test]
     fn handles_are_checked_and_not_reused_after_release() {
-        let t = MrTable::default();
+        let t = Registry::default();
         let r = reg(4096);
         let h = t.insert(r, None).unwrap();
         assert_ne!(h, 0);
@@ -355,15 +463,15 @@ mod tests {
 
     #[test]
     fn a_comm_key_cache_answers_repeats_and_forgets_at_any_release() {
-        let t = MrTable::default();
+        let t = Registry::default();
         let mut cache = KeyCache::default();
-        let lookup = |c: &mut KeyCache, h, at| t.keys(c, h, (at, 8), Some(3)).copied();
+        let lookup = |c: &mut KeyCache, h, at| t.keys(c, h, (at, 8), 3).copied();
         let h = t.insert(reg(4096), None).unwrap();
         assert_eq!(lookup(&mut cache, h, 4096).unwrap(), reg(4096).keys);
         // Answered from the cache, still checked: the range and the device.
         assert_eq!(lookup(&mut cache, h, 4100).unwrap(), reg(4096).keys);
         assert!(lookup(&mut cache, h, 4190).is_err(), "outside");
-        assert!(t.keys(&mut cache, h, (4096, 8), Some(2)).is_err(), "device");
+        assert!(t.keys(&mut cache, h, (4096, 8), 2).is_err(), "device");
         // Another handle released: the cache reads the table again, and the handle stands.
         let other = t.insert(reg(1 << 20), None).unwrap();
         t.remove(other).unwrap();
@@ -380,7 +488,7 @@ mod tests {
 
     #[test]
     fn holds_are_dropped_at_release() {
-        let t = MrTable::default();
+        let t = Registry::default();
         let held = Arc::new(());
         let h = t.insert(reg(1), Some(Box::new(Arc::clone(&held)))).unwrap();
         assert_eq!(Arc::strong_count(&held), 2);
@@ -390,7 +498,7 @@ mod tests {
 
     #[test]
     fn concurrent_lookups_see_whole_registrations_or_errors() {
-        let t = Arc::new(MrTable::default());
+        let t = Arc::new(Registry::default());
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let readers: Vec<_> = (0..2)
             .map(|_| {
