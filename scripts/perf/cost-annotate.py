@@ -3,7 +3,7 @@
 
   scripts/perf/cost-annotate.py PROFILE [FUNCTION-REGEX] [--lib LIB] [--calls N] [--lines]
 
-PROFILE is one of the callgrind profiles scripts/cpu-cost.sh leaves (target/perf/cpu-cost/
+PROFILE is one of the callgrind profiles scripts/perf/cpu-cost.sh leaves (target/perf/cpu-cost/
 <transport>/callgrind.*.out.N: 2 accepted isend, 3 irecv, 4 test completing the send, 5 test
 completing the receive, 6 idle isend, 7 idle test; see its script.txt). They hold instruction
 positions (--dump-instr=yes) and the library's addresses are its file's, so the library built
@@ -13,7 +13,7 @@ Prints the plugin's instructions per call by function; then, for each function w
 demangled name matches FUNCTION-REGEX, its disassembly with the instructions per call of each
 executed instruction and its source lines (objdump -l), or with --lines the instructions per
 call summed by source line. Every figure is divided by --calls (default 256, the calls of one
-phase of scripts/cpu-cost.sh at its defaults; times CPU_COST_WINDOW when that was set).
+phase of scripts/perf/cpu-cost.sh at its defaults; times CPU_COST_WINDOW when that was set).
 """
 
 import argparse

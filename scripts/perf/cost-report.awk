@@ -1,4 +1,4 @@
-# The report of scripts/cpu-cost.sh: instructions per call of each kind of plugin call, from
+# The report of scripts/perf/cpu-cost.sh: instructions per call of each kind of plugin call, from
 # the profiles of one scripted run (scripts/perf/cost-runs.sh), one profile per phase and
 # each phase counting exactly one kind of call. Usage:
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The callgrind run behind scripts/cpu-cost.sh, on this host or inside the Soft-RoCE VM:
+# The callgrind run behind scripts/perf/cpu-cost.sh, on this host or inside the Soft-RoCE VM:
 #
 #   scripts/perf/cost-runs.sh BENCH LIB OUTDIR ROUNDS WINDOW IDLE [WAIT_US] [SIZE]
 #

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The part of scripts/perf-vm.sh that runs inside the Soft-RoCE VM (from the stage directory,
+# The part of scripts/perf/perf-vm.sh that runs inside the Soft-RoCE VM (from the stage directory,
 # next to nccl-net-bench and libnccl-net-erdma.so):
 #
 #   bash perf-vm-inner.sh OUTDIR REPS SIZES BYTES WINDOW TXDEPTH QPS QPSIZES

@@ -12,8 +12,7 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::either::AnyTransport;
 use crate::transport::{
-    Endpoint, Handles, Receiver, Sender, SizeSink, Tested, Transport, MAX_REQUESTS,
-    MAX_SEND_REQUESTS,
+    Endpoint, Receiver, Sender, SizeSink, Tested, Transport, MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
 use super::stats::{CommStats, Direction};
@@ -164,12 +163,7 @@ impl<T: Transport> SendComm<T> {
         tag: i32,
         mhandle: u64,
     ) -> Result<Option<&RequestToken>> {
-        let handles = Handles::new(
-            &self.plugin.registry,
-            self.dev,
-            std::slice::from_ref(&mhandle),
-        );
-        match self.end.isend(buf, tag, handles) {
+        match self.end.isend(buf, tag, mhandle) {
             Ok(Some(id)) => Ok(Some(&self.tokens[id])),
             Ok(None) => {
                 self.stats.waited();
@@ -243,11 +237,6 @@ impl<T: Transport> RecvComm<T> {
         (&self.plugin, self.dev)
     }
 
-    /// NCCL's handles `mhandles`, as this comm's transport looks them up.
-    fn handles<'a>(&'a self, mhandles: &'a [u64]) -> Handles<'a> {
-        Handles::new(&self.plugin.registry, self.dev, mhandles)
-    }
-
     /// `irecv` of `bufs.len()` (1..=8, checked by the boundary) buffers: `Ok(None)` when 32
     /// receives are in flight.
     #[inline]
@@ -257,7 +246,7 @@ impl<T: Transport> RecvComm<T> {
         tags: &[i32],
         mhandles: &[u64],
     ) -> Result<Option<&RequestToken>> {
-        match self.end.irecv(bufs, tags, self.handles(mhandles)) {
+        match self.end.irecv(bufs, tags, mhandles) {
             Ok(id) => Ok(id.map(|id| &self.tokens[id])),
             Err(e) => {
                 self.stats.failed();
@@ -272,7 +261,7 @@ impl<T: Transport> RecvComm<T> {
         bufs: &[UserBuffer],
         mhandles: &[u64],
     ) -> Result<Option<&RequestToken>> {
-        let id = self.end.iflush(bufs, self.handles(mhandles))?;
+        let id = self.end.iflush(bufs, mhandles)?;
         Ok(id.map(|id| &self.tokens[id]))
     }
 

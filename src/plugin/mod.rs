@@ -73,8 +73,6 @@ pub(crate) struct Plugin<T: Transport = AnyTransport> {
     transport: T,
     /// Where bootstrap listeners bind.
     bootstrap_ip: IpAddr,
-    /// Live memory registrations.
-    registry: Registry,
     /// Traffic totals per device index.
     totals: Box<[stats::DeviceTotals]>,
     next_comm: AtomicU64,
@@ -131,7 +129,7 @@ impl Plugin {
         };
         let shown = format!("interface {} address {}", bootstrap.ifname, bootstrap.ip);
         tracing::info!(target: INIT, "bootstrap {shown}");
-        match either::open(&config, &bootstrap) {
+        match either::open(&config, &bootstrap, Arc::default()) {
             Ok(transport) => {
                 let plugin = Plugin::new(config, transport, bootstrap.ip);
                 plugin.log_facts();
@@ -149,7 +147,6 @@ impl<T: Transport> Plugin<T> {
             config,
             transport,
             bootstrap_ip,
-            registry: Registry::default(),
             totals: (0..MAX_DEVICES)
                 .map(|_| stats::DeviceTotals::default())
                 .collect(),
@@ -343,7 +340,7 @@ impl<T: Transport> Plugin<T> {
         let (keys, hold) = self
             .transport
             .register(dev, addr, len, ptr_type == PTR_HOST)?;
-        self.registry
+        self.registry()
             .insert(Registration::new(addr, len, dev, keys), hold)
     }
 
@@ -357,7 +354,7 @@ impl<T: Transport> Plugin<T> {
         fd: i32,
     ) -> Result<u64> {
         let (keys, hold) = self.transport.register_dmabuf(dev, addr, len, offset, fd)?;
-        self.registry
+        self.registry()
             .insert(Registration::new(addr, len, dev, keys), Some(hold))
     }
 
@@ -366,6 +363,11 @@ impl<T: Transport> Plugin<T> {
         if handle == 0 {
             return Ok(());
         }
-        self.registry.remove(handle).map(|_| ())
+        self.registry().remove(handle).map(|_| ())
+    }
+
+    /// The live memory registrations, which the transport's ends look up.
+    fn registry(&self) -> &Registry {
+        self.transport.registry()
     }
 }

@@ -18,7 +18,7 @@ use crate::buffer::{TestMem, UserBuffer};
 use crate::ffi::ncclResult_t;
 use crate::oob::{Handle, TransportKind};
 use crate::transport::{
-    Endpoint, Failure, Handles, Hold, KeyCache, MemKeys, Receiver, Sender, SizeSink, Tested,
+    CommKeys, Endpoint, Failure, Hold, MemKeys, Receiver, Registry, Sender, SizeSink, Tested,
     Traffic, MAX_RECVS,
 };
 
@@ -40,7 +40,6 @@ struct Wire {
     /// A failure both ends meet on their next call (a cut wire).
     failure: Failure,
     traffic: (Traffic, Traffic),
-    key_cache: KeyCache,
 }
 
 type SharedWire = Arc<Mutex<Wire>>;
@@ -50,6 +49,7 @@ struct FakeTransport {
     device: Arc<DeviceProps>,
     wires: Mutex<HashMap<u64, SharedWire>>,
     next: AtomicU64,
+    registry: Arc<Registry>,
 }
 
 impl FakeTransport {
@@ -69,6 +69,7 @@ impl FakeTransport {
             }),
             wires: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
+            registry: Arc::default(),
         }
     }
 }
@@ -76,16 +77,33 @@ impl FakeTransport {
 struct FakeListener {
     handle: Handle,
     wire: SharedWire,
+    registry: Arc<Registry>,
 }
 
 /// A connector that needs two polls, so the plugin's stage table is used.
 struct FakeConnector {
     wire: SharedWire,
     polls: u32,
+    registry: Arc<Registry>,
 }
 
-struct FakeSender(SharedWire);
-struct FakeReceiver(SharedWire);
+/// Either end: the wire, and where it looks NCCL's handles up.
+struct FakeEnd {
+    wire: SharedWire,
+    keys: Mutex<CommKeys>,
+}
+
+struct FakeSender(FakeEnd);
+struct FakeReceiver(FakeEnd);
+
+impl FakeEnd {
+    fn new(wire: &SharedWire, registry: &Arc<Registry>) -> Self {
+        FakeEnd {
+            wire: Arc::clone(wire),
+            keys: Mutex::new(CommKeys::new(Arc::clone(registry), 0)),
+        }
+    }
+}
 
 impl Transport for FakeTransport {
     type Listener = FakeListener;
@@ -99,6 +117,10 @@ impl Transport for FakeTransport {
 
     fn facts(&self) -> TransportFacts {
         TransportFacts::default()
+    }
+
+    fn registry(&self) -> &Arc<Registry> {
+        &self.registry
     }
 
     fn device_count(&self) -> usize {
@@ -118,13 +140,21 @@ impl Transport for FakeTransport {
             transport: TransportKind::Tcp,
             nonce,
         };
-        Ok(FakeListener { handle, wire })
+        Ok(FakeListener {
+            handle,
+            wire,
+            registry: Arc::clone(&self.registry),
+        })
     }
 
     fn connect(&self, _dev: usize, handle: &Handle, _: Option<i32>) -> Result<FakeConnector> {
         let wire = self.wires.lock().get(&handle.nonce).cloned();
         let wire = wire.ok_or_else(|| Error::remote("no such listener".into()))?;
-        Ok(FakeConnector { wire, polls: 0 })
+        Ok(FakeConnector {
+            wire,
+            polls: 0,
+            registry: Arc::clone(&self.registry),
+        })
     }
 
     fn register(
@@ -163,7 +193,7 @@ impl crate::transport::Listener for FakeListener {
     }
 
     fn poll_accept(&mut self) -> Result<Option<FakeReceiver>> {
-        Ok(Some(FakeReceiver(Arc::clone(&self.wire))))
+        Ok(Some(FakeReceiver(FakeEnd::new(&self.wire, &self.registry))))
     }
 }
 
@@ -172,7 +202,7 @@ impl crate::transport::Connector for FakeConnector {
 
     fn poll(&mut self) -> Result<Option<FakeSender>> {
         self.polls += 1;
-        Ok((self.polls > 1).then(|| FakeSender(Arc::clone(&self.wire))))
+        Ok((self.polls > 1).then(|| FakeSender(FakeEnd::new(&self.wire, &self.registry))))
     }
 }
 
@@ -181,7 +211,7 @@ impl Endpoint for FakeSender {
         "fake peer".into()
     }
     fn traffic(&self) -> Traffic {
-        self.0.lock().traffic.0
+        self.0.wire.lock().traffic.0
     }
 }
 
@@ -190,13 +220,13 @@ impl Endpoint for FakeReceiver {
         "fake peer".into()
     }
     fn traffic(&self) -> Traffic {
-        self.0.lock().traffic.1
+        self.0.wire.lock().traffic.1
     }
 }
 
 impl Sender for FakeSender {
-    fn isend(&self, buf: UserBuffer, tag: i32, handles: Handles<'_>) -> Result<Option<usize>> {
-        let mut w = self.0.lock();
+    fn isend(&self, buf: UserBuffer, tag: i32, mhandle: u64) -> Result<Option<usize>> {
+        let mut w = self.0.wire.lock();
         let w = &mut *w;
         w.failure.check()?;
         let Some(&slot) = w.order.first() else {
@@ -208,7 +238,7 @@ impl Sender for FakeSender {
         else {
             return Ok(None);
         };
-        handles.keys(0, buf, &mut w.key_cache)?;
+        self.0.keys.lock().keys(mhandle, buf)?;
         if buf.len() > posted.bufs[i].len() {
             return Err(w.failure.fail(Error::truncated("too large".into())));
         }
@@ -224,7 +254,7 @@ impl Sender for FakeSender {
     }
 
     fn test(&self, id: usize) -> Tested {
-        let mut w = self.0.lock();
+        let mut w = self.0.wire.lock();
         if let Err(e) = w.failure.check() {
             return Tested::Failed(e);
         }
@@ -239,16 +269,11 @@ impl Sender for FakeSender {
 }
 
 impl Receiver for FakeReceiver {
-    fn irecv(
-        &self,
-        bufs: &[UserBuffer],
-        tags: &[i32],
-        handles: Handles<'_>,
-    ) -> Result<Option<usize>> {
-        let mut w = self.0.lock();
+    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], mhandles: &[u64]) -> Result<Option<usize>> {
+        let mut w = self.0.wire.lock();
         let w = &mut *w;
         w.failure.check()?;
-        handles.check_all(bufs, &mut w.key_cache)?;
+        self.0.keys.lock().check_all(bufs, mhandles)?;
         let slot = w.recvs.len();
         w.recvs.push(Some(Posted {
             bufs: bufs.to_vec(),
@@ -259,12 +284,12 @@ impl Receiver for FakeReceiver {
         Ok(Some(slot))
     }
 
-    fn iflush(&self, _: &[UserBuffer], _: Handles<'_>) -> Result<Option<usize>> {
+    fn iflush(&self, _: &[UserBuffer], _: &[u64]) -> Result<Option<usize>> {
         Ok(None)
     }
 
     fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Tested {
-        let mut w = self.0.lock();
+        let mut w = self.0.wire.lock();
         if let Err(e) = w.failure.check() {
             return Tested::Failed(e);
         }
@@ -399,7 +424,7 @@ fn a_failed_comm_returns_its_first_error_with_its_code_on_every_call() {
         let mut mem = TestMem::new(8, 1);
         let mh = p.reg_mr(0, mem.addr(), 8, PTR_HOST).unwrap();
         let r = recv.irecv(&[mem.buffer()], &[0], &[mh]).unwrap().unwrap();
-        send.end().0.lock().failure.note(&error);
+        send.end().0.wire.lock().failure.note(&error);
         for _ in 0..3 {
             let e = recv.test(r.slot, &mut sizes()).unwrap_err();
             assert_eq!((e.code(), e.to_string()), (code, error.to_string()));

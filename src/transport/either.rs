@@ -8,8 +8,8 @@ use std::{net::IpAddr, sync::Arc};
 use super::tcp::{TcpConnector, TcpListener, TcpReceiver, TcpSender, TcpTransport};
 use super::verbs::{VerbsConnector, VerbsListener, VerbsReceiver, VerbsSender, VerbsTransport};
 use super::{
-    Connector, DeviceProps, Endpoint, Handles, Hold, Listener, MemKeys, Receiver, Sender, SizeSink,
-    Tested, Traffic, Transport, TransportFacts,
+    Connector, DeviceProps, Endpoint, Hold, Listener, MemKeys, Receiver, Registry, Sender,
+    SizeSink, Tested, Traffic, Transport, TransportFacts,
 };
 use crate::buffer::UserBuffer;
 use crate::config::{Config, TransportChoice};
@@ -35,11 +35,17 @@ macro_rules! each {
 }
 
 /// Opens the transport `NCCL_ERDMA_TRANSPORT` asks for: verbs, tcp, or verbs where a device
-/// is usable and tcp otherwise. `bootstrap` is the interface the tcp transport reports.
-pub(crate) fn open(config: &Config, bootstrap: &LocalAddr) -> Result<AnyTransport> {
+/// is usable and tcp otherwise. `bootstrap` is the interface the tcp transport reports;
+/// `registry` holds the registrations its ends look up.
+pub(crate) fn open(
+    config: &Config,
+    bootstrap: &LocalAddr,
+    registry: Arc<Registry>,
+) -> Result<AnyTransport> {
+    let tcp = |registry| TcpTransport::new(config, bootstrap, registry);
     match config.transport.value {
-        TransportChoice::Tcp => Ok(AnyTransport::Tcp(TcpTransport::new(config, bootstrap))),
-        TransportChoice::Verbs => VerbsTransport::open(config)
+        TransportChoice::Tcp => Ok(AnyTransport::Tcp(tcp(registry))),
+        TransportChoice::Verbs => VerbsTransport::open(config, registry)
             .map(AnyTransport::Verbs)
             .map_err(|e| {
                 Error::no_device(format!(
@@ -48,11 +54,11 @@ pub(crate) fn open(config: &Config, bootstrap: &LocalAddr) -> Result<AnyTranspor
                      over TCP"
                 ))
             }),
-        TransportChoice::Auto => match VerbsTransport::open(config) {
+        TransportChoice::Auto => match VerbsTransport::open(config, Arc::clone(&registry)) {
             Ok(t) => Ok(AnyTransport::Verbs(t)),
             Err(e) => {
                 tracing::info!(target: INIT, "verbs transport unavailable ({e}); using tcp");
-                Ok(AnyTransport::Tcp(TcpTransport::new(config, bootstrap)))
+                Ok(AnyTransport::Tcp(tcp(registry)))
             }
         },
     }
@@ -84,7 +90,9 @@ pub(crate) enum AnyListener {
     Tcp(TcpListener),
 }
 
-/// Either transport's connect in progress.
+/// Either transport's connect in progress (the verbs one, of many kilobytes, boxed: the
+/// plugin's stage table holds it while NCCL polls).
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum AnyConnector {
     Verbs(Box<VerbsConnector>),
     Tcp(TcpConnector),
@@ -117,6 +125,10 @@ impl Transport for AnyTransport {
 
     fn facts(&self) -> TransportFacts {
         each!(self, t => t.facts())
+    }
+
+    fn registry(&self) -> &Arc<Registry> {
+        each!(self, t => t.registry())
     }
 
     fn device_count(&self) -> usize {
@@ -218,8 +230,8 @@ endpoint_of_either!(AnyReceiver);
 
 impl Sender for AnySender {
     #[inline]
-    fn isend(&self, buf: UserBuffer, tag: i32, handles: Handles<'_>) -> Result<Option<usize>> {
-        each!(self, s => s.isend(buf, tag, handles))
+    fn isend(&self, buf: UserBuffer, tag: i32, mhandle: u64) -> Result<Option<usize>> {
+        each!(self, s => s.isend(buf, tag, mhandle))
     }
 
     #[inline]
@@ -230,17 +242,12 @@ impl Sender for AnySender {
 
 impl Receiver for AnyReceiver {
     #[inline]
-    fn irecv(
-        &self,
-        bufs: &[UserBuffer],
-        tags: &[i32],
-        handles: Handles<'_>,
-    ) -> Result<Option<usize>> {
-        each!(self, r => r.irecv(bufs, tags, handles))
+    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], mhandles: &[u64]) -> Result<Option<usize>> {
+        each!(self, r => r.irecv(bufs, tags, mhandles))
     }
 
-    fn iflush(&self, bufs: &[UserBuffer], handles: Handles<'_>) -> Result<Option<usize>> {
-        each!(self, r => r.iflush(bufs, handles))
+    fn iflush(&self, bufs: &[UserBuffer], mhandles: &[u64]) -> Result<Option<usize>> {
+        each!(self, r => r.iflush(bufs, mhandles))
     }
 
     #[inline]

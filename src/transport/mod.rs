@@ -32,7 +32,7 @@ use crate::error::{Error, Result};
 use crate::oob::{Handle, TransportKind};
 
 pub(crate) use facts::TransportFacts;
-pub(crate) use registry::{Handles, KeyCache, MemKeys, Registry};
+pub(crate) use registry::{CommKeys, MemKeys, Registry};
 
 /// Largest `n` of a grouped receive (`maxRecvs`).
 pub(crate) const MAX_RECVS: usize = 8;
@@ -163,6 +163,8 @@ pub(crate) trait Transport: Send + Sync + Sized + 'static {
     /// What the transport found on this host and decided at `open`: devices, settings in
     /// effect and where each came from, fusion and why.
     fn facts(&self) -> TransportFacts;
+    /// The registrations its ends look NCCL's memory handles up in.
+    fn registry(&self) -> &Arc<Registry>;
     /// How many devices NCCL sees (physical ones, then virtual ones `make_vdevice` added).
     fn device_count(&self) -> usize;
     /// Device `dev` (checked).
@@ -235,31 +237,28 @@ pub(crate) trait Endpoint: Send + Sync {
     }
 }
 
-/// The sending end of a connection.
+/// The sending end of a connection. Each end looks NCCL's memory handles up itself (its
+/// `CommKeys`, given when the transport made it), where it builds the request.
 pub(crate) trait Sender: Endpoint {
     /// Posts a send of `buf` (at most `MAX_P2P_BYTES`, checked by the caller) registered as
-    /// `handles`' one handle, which is looked up once the send is matched (an error there
-    /// fails the call, not the comm); `Ok(None)` until the receiver has posted a matching
-    /// receive. Returns a request id below `MAX_SEND_REQUESTS`.
-    fn isend(&self, buf: UserBuffer, tag: i32, handles: Handles<'_>) -> Result<Option<usize>>;
+    /// `mhandle`, which is looked up once the send is matched (an error there fails the call,
+    /// not the comm); `Ok(None)` until the receiver has posted a matching receive. Returns a
+    /// request id below `MAX_SEND_REQUESTS`.
+    fn isend(&self, buf: UserBuffer, tag: i32, mhandle: u64) -> Result<Option<usize>>;
     /// Tests send request `id`: once done, the bytes it sent.
     fn test(&self, id: usize) -> Tested;
 }
 
 /// The receiving end of a connection.
 pub(crate) trait Receiver: Endpoint {
-    /// Posts a grouped receive of `bufs` (1..=8) registered as `handles` (an error there fails
-    /// the call, not the comm) with `tags`; `Ok(None)` when 32 are in flight. Returns a request
-    /// id below `2 * MAX_REQUESTS`.
-    fn irecv(
-        &self,
-        bufs: &[UserBuffer],
-        tags: &[i32],
-        handles: Handles<'_>,
-    ) -> Result<Option<usize>>;
-    /// Posts a flush of received GPU data in `bufs` (registered as `handles`); `Ok(None)` when
-    /// nothing needs one.
-    fn iflush(&self, bufs: &[UserBuffer], handles: Handles<'_>) -> Result<Option<usize>>;
+    /// Posts a grouped receive of `bufs` (1..=8) registered as `mhandles` (an error there
+    /// fails the call, not the comm) with `tags`; `Ok(None)` when 32 are in flight. Returns a
+    /// request id below `2 * MAX_REQUESTS`.
+    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], mhandles: &[u64])
+        -> Result<Option<usize>>;
+    /// Posts a flush of received GPU data in `bufs` (registered as `mhandles`); `Ok(None)`
+    /// when nothing needs one.
+    fn iflush(&self, bufs: &[UserBuffer], mhandles: &[u64]) -> Result<Option<usize>>;
     /// Tests receive or flush request `id`: once done, how many messages it had (0 for a
     /// flush), their sizes written into `sizes`.
     fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Tested;

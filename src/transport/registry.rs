@@ -1,5 +1,5 @@
 //! Memory registrations as NCCL holds them: opaque handles from `regMr`, checked on every
-//! use, and looked up by the transports where a request is built ([`Handles`]).
+//! use, and looked up by the transports where a request is built ([`CommKeys`]).
 //!
 //! A handle is a generation-tagged slot index, never a pointer, so an unknown, forged or
 //! already-released handle is an error code instead of a crash. `regIsGlobal` is 1: a
@@ -15,7 +15,7 @@ use std::{
     collections::HashMap,
     sync::{
         atomic::{fence, AtomicU64, Ordering},
-        OnceLock,
+        Arc, OnceLock,
     },
 };
 
@@ -61,7 +61,7 @@ impl MemKeys {
 
 /// The last registration handle one comm looked up, and what it found. Filled by
 /// [`Registry::keys`], which alone knows when a handle stops standing; the comm only keeps it
-/// (under its lock).
+/// (under its lock, in its [`CommKeys`]).
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct KeyCache {
     /// The handle looked up (0, which no registration has: none).
@@ -84,47 +84,37 @@ impl Default for KeyCache {
     }
 }
 
-/// NCCL's registration handles of one call's buffers, on the device of the comm making the
-/// call, and the registry to look them up in.
-#[derive(Clone, Copy)]
-pub(crate) struct Handles<'a> {
-    registry: &'a Registry,
+/// Where one comm looks its buffers' handles up: the process's registry, on the comm's device,
+/// through the comm's last lookup. Each end keeps one under its lock.
+pub(crate) struct CommKeys {
+    registry: Arc<Registry>,
     dev: usize,
-    handles: &'a [u64],
+    cache: KeyCache,
 }
 
-impl<'a> Handles<'a> {
-    /// `handles` (one per buffer of the call) of `registry`, used on device `dev`.
-    pub(crate) fn new(registry: &'a Registry, dev: usize, handles: &'a [u64]) -> Self {
-        Handles {
+impl CommKeys {
+    /// Lookups in `registry` for a comm on device `dev`.
+    pub(crate) fn new(registry: Arc<Registry>, dev: usize) -> Self {
+        CommKeys {
             registry,
             dev,
-            handles,
+            cache: KeyCache::default(),
         }
     }
 
-    /// The keys of buffer `i` of the call, `buf`, through the comm's `cache`; an error when
-    /// its handle is unknown, does not cover it, or was registered on another device.
+    /// The keys of `buf`, registered as `handle`; an error when the handle is unknown, does
+    /// not cover it, or was registered on another device.
     #[inline]
-    pub(crate) fn keys<'c>(
-        &self,
-        i: usize,
-        buf: UserBuffer,
-        cache: &'c mut KeyCache,
-    ) -> Result<&'c MemKeys> {
-        let handle = *self
-            .handles
-            .get(i)
-            .ok_or_else(|| Error::misuse(format!("no memory handle for buffer {i}")))?;
+    pub(crate) fn keys(&mut self, handle: u64, buf: UserBuffer) -> Result<&MemKeys> {
         self.registry
-            .keys(cache, handle, (buf.addr(), buf.len()), self.dev)
+            .keys(&mut self.cache, handle, (buf.addr(), buf.len()), self.dev)
     }
 
-    /// Checks that every handle covers its buffer of `bufs` (a transport that needs no keys
-    /// still refuses what NCCL would be wrong to pass).
-    pub(crate) fn check_all(&self, bufs: &[UserBuffer], cache: &mut KeyCache) -> Result<()> {
-        for (i, buf) in bufs.iter().enumerate() {
-            self.keys(i, *buf, cache)?;
+    /// Checks that each handle of `handles` covers its buffer of `bufs` (a transport that
+    /// needs no keys still refuses what NCCL would be wrong to pass).
+    pub(crate) fn check_all(&mut self, bufs: &[UserBuffer], handles: &[u64]) -> Result<()> {
+        for (buf, handle) in bufs.iter().zip(handles) {
+            self.keys(*handle, *buf)?;
         }
         Ok(())
     }

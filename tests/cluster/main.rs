@@ -1,6 +1,6 @@
 //! The two-host cluster tier: NCCL-style traffic between two Soft-RoCE VMs joined by real
 //! (virtual) links, two rails each, and faults injected on the RDMA path while the bootstrap
-//! link (`mgmt`) stays up. scripts/cluster-tier.sh boots the pair (scripts/cluster-vm.sh) and
+//! link (`mgmt`) stays up. scripts/tiers/cluster-tier.sh boots the pair (scripts/vm/cluster-vm.sh) and
 //! runs every case on both hosts at once, one process per case and host; the hosts keep in
 //! step over a control connection (`peer`). Outside that tier every case is ignored.
 //!
@@ -93,19 +93,19 @@ fn every_size_both_ways(case: &str, hca: &str, qps: &str) {
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn rail_a_every_size_both_ways_one_qp() {
     every_size_both_ways("rail_a_every_size_both_ways_one_qp", "=rxe0", "1");
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn rail_b_every_size_both_ways_eight_qps() {
     every_size_both_ways("rail_b_every_size_both_ways_eight_qps", "=rxe1", "8");
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn each_rail_uses_a_gid_in_its_own_subnet() {
     let case = "each_rail_uses_a_gid_in_its_own_subnet";
     let mut p = Peer::meet(case, Link::Mgmt);
@@ -146,7 +146,7 @@ fn each_rail_uses_a_gid_in_its_own_subnet() {
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn grouped_receives_split_over_eight_qps() {
     let case = "grouped_receives_split_over_eight_qps";
     set(&[
@@ -266,7 +266,7 @@ fn resources() -> (usize, usize) {
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn registration_cache_hits_and_close_leaves_nothing() {
     let case = "registration_cache_hits_and_close_leaves_nothing";
     set(&[("NCCL_IB_HCA", "=rxe0")]);
@@ -366,43 +366,43 @@ fn through_netem(case: &str, fault: &str, count: usize) {
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn netem_clean_baseline() {
     through_netem("netem_clean_baseline", "", 48);
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn netem_loss_1pct() {
     through_netem("netem_loss_1pct", "loss 1%", 48);
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn netem_loss_10pct() {
     through_netem("netem_loss_10pct", "loss 10%", 48);
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn netem_delay_with_jitter() {
     through_netem("netem_delay_with_jitter", "delay 5ms 1ms", 8);
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn netem_reordering() {
     through_netem("netem_reordering", "delay 2ms reorder 25% 50%", 8);
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn netem_duplication() {
     through_netem("netem_duplication", "duplicate 5%", 48);
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn netem_bit_corruption() {
     through_netem("netem_bit_corruption", "corrupt 1%", 48);
 }
@@ -486,7 +486,7 @@ fn rail_cut(case: &str, vars: &[(&str, &str)], cut: &str, restore: &'static str,
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn rail_down_for_good_retry_7_fails_through_the_watchdog() {
     rail_cut(
         "rail_down_for_good_retry_7_fails_through_the_watchdog",
@@ -501,7 +501,7 @@ fn rail_down_for_good_retry_7_fails_through_the_watchdog() {
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn rail_lossy_100pct_retry_7_fails_through_the_watchdog() {
     rail_cut(
         "rail_lossy_100pct_retry_7_fails_through_the_watchdog",
@@ -516,7 +516,7 @@ fn rail_lossy_100pct_retry_7_fails_through_the_watchdog() {
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn rail_lossy_100pct_retry_2_fails_through_the_device() {
     rail_cut(
         "rail_lossy_100pct_retry_2_fails_through_the_device",
@@ -528,7 +528,7 @@ fn rail_lossy_100pct_retry_2_fails_through_the_device() {
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn rail_flapping_inside_the_retry_window_loses_nothing() {
     let case = "rail_flapping_inside_the_retry_window_loses_nothing";
     // The default retransmission timer (4.096 us * 2^20 = 4.3 s): the flap fits inside
@@ -573,7 +573,7 @@ fn rail_flapping_inside_the_retry_window_loses_nothing() {
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn mtus_that_differ_use_the_smaller() {
     let case = "mtus_that_differ_use_the_smaller";
     let mut p = Peer::meet(case, Link::Mgmt);
@@ -615,7 +615,7 @@ fn mtus_that_differ_use_the_smaller() {
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn mgmt_cut_with_rails_up_keeps_data_flowing_then_fails_within_the_peer_timeout() {
     let case = "mgmt_cut_with_rails_up_keeps_data_flowing_then_fails_within_the_peer_timeout";
     set(&[("NCCL_IB_HCA", "=rxe0"), ("NCCL_ERDMA_PEER_TIMEOUT_S", "6")]);
@@ -682,7 +682,7 @@ fn shares(dir: &str) -> Vec<(String, u64)> {
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn nccl_fuses_both_rails_and_large_messages_stripe_evenly() {
     let case = "nccl_fuses_both_rails_and_large_messages_stripe_evenly";
     // The NICs one by one, and NCCL's fusion (makeVDevice) of both.
@@ -741,7 +741,7 @@ fn nccl_fuses_both_rails_and_large_messages_stripe_evenly() {
 }
 
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn both_rails_fused_without_nccl_asking() {
     let case = "both_rails_fused_without_nccl_asking";
     // What eRDMA gets by default (NCCL_ERDMA_FUSE_NICS=auto fuses eRDMA NICs; rxe is not
@@ -785,7 +785,7 @@ fn both_rails_fused_without_nccl_asking() {
 
 /// Last: host 2 goes away for good.
 #[test]
-#[ignore = "cluster tier: run by scripts/cluster-tier.sh on two hosts"]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn zz_peer_host_vanishing_fails_the_waiting_side_within_the_peer_timeout() {
     let case = "zz_peer_host_vanishing_fails_the_waiting_side_within_the_peer_timeout";
     set(&[("NCCL_IB_HCA", "=rxe0"), ("NCCL_ERDMA_PEER_TIMEOUT_S", "6")]);

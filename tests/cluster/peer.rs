@@ -39,7 +39,7 @@ pub struct Peer {
     case: String,
 }
 
-/// This host, from `CLUSTER_HOST_ID` (set by scripts/cluster-vm.sh); None outside a cluster.
+/// This host, from `CLUSTER_HOST_ID` (set by scripts/vm/cluster-vm.sh); None outside a cluster.
 pub fn this_host() -> Option<Host> {
     match std::env::var("CLUSTER_HOST_ID").ok()?.as_str() {
         "1" => Some(Host::One),
@@ -83,7 +83,7 @@ impl Drop for Fault {
 impl Peer {
     /// Meets the other host for `case` over `link` (within 60 s).
     pub fn meet(case: &str, link: Link) -> Peer {
-        let host = this_host().expect("CLUSTER_HOST_ID is 1 or 2 (run by scripts/cluster-vm.sh)");
+        let host = this_host().expect("CLUSTER_HOST_ID is 1 or 2 (run by scripts/vm/cluster-vm.sh)");
         let net = match link {
             Link::Mgmt => 0,
             Link::RailB => 2,

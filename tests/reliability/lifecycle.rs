@@ -77,7 +77,7 @@ fn child_dlclose_cycles() {
         // Under memcheck the resident set is mostly valgrind's own: freed blocks wait in its
         // 20 MB quarantine and every reload is translated again (6-9 MiB over 40 cycles, with
         // no leak). The same test outside valgrind (`cargo test`) holds the bound; here
-        // memcheck's leak check, which scripts/reliability.sh makes fatal, stands in for it.
+        // memcheck's leak check, which scripts/tiers/reliability.sh makes fatal, stands in for it.
         println!("reliability: dlclose cycles: RSS bound skipped under valgrind");
         return;
     }

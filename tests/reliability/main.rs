@@ -20,7 +20,7 @@
 //! | 7 fork | `lifecycle::verbs_fork_after_registration_keeps_parent_transfers_correct` (verbs) |
 //! | 8 stress | `lifecycle::stress_service_and_progress_threads_on_64_comms` |
 //! | 9 fuzzing | `fuzz/` (cargo-fuzz), seeds checked by `handles::fuzz_seed_corpus_decodes` |
-//! | 10 valgrind | `scripts/reliability.sh` |
+//! | 10 valgrind | `scripts/tiers/reliability.sh` |
 //!
 //! | file | holds |
 //! |---|---|

@@ -1,7 +1,7 @@
 """Hatchling build hook: put the cargo-built plugin and info command into the wheel.
 
 The files come from the release directory (``$NCCL_ERDMA_RELEASE_DIR``, else
-``<repo>/target/release``); build them first (``scripts/package.sh`` does). The wheel is tagged
+``<repo>/target/release``); build them first (``scripts/package/package.sh`` does). The wheel is tagged
 ``py3-none-manylinux_2_NN_x86_64``, NN the newest glibc symbol version the two files require
 (read from their version references with ``objdump -p``): the oldest glibc they run on.
 """
@@ -42,7 +42,7 @@ class CustomBuildHook(BuildHookInterface):
         if missing:
             raise FileNotFoundError(
                 f"not built: {', '.join(missing)} (run `cargo build --release --workspace` "
-                "or scripts/package.sh first, or set NCCL_ERDMA_RELEASE_DIR)"
+                "or scripts/package/package.sh first, or set NCCL_ERDMA_RELEASE_DIR)"
             )
         major, minor = glibc_floor(sources)
         build_data["pure_python"] = False

@@ -124,7 +124,7 @@ fn local_run_over_tcp_writes_table_csv_and_svg() {
 
 #[test]
 fn scripted_run_over_tcp_states_every_phase() {
-    // scripts/cpu-cost.sh's run, without callgrind: both ends in one process, one phase per
+    // scripts/perf/cpu-cost.sh's run, without callgrind: both ends in one process, one phase per
     // kind of call after the warm-up, each with the calls it made and no misses (loopback
     // delivers within the sending call).
     let lib = nccl_net_erdma_tools::client::default_library();

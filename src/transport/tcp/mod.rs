@@ -30,8 +30,8 @@ use crate::oob::{
 use crate::sysfs;
 use crate::transport::facts::{self, TransportFacts};
 use crate::transport::{
-    device, Connector, DeviceProps, Failure, Hold, Listener, MemKeys, Transport, MAX_RECVS,
-    PTR_HOST,
+    device, CommKeys, Connector, DeviceProps, Failure, Hold, Listener, MemKeys, Registry,
+    Transport, MAX_RECVS, PTR_HOST,
 };
 pub(crate) use recv::TcpReceiver;
 pub(crate) use send::TcpSender;
@@ -64,11 +64,12 @@ fn into_data_socket(stream: std::net::TcpStream) -> Result<Socket> {
 pub(crate) struct TcpTransport {
     props: [Arc<DeviceProps>; 1],
     timeouts: Timeouts,
+    registry: Arc<Registry>,
 }
 
 impl TcpTransport {
-    /// The transport over `bootstrap`'s interface.
-    pub(crate) fn new(config: &Config, bootstrap: &LocalAddr) -> Self {
+    /// The transport over `bootstrap`'s interface, its ends looking handles up in `registry`.
+    pub(crate) fn new(config: &Config, bootstrap: &LocalAddr, registry: Arc<Registry>) -> Self {
         let ifname = &bootstrap.ifname;
         let sys = format!("/sys/class/net/{ifname}");
         let speed = config
@@ -102,7 +103,13 @@ impl TcpTransport {
                 connect: Duration::from_millis(config.connect_timeout_ms.value),
                 peer: (peer > 0).then(|| Duration::from_secs(peer)),
             },
+            registry,
         }
+    }
+
+    /// Lookups of NCCL's handles for a comm on device `dev`.
+    fn keys(&self, dev: usize) -> CommKeys {
+        CommKeys::new(Arc::clone(&self.registry), dev)
     }
 }
 
@@ -134,6 +141,10 @@ impl Transport for TcpTransport {
         }
     }
 
+    fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
     fn device_count(&self) -> usize {
         self.props.len()
     }
@@ -144,7 +155,7 @@ impl Transport for TcpTransport {
 
     fn listen(&self, dev: usize, ip: IpAddr) -> Result<TcpListener> {
         device(&self.props, dev)?;
-        TcpListener::bind(ip, self.timeouts)
+        TcpListener::bind(ip, self.timeouts, self.keys(dev))
     }
 
     fn connect(
@@ -154,7 +165,7 @@ impl Transport for TcpTransport {
         _traffic_class: Option<i32>,
     ) -> Result<TcpConnector> {
         device(&self.props, dev)?;
-        TcpConnector::start(handle, self.timeouts)
+        TcpConnector::start(handle, self.timeouts, self.keys(dev))
     }
 
     fn register(
@@ -210,14 +221,17 @@ pub(super) fn note_broken(failure: &mut Failure, r: Result<()>, dir: &str, peer:
 pub(crate) struct TcpListener {
     listener: oob::Listener,
     accepted: Option<Channel>,
+    /// For the receiving end, once accepted.
+    keys: Option<CommKeys>,
 }
 
 impl TcpListener {
     /// Binds the bootstrap listener; its handle goes to the peer.
-    fn bind(ip: std::net::IpAddr, timeouts: Timeouts) -> Result<Self> {
+    fn bind(ip: std::net::IpAddr, timeouts: Timeouts, keys: CommKeys) -> Result<Self> {
         Ok(TcpListener {
             listener: oob::Listener::bind(ip, TransportKind::Tcp, timeouts)?,
             accepted: None,
+            keys: Some(keys),
         })
     }
 
@@ -238,9 +252,11 @@ impl TcpListener {
         }
         let chan = self.accepted.take().expect("set above");
         let peer = chan.peer();
+        let keys = self.keys.take().ok_or_else(accepted_twice)?;
         Ok(Some(TcpReceiver::new(
             into_data_socket(chan.into_stream())?,
             peer,
+            keys,
         )))
     }
 }
@@ -261,11 +277,18 @@ impl Listener for TcpListener {
 pub(crate) struct TcpConnector {
     /// Until the listener accepted; then the data socket.
     chan: Option<Channel>,
+    /// For the sending end, once connected.
+    keys: Option<CommKeys>,
+}
+
+/// A listener or connector asked for a second connection.
+fn accepted_twice() -> Error {
+    Error::misuse("a listen or connect polled again after it made its connection".into())
 }
 
 impl TcpConnector {
     /// Starts connecting to the listener described by `handle`.
-    fn start(handle: &Handle, timeouts: Timeouts) -> Result<Self> {
+    fn start(handle: &Handle, timeouts: Timeouts, keys: CommKeys) -> Result<Self> {
         let mut chan = Channel::connect(handle.addr, timeouts)?;
         let hello = Hello {
             nonce: handle.nonce,
@@ -273,7 +296,10 @@ impl TcpConnector {
             payload: Vec::new(),
         };
         chan.queue(MsgKind::Hello, &hello.encode());
-        Ok(TcpConnector { chan: Some(chan) })
+        Ok(TcpConnector {
+            chan: Some(chan),
+            keys: Some(keys),
+        })
     }
 }
 
@@ -296,7 +322,8 @@ impl Connector for TcpConnector {
                     return Ok(None);
                 };
                 let sock = into_data_socket(chan.into_stream())?;
-                Ok(Some(TcpSender::new(sock, peer)))
+                let keys = self.keys.take().ok_or_else(accepted_twice)?;
+                Ok(Some(TcpSender::new(sock, peer, keys)))
             }
             Some(m) if m.kind == MsgKind::Reject => Err(Error::remote(format!(
                 "{} refused the connection: {}",

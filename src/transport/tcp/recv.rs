@@ -18,7 +18,7 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, Endpoint, Failure, Handles, KeyCache, Receiver, SizeSink, Tested, Traffic,
+    not_in_flight, CommKeys, Endpoint, Failure, Receiver, SizeSink, Tested, Traffic,
     MAX_RECVS, MAX_REQUESTS,
 };
 
@@ -77,8 +77,8 @@ struct TcpRecvState {
     cts_out: VecDeque<u8>,
     rx: RecvRx,
     failure: Failure,
-    /// The last registration handle looked up (see `KeyCache`).
-    key_cache: KeyCache,
+    /// Where NCCL's handles are looked up.
+    keys: CommKeys,
     traffic: Traffic,
 }
 
@@ -88,7 +88,7 @@ pub(crate) struct TcpReceiver {
 }
 
 impl TcpReceiver {
-    pub(super) fn new(sock: Socket, peer: SocketAddr) -> Self {
+    pub(super) fn new(sock: Socket, peer: SocketAddr, keys: CommKeys) -> Self {
         TcpReceiver {
             state: Mutex::new(TcpRecvState {
                 sock,
@@ -102,7 +102,7 @@ impl TcpReceiver {
                     have: 0,
                 },
                 failure: Failure::default(),
-                key_cache: KeyCache::default(),
+                keys,
                 traffic: Traffic::default(),
             }),
         }
@@ -120,26 +120,21 @@ impl Endpoint for TcpReceiver {
 }
 
 impl Receiver for TcpReceiver {
-    fn iflush(&self, bufs: &[UserBuffer], handles: Handles<'_>) -> Result<Option<usize>> {
+    fn iflush(&self, bufs: &[UserBuffer], mhandles: &[u64]) -> Result<Option<usize>> {
         // Data is copied by the CPU: nothing to flush.
-        handles.check_all(bufs, &mut KeyCache::default())?;
+        self.state.lock().keys.check_all(bufs, mhandles)?;
         Ok(None)
     }
 
     /// Posts a grouped receive; `Ok(None)` when 32 are already in flight.
-    fn irecv(
-        &self,
-        bufs: &[UserBuffer],
-        tags: &[i32],
-        handles: Handles<'_>,
-    ) -> Result<Option<usize>> {
+    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], mhandles: &[u64]) -> Result<Option<usize>> {
         let mut s = self.state.lock();
         s.failure.check()?;
         let slot = s.next_seq as usize % MAX_REQUESTS;
         if s.reqs[slot].stage != RecvStage::Free {
             return Ok(None);
         }
-        handles.check_all(bufs, &mut s.key_cache)?;
+        s.keys.check_all(bufs, mhandles)?;
         let seq = s.next_seq;
         let n = bufs.len();
         let req = &mut s.reqs[slot];
@@ -173,6 +168,7 @@ impl Receiver for TcpReceiver {
 }
 
 impl TcpReceiver {
+    #[inline(never)] // the locked part, as the verbs transport's
     fn test_receive(&self, slot: usize, sizes: &mut impl SizeSink) -> Result<Option<usize>> {
         let mut s = self.state.lock();
         s.progress();

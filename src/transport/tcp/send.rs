@@ -17,7 +17,7 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, Endpoint, Failure, Handles, KeyCache, Sender, Tested, Traffic, MAX_RECVS,
+    not_in_flight, CommKeys, Endpoint, Failure, Sender, Tested, Traffic, MAX_RECVS,
     MAX_REQUESTS, MAX_SEND_REQUESTS,
 };
 
@@ -76,8 +76,8 @@ struct TcpSendState {
     failure: Failure,
     /// The socket failed: nothing more is read or written.
     broken: bool,
-    /// The last registration handle looked up (see `KeyCache`).
-    key_cache: KeyCache,
+    /// Where NCCL's handles are looked up.
+    keys: CommKeys,
     traffic: Traffic,
 }
 
@@ -87,7 +87,7 @@ pub(crate) struct TcpSender {
 }
 
 impl TcpSender {
-    pub(super) fn new(sock: Socket, peer: SocketAddr) -> Self {
+    pub(super) fn new(sock: Socket, peer: SocketAddr, keys: CommKeys) -> Self {
         TcpSender {
             state: Mutex::new(TcpSendState {
                 sock,
@@ -108,7 +108,7 @@ impl TcpSender {
                 tx_seq: 0,
                 failure: Failure::default(),
                 broken: false,
-                key_cache: KeyCache::default(),
+                keys,
                 traffic: Traffic::default(),
             }),
         }
@@ -127,7 +127,7 @@ impl Endpoint for TcpSender {
 
 impl Sender for TcpSender {
     /// Posts a send; `Ok(None)` until the receiver has posted a matching receive.
-    fn isend(&self, buf: UserBuffer, tag: i32, handles: Handles<'_>) -> Result<Option<usize>> {
+    fn isend(&self, buf: UserBuffer, tag: i32, mhandle: u64) -> Result<Option<usize>> {
         let mut s = self.state.lock();
         s.progress();
         s.failure.check()?;
@@ -142,7 +142,7 @@ impl Sender for TcpSender {
         else {
             return Ok(None);
         };
-        handles.check_all(std::slice::from_ref(&buf), &mut s.key_cache)?;
+        s.keys.keys(mhandle, buf)?;
         let group = &mut s.cts[g];
         group.matched |= 1 << entry;
         let (group_seq, posted) = (group.seq, group.sizes[entry]);
@@ -186,6 +186,7 @@ impl Sender for TcpSender {
 }
 
 impl TcpSender {
+    #[inline(never)] // the locked part, as the verbs transport's
     fn test_send(&self, slot: usize) -> Result<Option<usize>> {
         let mut s = self.state.lock();
         s.progress();

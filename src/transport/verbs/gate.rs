@@ -4,7 +4,7 @@
 //! batch they were polled into, so none is handed out twice or lost.
 
 use std::sync::{
-    atomic::{AtomicU32, AtomicU64, Ordering::Relaxed},
+    atomic::{AtomicBool, AtomicU32, Ordering::Relaxed},
     Arc,
 };
 
@@ -28,20 +28,19 @@ pub(crate) enum GatePoll {
 /// the QPs in the comm's state.
 type GateCq<N> = (Arc<N>, <N as Nic>::Cq);
 
-/// In [`RecvGate`]'s word: the comm has work only a locked call does (a clear-to-send held
-/// back, a failure to report, a peer gone).
-const LOCK: u64 = 1 << 63;
-const _: () = assert!(SLOTS < 63);
-
 /// What an idle `test` reads without taking the comm's lock, and the one record of which
 /// receives wait for their data. Only the holder of the comm's lock writes it (one progress
 /// thread drives a comm), so its writes are plain loads and stores; a reader that found it
 /// stale would only take the lock.
 pub(crate) struct RecvGate<N: Nic> {
-    /// Every rail's CQ, rail 0 first.
-    cqs: Box<[GateCq<N>]>,
-    /// Bit `s`: the receive in slot `s` waits for its data. [`LOCK`]: every test locks.
-    word: AtomicU64,
+    /// Rail 0's CQ, which every comm has, and the other rails'.
+    first: GateCq<N>,
+    others: Box<[GateCq<N>]>,
+    /// Per slot: the receive in it waits for its data.
+    waiting: [AtomicBool; SLOTS],
+    /// The comm has work only a locked call does (a clear-to-send held back, a failure to
+    /// report, a peer gone): every test locks.
+    lock: AtomicBool,
     /// Tests the gate looked at (wrapping).
     looks: AtomicU32,
 }
@@ -49,12 +48,12 @@ pub(crate) struct RecvGate<N: Nic> {
 impl<N: Nic> RecvGate<N> {
     /// The gate of a comm over `rails`: no receive waits.
     pub(crate) fn new(rails: &[Rail<N>]) -> Self {
+        let cq = |r: &Rail<N>| (Arc::clone(&r.nic), r.cq.cq.clone());
         RecvGate {
-            cqs: rails
-                .iter()
-                .map(|r| (Arc::clone(&r.nic), r.cq.cq.clone()))
-                .collect(),
-            word: AtomicU64::new(0),
+            first: cq(&rails[0]),
+            others: rails[1..].iter().map(cq).collect(),
+            waiting: [const { AtomicBool::new(false) }; SLOTS],
+            lock: AtomicBool::new(false),
             looks: AtomicU32::new(0),
         }
     }
@@ -64,11 +63,12 @@ impl<N: Nic> RecvGate<N> {
     /// such test locks instead, to run what the locked poll does besides (the slow checks).
     #[inline]
     pub(crate) fn poll(&self, id: usize, wc: &mut WcBatch) -> GatePoll {
-        let waits = id < SLOTS && self.word.load(Relaxed) & (LOCK | 1 << id) == 1 << id;
-        if !waits || self.lock_this_time() {
+        let waits = self.waiting.get(id).is_some_and(|w| w.load(Relaxed));
+        if !waits || self.lock.load(Relaxed) || self.lock_this_time() {
             return GatePoll::Lock;
         }
-        for (r, (nic, cq)) in self.cqs.iter().enumerate() {
+        let first = std::iter::once(&self.first);
+        for (r, (nic, cq)) in first.chain(self.others.iter()).enumerate() {
             match wc.try_poll(&**nic, cq) {
                 Some(0) => {}
                 Some(_) => return GatePoll::Found(r),
@@ -97,31 +97,25 @@ impl<N: Nic> RecvGate<N> {
     /// Whether the receive in `slot` waits for its data.
     #[inline]
     pub(crate) fn waits(&self, slot: usize) -> bool {
-        self.word.load(Relaxed) & (1 << slot) != 0
+        self.waiting[slot].load(Relaxed)
     }
 
     /// The lock holder posted a receive in `slot`: it waits for its data.
     #[inline]
     pub(crate) fn posted(&self, slot: usize) {
-        self.word
-            .store(self.word.load(Relaxed) | 1 << slot, Relaxed);
+        self.waiting[slot].store(true, Relaxed);
     }
 
     /// The lock holder saw the last of `slot`'s data arrive.
     #[inline]
     pub(crate) fn arrived(&self, slot: usize) {
-        self.word
-            .store(self.word.load(Relaxed) & !(1 << slot), Relaxed);
+        self.waiting[slot].store(false, Relaxed);
     }
 
     /// The lock holder's verdict at the end of a locked call: whether the comm has work only
     /// a locked call does.
     #[inline]
     pub(crate) fn lock_wanted(&self, yes: bool) {
-        let word = self.word.load(Relaxed);
-        let want = if yes { word | LOCK } else { word & !LOCK };
-        if want != word {
-            self.word.store(want, Relaxed);
-        }
+        self.lock.store(yes, Relaxed);
     }
 }

@@ -38,7 +38,8 @@ use crate::error::{Error, Result};
 use crate::oob::{Handle, TransportKind};
 use crate::transport::facts::{self, TransportFacts};
 use crate::transport::{
-    device, DeviceProps, Hold, MemKeys, Transport, PTR_CUDA, PTR_DMABUF, PTR_HOST,
+    device, CommKeys, DeviceProps, Hold, MemKeys, Registry, Transport, PTR_CUDA, PTR_DMABUF,
+    PTR_HOST,
 };
 use crate::verbs::device::{self as vdev, VerbsDevice};
 use crate::verbs::dma::ACCESS_RDMA;
@@ -75,6 +76,7 @@ pub(crate) struct VerbsTransport {
     devices: RwLock<Vec<Device>>,
     /// What `open` found and decided (the devices are read from `devices` when asked).
     facts: TransportFacts,
+    registry: Arc<Registry>,
 }
 
 /// What fusion needs to know of `d`.
@@ -118,8 +120,9 @@ pub(crate) fn survey_facts(config: &Config) -> TransportFacts {
 }
 
 impl VerbsTransport {
-    /// Opens every usable port, or fails saying why there is none.
-    pub(crate) fn open(config: &Config) -> Result<Self> {
+    /// Opens every usable port, or fails saying why there is none. Its ends look NCCL's
+    /// handles up in `registry`.
+    pub(crate) fn open(config: &Config, registry: Arc<Registry>) -> Result<Self> {
         let lib = VerbsLib::get(config.ibverbs_lib.value.as_deref())?;
         let all = vdev::survey(lib, config)?;
         let mut facts = TransportFacts {
@@ -192,7 +195,13 @@ impl VerbsTransport {
             physical: devices.len(),
             devices: RwLock::new(devices),
             facts,
+            registry,
         })
+    }
+
+    /// Lookups of NCCL's handles for a comm on device `dev`.
+    fn keys(&self, dev: usize) -> CommKeys {
+        CommKeys::new(Arc::clone(&self.registry), dev)
     }
 
     /// The ports of device `dev` (checked).
@@ -242,6 +251,10 @@ impl Transport for VerbsTransport {
         facts
     }
 
+    fn registry(&self) -> &Arc<Registry> {
+        &self.registry
+    }
+
     fn device_count(&self) -> usize {
         self.devices.read().len()
     }
@@ -279,7 +292,7 @@ impl Transport for VerbsTransport {
     fn listen(&self, dev: usize, ip: IpAddr) -> Result<VerbsListener> {
         let rails = self.rails(dev)?;
         let params = profile::conn_params(&self.config, &rails[0], None);
-        VerbsListener::bind(ip, &rails, params)
+        VerbsListener::bind(ip, &rails, params, self.keys(dev))
     }
 
     fn connect(
@@ -290,7 +303,7 @@ impl Transport for VerbsTransport {
     ) -> Result<VerbsConnector> {
         let rails = self.rails(dev)?;
         let params = profile::conn_params(&self.config, &rails[0], traffic_class);
-        VerbsConnector::start(&rails, handle, params)
+        VerbsConnector::start(&rails, handle, params, self.keys(dev))
     }
 
     fn register(

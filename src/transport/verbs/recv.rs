@@ -25,8 +25,8 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, Endpoint, Failure, Handles, KeyCache, Receiver, SizeSink, Tested, Traffic,
-    MAX_RAILS, MAX_RECVS,
+    not_in_flight, CommKeys, Endpoint, Failure, Receiver, SizeSink, Tested, Traffic, MAX_RAILS,
+    MAX_RECVS,
 };
 use crate::verbs::device::VerbsDevice;
 use crate::verbs::dma::{DmaBuffer, FixedWrite, SendChain, WcBatch, WC_RECV_RDMA_WITH_IMM};
@@ -124,8 +124,8 @@ pub(crate) struct RecvState<N: Nic> {
     chain: SendChain,
     /// Clear-to-send writes: from `cts_local` to the sender's FIFO over rail 0.
     cts_write: FixedWrite,
-    /// The last registration handle `irecv` or `iflush` looked up.
-    key_cache: KeyCache,
+    /// Where NCCL's handles are looked up.
+    keys: CommKeys,
     failure: Failure,
     traffic: Traffic,
     pub(crate) peer: String,
@@ -143,6 +143,7 @@ impl<N: Nic> RecvState<N> {
         plan: QpPlan,
         cts_batch: u32,
         peer: String,
+        keys: CommKeys,
     ) -> Self {
         let cts_write = FixedWrite::new(cts_local.lkey(0), remote_fifo.1[0]);
         RecvState {
@@ -165,7 +166,7 @@ impl<N: Nic> RecvState<N> {
             cts_writes: 0,
             chain: SendChain::new(),
             cts_write,
-            key_cache: KeyCache::default(),
+            keys,
             failure: Failure::default(),
             traffic: Traffic::default(),
             peer,
@@ -189,7 +190,7 @@ impl<N: Nic> RecvState<N> {
         gate: &RecvGate<N>,
         bufs: &[UserBuffer],
         tags: &[i32],
-        handles: Handles<'_>,
+        mhandles: &[u64],
     ) -> Result<Option<usize>> {
         self.failure.check()?;
         // No CQ poll here: `test` polls, and a free slot depends only on `test`.
@@ -209,7 +210,7 @@ impl<N: Nic> RecvState<N> {
         }
         // A handle that does not cover its buffer fails the call, not the comm: nothing is
         // posted before every key is known.
-        self.announce(slot, bufs, tags, handles)?;
+        self.announce(slot, bufs, tags, mhandles)?;
         let r = self.post_receive(gate, slot, bufs);
         self.polled = false;
         self.failure.record(r)?;
@@ -217,17 +218,18 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// Writes free `slot`'s clear-to-send entries, one per buffer (into local memory: the
-    /// sender sees them once posted), with the keys `handles` has for them.
+    /// sender sees them once posted), with the keys of their handles `mhandles`.
     fn announce(
         &mut self,
         slot: usize,
         bufs: &[UserBuffer],
         tags: &[i32],
-        handles: Handles<'_>,
+        mhandles: &[u64],
     ) -> Result<()> {
         let n = bufs.len();
-        for (i, (buf, tag)) in bufs.iter().zip(tags).enumerate() {
-            let mem = handles.keys(i, *buf, &mut self.key_cache)?;
+        for i in 0..n {
+            let (buf, tag) = (&bufs[i], &tags[i]);
+            let mem = self.keys.keys(mhandles[i], *buf)?;
             // All of them, as the registration holds them: the sender reads those of this
             // comm's rails.
             let entry = CtsEntry::new(buf.addr() as u64, buf.len(), mem.rkeys, *tag, n, self.seq);
@@ -268,8 +270,7 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// `test` of receive or flush request `id`; `found`: the gate polled this rail's CQ into
-    /// this batch, which holds completions. Out of line: the gate answers the idle tests.
-    #[inline(never)]
+    /// this batch, which holds completions.
     fn test(
         &mut self,
         gate: &RecvGate<N>,
@@ -414,7 +415,7 @@ impl<N: Nic> RecvState<N> {
 
     /// `iflush` of the last non-empty buffer, on every rail; `Ok(None)` when there is nothing
     /// to flush.
-    fn iflush(&mut self, bufs: &[UserBuffer], handles: Handles<'_>) -> Result<Option<usize>> {
+    fn iflush(&mut self, bufs: &[UserBuffer], mhandles: &[u64]) -> Result<Option<usize>> {
         self.failure.check()?;
         if self.rails[0].flush_qp.is_none() {
             return Ok(None);
@@ -422,7 +423,7 @@ impl<N: Nic> RecvState<N> {
         let Some(last) = (0..bufs.len()).rev().find(|&i| !bufs[i].is_empty()) else {
             return Ok(None);
         };
-        let mem = *handles.keys(last, bufs[last], &mut self.key_cache)?;
+        let mem = *self.keys.keys(mhandles[last], bufs[last])?;
         // NULL would tell NCCL "no flush needed" and it would not retry, so a busy slot
         // (a flush of another sub still untested) means taking the next free one. NCCL keeps
         // at most 32 requests in flight per comm, so one is free unless the caller broke that.
@@ -642,6 +643,15 @@ impl<N: Nic> VerbsReceiver<N> {
     }
 }
 
+impl<N: Nic> VerbsReceiver<N> {
+    /// [`Receiver::test`] where the gate did not answer: under the lock, with what the gate
+    /// polled. Out of line, so that the idle test is the gate's poll and nothing else.
+    #[inline(never)]
+    fn test_locked(&self, id: usize, sizes: &mut impl SizeSink, found: Found<'_>) -> Tested {
+        self.state.lock().test(&self.gate, id, sizes, found)
+    }
+}
+
 impl<N: Nic> Endpoint for VerbsReceiver<N> {
     fn peer(&self) -> String {
         self.state.lock().peer.clone()
@@ -664,27 +674,25 @@ impl<N: Nic> Endpoint for VerbsReceiver<N> {
 }
 
 impl<N: Nic> Receiver for VerbsReceiver<N> {
-    fn irecv(
-        &self,
-        bufs: &[UserBuffer],
-        tags: &[i32],
-        handles: Handles<'_>,
-    ) -> Result<Option<usize>> {
+    /// Under the lock (an `irecv` always has work to do).
+    #[inline(never)]
+    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], mhandles: &[u64]) -> Result<Option<usize>> {
         let mut s = self.state.lock();
-        let r = s.irecv(&self.gate, bufs, tags, handles);
+        let r = s.irecv(&self.gate, bufs, tags, mhandles);
         self.gate.lock_wanted(s.needs_lock());
         r
     }
 
-    fn iflush(&self, bufs: &[UserBuffer], handles: Handles<'_>) -> Result<Option<usize>> {
+    fn iflush(&self, bufs: &[UserBuffer], mhandles: &[u64]) -> Result<Option<usize>> {
         let mut s = self.state.lock();
-        let r = s.iflush(bufs, handles);
+        let r = s.iflush(bufs, mhandles);
         self.gate.lock_wanted(s.needs_lock());
         r
     }
 
     /// The gate answers a test of a receive still waiting whose CQs hold nothing (most
     /// tests); everything else is decided under the lock, with what the gate polled.
+    #[inline]
     fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Tested {
         let mut wc = WcBatch::new();
         let found = match self.gate.poll(id, &mut wc) {
@@ -692,6 +700,6 @@ impl<N: Nic> Receiver for VerbsReceiver<N> {
             GatePoll::Found(rail) => Some((rail, &mut wc)),
             GatePoll::Lock => None,
         };
-        self.state.lock().test(&self.gate, id, sizes, found)
+        self.test_locked(id, sizes, found)
     }
 }

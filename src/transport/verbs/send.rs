@@ -26,7 +26,7 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, Endpoint, Failure, Handles, KeyCache, Sender, Tested, Traffic, MAX_RAILS,
+    not_in_flight, CommKeys, Endpoint, Failure, Sender, Tested, Traffic, MAX_RAILS,
     MAX_RECVS,
 };
 use crate::verbs::device::VerbsDevice;
@@ -129,8 +129,8 @@ pub(crate) struct SendState<N: Nic> {
     chain: SendChain,
     /// The write of a single message's send.
     single: WriteImm,
-    /// The last registration handle `isend` looked up.
-    key_cache: KeyCache,
+    /// Where NCCL's handles are looked up.
+    keys: CommKeys,
     failure: Failure,
     traffic: Traffic,
     pub(crate) peer: String,
@@ -145,6 +145,7 @@ impl<N: Nic> SendState<N> {
         remote_sizes: RemoteRecords,
         plan: QpPlan,
         peer: String,
+        keys: CommKeys,
     ) -> Self {
         SendState {
             rails,
@@ -156,7 +157,7 @@ impl<N: Nic> SendState<N> {
             slots: [SendSlot::FREE; SLOTS],
             chain: SendChain::new(),
             single: WriteImm::default(),
-            key_cache: KeyCache::default(),
+            keys,
             failure: Failure::default(),
             traffic: Traffic::default(),
             peer,
@@ -182,7 +183,7 @@ impl<N: Nic> SendState<N> {
         awaited: u64,
         buf: UserBuffer,
         tag: i32,
-        handles: Handles<'_>,
+        mhandle: u64,
     ) -> Result<Option<usize>> {
         self.failure.check()?;
         if awaited != self.awaited() {
@@ -207,7 +208,7 @@ impl<N: Nic> SendState<N> {
             if used == 1 {
                 let remote_rail = modulo(qp, self.remote_sizes.2);
                 let remote = self.fifo.read(base, |e| (e.addr, e.rkeys[remote_rail]));
-                return self.post_single(slot, (remote, first_size), qp, buf, handles);
+                return self.post_single(slot, (remote, first_size), qp, buf, mhandle);
             }
         }
         let st = &mut self.slots[slot];
@@ -238,7 +239,7 @@ impl<N: Nic> SendState<N> {
         let Some((e, room)) = found else {
             return Ok(None);
         };
-        let mem = handles.keys(0, buf, &mut self.key_cache)?;
+        let mem = self.keys.keys(mhandle, buf)?;
         let st = &mut self.slots[slot];
         st.matched |= 1 << e;
         st.sizes[e] = buf.len();
@@ -280,9 +281,9 @@ impl<N: Nic> SendState<N> {
         (remote, room): ((u64, u32), u32),
         qp: usize,
         buf: UserBuffer,
-        handles: Handles<'_>,
+        mhandle: u64,
     ) -> Result<Option<usize>> {
-        let mem = handles.keys(0, buf, &mut self.key_cache)?;
+        let mem = self.keys.keys(mhandle, buf)?;
         let (r, i) = locate(qp, self.plan.rails);
         let rail = &mut self.rails[r];
         let qp_r = &rail.qps[i];
@@ -648,15 +649,19 @@ impl<N: Nic> Endpoint for VerbsSender<N> {
     }
 }
 
-impl<N: Nic> Sender for VerbsSender<N> {
-    /// The gate answers an `isend` whose clear-to-send has not landed (most calls); the rest
-    /// is decided under the lock.
-    fn isend(&self, buf: UserBuffer, tag: i32, handles: Handles<'_>) -> Result<Option<usize>> {
-        let Some(awaited) = self.gate.landed() else {
-            return self.not_yet();
-        };
+impl<N: Nic> VerbsSender<N> {
+    /// [`Sender::isend`] once the gate saw the clear-to-send `awaited` land: under the lock.
+    /// Out of line, so that the idle `isend` is the gate's load and nothing else.
+    #[inline(never)]
+    fn isend_landed(
+        &self,
+        awaited: u64,
+        buf: UserBuffer,
+        tag: i32,
+        mhandle: u64,
+    ) -> Result<Option<usize>> {
         let mut s = self.state.lock();
-        let r = s.isend(awaited, buf, tag, handles);
+        let r = s.isend(awaited, buf, tag, mhandle);
         self.gate.publish(&s);
         drop(s);
         match r {
@@ -665,7 +670,21 @@ impl<N: Nic> Sender for VerbsSender<N> {
             r => r,
         }
     }
+}
 
+impl<N: Nic> Sender for VerbsSender<N> {
+    /// The gate answers an `isend` whose clear-to-send has not landed (most calls); the rest
+    /// is decided under the lock.
+    #[inline]
+    fn isend(&self, buf: UserBuffer, tag: i32, mhandle: u64) -> Result<Option<usize>> {
+        match self.gate.landed() {
+            Some(awaited) => self.isend_landed(awaited, buf, tag, mhandle),
+            None => self.not_yet(),
+        }
+    }
+
+    /// Under the lock (a send has no idle test: NCCL tests a send once it was posted).
+    #[inline(never)]
     fn test(&self, id: usize) -> Tested {
         let mut s = self.state.lock();
         let r = s.test(id);

@@ -15,7 +15,7 @@ use super::send::{SendState, VerbsSender, PROBE_AT};
 use super::wire::{ConnInfo, CtsEntry, QpPlan, RailInfo, MAX_INLINE, MAX_QPS, SLOTS};
 use crate::error::{Error, Result};
 use crate::oob::{self, Channel, Handle, Hello, Message, MsgKind, Timeouts, TransportKind};
-use crate::transport::{Connector, Listener, MAX_RAILS, MAX_RECVS};
+use crate::transport::{CommKeys, Connector, Listener, MAX_RAILS, MAX_RECVS};
 use crate::verbs::device::{mtu_bytes, VerbsDevice, LINK_LAYER_ETHERNET};
 use crate::verbs::dma::DmaBuffer;
 use crate::verbs::nic::{LocalPort, MemoryRegion, Nic, QueuePair};
@@ -235,6 +235,7 @@ struct Unconnected<N: Nic> {
     rails: Vec<Rail<N>>,
     fifo: DmaBuffer<CtsEntry, N::Mr>,
     sizes_local: DmaBuffer<u32, N::Mr>,
+    keys: CommKeys,
 }
 
 /// The connecting side, between NCCL's repeated `connect` calls.
@@ -248,7 +249,12 @@ pub(crate) struct VerbsConnector<N: Nic = VerbsDevice> {
 impl<N: Nic> VerbsConnector<N> {
     /// Creates the sender's QPs (over the rails `nics`) and FIFO and starts the handshake
     /// with the listener.
-    pub(crate) fn start(nics: &[Arc<N>], handle: &Handle, params: ConnParams) -> Result<Self> {
+    pub(crate) fn start(
+        nics: &[Arc<N>],
+        handle: &Handle,
+        params: ConnParams,
+        keys: CommKeys,
+    ) -> Result<Self> {
         let nqps = (params.qps_per_connection as usize * nics.len()).clamp(nics.len(), MAX_QPS);
         // Per QP: data writes (and probes), one signaled per slot.
         let sizing = ((SLOTS * (MAX_RECVS + 2)) as u32, 1, SLOTS * 2);
@@ -269,6 +275,7 @@ impl<N: Nic> VerbsConnector<N> {
                 rails,
                 fifo,
                 sizes_local,
+                keys,
             }),
             sender: None,
             params,
@@ -350,6 +357,7 @@ impl<N: Nic> VerbsConnector<N> {
             (remote.addr, rkeys(&remote), remote.rails.len()),
             plan,
             format!("{peer} ({})", remote.devices()),
+            made.keys,
         ))
     }
 }
@@ -367,16 +375,24 @@ pub(crate) struct VerbsListener<N: Nic = VerbsDevice> {
     listener: oob::Listener,
     nics: Vec<Arc<N>>,
     params: ConnParams,
+    /// For the receiving end, once a peer connects.
+    keys: Option<CommKeys>,
     accepting: Option<(Channel, RecvState<N>)>,
 }
 
 impl<N: Nic> VerbsListener<N> {
     /// Binds the bootstrap listener for a device over the rails `nics`.
-    pub(crate) fn bind(ip: std::net::IpAddr, nics: &[Arc<N>], params: ConnParams) -> Result<Self> {
+    pub(crate) fn bind(
+        ip: std::net::IpAddr,
+        nics: &[Arc<N>],
+        params: ConnParams,
+        keys: CommKeys,
+    ) -> Result<Self> {
         Ok(VerbsListener {
             listener: oob::Listener::bind(ip, TransportKind::Verbs, params.timeouts)?,
             nics: nics.to_vec(),
             params,
+            keys: Some(keys),
             accepting: None,
         })
     }
@@ -432,7 +448,7 @@ impl<N: Nic> VerbsListener<N> {
         }
     }
 
-    fn setup_receiver(&self, remote: &ConnInfo, peer: SocketAddr) -> Result<RecvState<N>> {
+    fn setup_receiver(&mut self, remote: &ConnInfo, peer: SocketAddr) -> Result<RecvState<N>> {
         let nqps = remote.qps.len();
         // Every rail used carries at least one QP.
         let nics = &self.nics[..self.nics.len().min(nqps)];
@@ -464,6 +480,9 @@ impl<N: Nic> VerbsListener<N> {
             plan,
             self.params.cts_batch,
             format!("{peer} ({})", remote.devices()),
+            self.keys.take().ok_or_else(|| {
+                Error::misuse("accept polled again after it made its connection".into())
+            })?,
         ))
     }
 }

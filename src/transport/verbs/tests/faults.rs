@@ -16,7 +16,7 @@ fn a_send_larger_than_its_receive_fails_on_both_sides() {
     let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
     assert_eq!(e.kind(), ErrorKind::InvalidUsage, "{e}");
     // The comm stays failed: a later send is an error, not a wait.
-    assert!(c.send.isend(src.whole(), 3, c.handles(&[src.mh])).is_err());
+    assert!(c.send.isend(src.whole(), 3, src.mh).is_err());
 }
 
 #[test]
@@ -66,7 +66,7 @@ fn a_failing_cq_poll_fails_a_waiting_receive_with_its_error_and_the_comm_stays_f
     let mut again = c.buf(false, 64, 0);
     assert!(c
         .recv
-        .irecv(&[again.whole()], &[0], c.handles(&[again.mh]))
+        .irecv(&[again.whole()], &[0], &[again.mh])
         .is_err());
 }
 
@@ -92,7 +92,7 @@ fn a_failed_write_is_an_error_naming_peer_operation_and_status() {
         assert!(msg.contains(part), "{part:?} missing in: {msg}");
     }
     // The comm stays failed.
-    assert!(c.send.isend(src.whole(), 0, c.handles(&[src.mh])).is_err());
+    assert!(c.send.isend(src.whole(), 0, src.mh).is_err());
 }
 
 #[test]
@@ -146,7 +146,7 @@ fn a_peer_that_closes_fails_the_waiting_side() {
     let e = loop {
         match c
             .send
-            .isend(src.whole(), 0, Handles::new(&c.registry, 0, &[src.mh]))
+            .isend(src.whole(), 0, src.mh)
         {
             Err(e) => break e,
             Ok(None) => assert!(Instant::now() < deadline, "no error"),
@@ -204,7 +204,7 @@ fn a_sender_waiting_for_a_clear_to_send_on_a_dead_link_probes_and_fails() {
     let e = loop {
         match c
             .send
-            .isend(src.whole(), 0, Handles::new(&c.registry, 0, &[src.mh]))
+            .isend(src.whole(), 0, src.mh)
         {
             Err(e) => break e,
             Ok(None) => assert!(Instant::now() < deadline, "no error"),
@@ -270,7 +270,7 @@ fn a_connect_to_a_device_of_another_link_layer_is_refused_with_both_names() {
     let fabric = Fabric::new();
     let tx = fabric.nic("fake0");
     let rx = fabric.nic_with_link_layer("ib0", crate::verbs::device::LINK_LAYER_IB);
-    let e = match try_connect(&[tx], &[rx], params(), params()) {
+    let e = match try_connect(&[tx], &[rx], (params(), params()), &Arc::default()) {
         Err(e) => e,
         Ok(_) => panic!("connected across link layers"),
     };
@@ -289,16 +289,16 @@ fn a_bad_handle_fails_only_its_call_and_a_send_meets_it_once_matched() {
     // A receive with a bad handle posts nothing.
     let e = c
         .recv
-        .irecv(&[dst.whole()], &[2], c.handles(&bad))
+        .irecv(&[dst.whole()], &[2], &bad)
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Internal);
     // A send looks its handle up once a receive matches it (as NCCL's IB transport uses it):
     // before, it waits; after, the error, and the receive is left for the next send.
     let bad = [c.register(src.mem.addr(), 8, src.keys)];
-    assert_eq!(c.send.isend(src.whole(), 2, c.handles(&bad)).unwrap(), None);
+    assert_eq!(c.send.isend(src.whole(), 2, bad[0]).unwrap(), None);
     let r = c.irecv(&mut [&mut dst], &[2]);
     let e = (0..POLLS)
-        .find_map(|_| c.send.isend(src.whole(), 2, c.handles(&bad)).err())
+        .find_map(|_| c.send.isend(src.whole(), 2, bad[0]).err())
         .expect("an error once the send is matched");
     assert_eq!(e.kind(), ErrorKind::Internal);
     let s = c.send_buf(&mut src, 2);
@@ -321,7 +321,7 @@ fn a_truncation_a_dead_peer_and_a_fatal_event_each_keep_their_code_on_every_late
     let irecv_again = |c: &Conn| {
         let mut d = c.buf(false, 64, 0);
         let b = d.whole();
-        c.recv.irecv(&[b], &[0], c.handles(&[d.mh])).map(|_| None)
+        c.recv.irecv(&[b], &[0], &[d.mh]).map(|_| None)
     };
     // A truncation fails both ends with ncclInvalidUsage.
     let c = connect(params());
@@ -332,7 +332,7 @@ fn a_truncation_a_dead_peer_and_a_fatal_event_each_keep_their_code_on_every_late
     assert_eq!(e.code(), ncclInvalidUsage);
     keeps_failing(&e, || {
         c.send
-            .isend(src.whole(), 3, c.handles(&[src.mh]))
+            .isend(src.whole(), 3, src.mh)
             .map(|_| None)
     });
     let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
@@ -343,23 +343,14 @@ fn a_truncation_a_dead_peer_and_a_fatal_event_each_keep_their_code_on_every_late
     let mut dst = c.buf(false, 64, 0);
     let mut again = c.buf(false, 8, 0);
     let r = c.irecv(&mut [&mut dst], &[0]);
-    let Conn {
-        send,
-        recv,
-        registry,
-        ..
-    } = c;
+    let Conn { send, recv, .. } = c;
     drop(send);
     let e = wait_error(Duration::from_secs(10), || test_recv(&recv, r));
     assert_eq!(e.code(), ncclRemoteError);
     keeps_failing(&e, || test_recv(&recv, r));
     keeps_failing(&e, || {
-        recv.irecv(
-            &[again.whole()],
-            &[0],
-            Handles::new(&registry, 0, &[again.mh]),
-        )
-        .map(|_| None)
+        recv.irecv(&[again.whole()], &[0], &[again.mh])
+            .map(|_| None)
     });
     // A fatal event on the device: ncclSystemError, on every later call.
     let c = connect(params());

@@ -21,7 +21,7 @@ use crate::error::{Error, ErrorKind, Result};
 use crate::oob::Timeouts;
 use crate::transport::registry::Registration;
 use crate::transport::{
-    Connector, Endpoint, Handles, Listener, MemKeys, Receiver, Registry, Sender, MAX_RECVS,
+    CommKeys, Connector, Endpoint, Listener, MemKeys, Receiver, Registry, Sender, MAX_RECVS,
 };
 use crate::verbs::fake::{Cut, Fabric, FakeMr, FakeNic, REMOTE_ACCESS_ERROR, RETRY_EXCEEDED};
 use crate::verbs::nic::{MemoryRegion, Nic};
@@ -59,20 +59,21 @@ struct Conn {
     rx_nics: Vec<Arc<FakeNic>>,
     send: VerbsSender<FakeNic>,
     recv: VerbsReceiver<FakeNic>,
-    registry: Registry,
+    registry: Arc<Registry>,
 }
 
 /// Connects the rails `tx` (sender, with `tx_params`) to the rails `rx` (receiver) over
-/// loopback `oob`.
+/// loopback `oob`, both ends looking handles up in `registry` (device 0).
 fn try_connect(
     tx: &[Arc<FakeNic>],
     rx: &[Arc<FakeNic>],
-    tx_params: ConnParams,
-    rx_params: ConnParams,
+    (tx_params, rx_params): (ConnParams, ConnParams),
+    registry: &Arc<Registry>,
 ) -> Result<(VerbsSender<FakeNic>, VerbsReceiver<FakeNic>)> {
-    let mut listen = VerbsListener::bind("127.0.0.1".parse().unwrap(), rx, rx_params)?;
+    let keys = || CommKeys::new(Arc::clone(registry), 0);
+    let mut listen = VerbsListener::bind("127.0.0.1".parse().unwrap(), rx, rx_params, keys())?;
     let handle = *listen.handle();
-    let mut connecting = VerbsConnector::start(tx, &handle, tx_params)?;
+    let mut connecting = VerbsConnector::start(tx, &handle, tx_params, keys())?;
     let (mut send, mut recv) = (None, None);
     let deadline = Instant::now() + Duration::from_secs(10);
     while send.is_none() || recv.is_none() {
@@ -107,14 +108,15 @@ fn connect_rails(
     let rx_nics: Vec<_> = (0..rx_rails)
         .map(|i| fabric.nic(&name("rx", i, rx_rails)))
         .collect();
-    let (send, recv) = try_connect(&tx_nics, &rx_nics, tx_params, rx_params).unwrap();
+    let registry = Arc::default();
+    let (send, recv) = try_connect(&tx_nics, &rx_nics, (tx_params, rx_params), &registry).unwrap();
     Conn {
         fabric,
         tx_nics,
         rx_nics,
         send,
         recv,
-        registry: Registry::default(),
+        registry,
     }
 }
 
@@ -175,17 +177,12 @@ impl Conn {
             .unwrap()
     }
 
-    /// The handles `mhs` of one call's buffers.
-    fn handles<'a>(&'a self, mhs: &'a [u64]) -> Handles<'a> {
-        Handles::new(&self.registry, 0, mhs)
-    }
-
     /// Posts a receive of `bufs` with `tags`, which must be accepted at once.
     fn irecv(&self, bufs: &mut [&mut Buf], tags: &[i32]) -> usize {
         let mhs: Vec<u64> = bufs.iter().map(|b| b.mh).collect();
         let ubufs: Vec<UserBuffer> = bufs.iter_mut().map(|b| b.whole()).collect();
         self.recv
-            .irecv(&ubufs, tags, self.handles(&mhs))
+            .irecv(&ubufs, tags, &mhs)
             .expect("irecv")
             .expect("a free receive slot")
     }
@@ -194,7 +191,7 @@ impl Conn {
     /// arrive within `POLLS`).
     fn isend(&self, buf: UserBuffer, mh: u64, tag: i32) -> Result<usize> {
         for _ in 0..POLLS {
-            if let Some(id) = self.send.isend(buf, tag, self.handles(&[mh]))? {
+            if let Some(id) = self.send.isend(buf, tag, mh)? {
                 return Ok(id);
             }
         }

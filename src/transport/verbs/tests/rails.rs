@@ -181,7 +181,7 @@ fn flushes_read_on_every_rail() {
     let (b, k) = (dst.whole(), dst.mh);
     let id = c
         .recv
-        .iflush(&[b], c.handles(&[k]))
+        .iflush(&[b], &[k])
         .unwrap()
         .expect("a flush");
     assert_eq!(wait(|| c.test_recv(id)).unwrap(), Completion::EMPTY);
@@ -189,7 +189,7 @@ fn flushes_read_on_every_rail() {
     c.fabric.cut(&c.rx_nics[1], Some(Cut::Fail(RETRY_EXCEEDED)));
     let id = c
         .recv
-        .iflush(&[b], c.handles(&[k]))
+        .iflush(&[b], &[k])
         .unwrap()
         .expect("a flush");
     let e = wait_error(Duration::from_secs(5), || c.test_recv(id));

@@ -23,7 +23,7 @@ fn a_send_waits_for_its_clear_to_send() {
     let mut dst = c.buf(false, 64, 0);
     for _ in 0..1000 {
         assert_eq!(
-            c.send.isend(src.whole(), 5, c.handles(&[src.mh])).unwrap(),
+            c.send.isend(src.whole(), 5, src.mh).unwrap(),
             None
         );
     }
@@ -41,7 +41,7 @@ fn a_send_with_another_tag_waits() {
     let mut dst = c.buf(false, 16, 0);
     let r = c.irecv(&mut [&mut dst], &[1]);
     assert_eq!(
-        c.send.isend(src.whole(), 2, c.handles(&[src.mh])).unwrap(),
+        c.send.isend(src.whole(), 2, src.mh).unwrap(),
         None
     );
     let s = c.send_buf(&mut src, 1);
@@ -95,7 +95,7 @@ fn receives_beyond_the_window_are_null_and_slots_come_back_when_tested() {
     }
     let (k, b) = (dsts[SLOTS].mh, dsts[SLOTS].whole());
     assert_eq!(
-        c.recv.irecv(&[b], &[0], c.handles(&[k])).unwrap(),
+        c.recv.irecv(&[b], &[0], &[k]).unwrap(),
         None,
         "33rd receive"
     );
@@ -104,7 +104,7 @@ fn receives_beyond_the_window_are_null_and_slots_come_back_when_tested() {
     wait(|| c.test_send(s)).unwrap();
     wait(|| c.test_recv(ids[0])).unwrap();
     assert!(
-        c.recv.irecv(&[b], &[0], c.handles(&[k])).unwrap().is_some(),
+        c.recv.irecv(&[b], &[0], &[k]).unwrap().is_some(),
         "slot 0 free again"
     );
 }
@@ -146,7 +146,7 @@ fn the_sender_reuses_a_slot_only_after_its_sends_are_tested() {
     // Slot 0 holds an untested send: the 33rd send must wait for it.
     for _ in 0..1000 {
         assert_eq!(
-            c.send.isend(src.whole(), 0, c.handles(&[src.mh])).unwrap(),
+            c.send.isend(src.whole(), 0, src.mh).unwrap(),
             None
         );
     }
@@ -234,13 +234,13 @@ fn clear_to_sends_are_batched_while_the_receiver_polls() {
             let k = (received + posted.len()) % 4;
             let d = &mut dsts[k];
             let (b, keys) = (d.whole(), d.mh);
-            let Some(id) = c.recv.irecv(&[b], &[0], c.handles(&[keys])).unwrap() else {
+            let Some(id) = c.recv.irecv(&[b], &[0], &[keys]).unwrap() else {
                 break;
             };
             posted.push_back(id);
         }
         if sent < n {
-            if let Some(s) = c.send.isend(src.whole(), 0, c.handles(&[src.mh])).unwrap() {
+            if let Some(s) = c.send.isend(src.whole(), 0, src.mh).unwrap() {
                 wait(|| c.test_send(s)).unwrap();
                 sent += 1;
             }
@@ -364,7 +364,7 @@ fn a_stale_entry_from_2_pow_32_receives_ago_never_matches() {
     let (b, k) = (src.whole(), src.mh);
     for _ in 0..1000 {
         assert_eq!(
-            c.send.isend(b, 2, c.handles(&[k])).unwrap(),
+            c.send.isend(b, 2, k).unwrap(),
             None,
             "the second entry has not landed: it must not match its stale predecessor"
         );
@@ -398,7 +398,7 @@ fn a_half_placed_clear_to_send_is_not_yet() {
     let mut src = c.buf(true, 64, 8);
     for _ in 0..100 {
         assert_eq!(
-            c.send.isend(src.whole(), 4, c.handles(&[src.mh])).unwrap(),
+            c.send.isend(src.whole(), 4, src.mh).unwrap(),
             None
         );
     }
@@ -422,27 +422,27 @@ fn flushes_complete_and_reuse_their_slots_and_a_33rd_is_refused() {
     for _ in 0..SLOTS {
         held.push(
             c.recv
-                .iflush(&bufs, c.handles(&keys))
+                .iflush(&bufs, &keys)
                 .unwrap()
                 .expect("a flush request"),
         );
     }
-    let e = c.recv.iflush(&bufs, c.handles(&keys)).unwrap_err();
+    let e = c.recv.iflush(&bufs, &keys).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidUsage);
     assert!(held.iter().all(|&id| id >= FLUSH_ID_BASE));
     assert_eq!(wait(|| c.test_recv(held[3])).unwrap(), Completion::EMPTY);
-    let again = c.recv.iflush(&bufs, c.handles(&keys)).unwrap().unwrap();
+    let again = c.recv.iflush(&bufs, &keys).unwrap().unwrap();
     assert_eq!(again, held[3], "the freed slot is taken");
     // Nothing to flush: no request.
     let empty = [UserBuffer::EMPTY];
-    assert_eq!(c.recv.iflush(&empty, c.handles(&keys)).unwrap(), None);
+    assert_eq!(c.recv.iflush(&empty, &keys).unwrap(), None);
     // Without GPUDirect there is no flush QP: no request either.
     let plain = connect(params());
     let plain_keys = [plain.register(dst.mem.addr(), 64, dst.keys)];
     assert_eq!(
         plain
             .recv
-            .iflush(&bufs, plain.handles(&plain_keys))
+            .iflush(&bufs, &plain_keys)
             .unwrap(),
         None
     );

@@ -204,7 +204,7 @@ struct Cli {
     #[arg(long = "idle-probe", value_name = "K", value_parser = count::<0, MAX_PROBE>, verbatim_doc_comment)]
     probe: Option<usize>,
 
-    /// the scripted run for instruction counts (scripts/cpu-cost.sh):
+    /// the scripted run for instruction counts (scripts/perf/cpu-cost.sh):
     /// both ends of one connection in this process, a fixed sequence
     /// of calls whose every outcome is known in advance, R rounds of
     /// --window messages (the first of --sizes) per phase, one phase

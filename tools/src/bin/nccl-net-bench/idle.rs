@@ -1,6 +1,6 @@
 //! `--idle-probe K`: the cost of the calls a poll loop makes while nothing can happen, to
 //! split the cost per message measured in the bandwidth loop into idle polling and work
-//! (scripts/cpu-cost.sh now counts each kind of call on its own: `--script`, [`crate::script`]).
+//! (scripts/perf/cpu-cost.sh now counts each kind of call on its own: `--script`, [`crate::script`]).
 //! On connection 0, before the sizes: side A makes K `isend`s before the peer has
 //! posted a receive (each must return NULL), then side B posts one 8-byte receive and makes
 //! K `test`s of it before anything is sent; then the message goes through.

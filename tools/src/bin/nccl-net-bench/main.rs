@@ -23,7 +23,7 @@
 //! The results go to a table on stdout, `--csv` and `--svg` ([`report`], [`plot`]).
 //!
 //! `--script R` is another mode: the scripted single-process run whose instructions
-//! scripts/cpu-cost.sh counts per kind of call ([`script`]).
+//! scripts/perf/cpu-cost.sh counts per kind of call ([`script`]).
 //!
 //! This file: the process roles (local, listening, connecting), `main`, and the functions
 //! of the bandwidth phase and the idle probe that callgrind can measure by name.
@@ -70,7 +70,7 @@ type Res<T> = Result<T, String>;
 // `nccl_net_bench::bw_send` / `bw_recv` / `probe_idle_send` / `probe_idle_recv` run
 // (`--toggle-collect` by symbol name), so these four keep those names at the crate root and
 // are never inlined; the loops, in their modules, are always inlined into them. (What
-// scripts/cpu-cost.sh counts are the scripted run's functions, in [`script`].)
+// scripts/perf/cpu-cost.sh counts are the scripted run's functions, in [`script`].)
 
 /// Side A of the bandwidth phase of `plan` ([`bandwidth::send`]).
 #[inline(never)]

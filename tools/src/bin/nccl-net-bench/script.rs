@@ -1,4 +1,4 @@
-//! `--script R`: the scripted run behind scripts/cpu-cost.sh, in which every plugin call's
+//! `--script R`: the scripted run behind scripts/perf/cpu-cost.sh, in which every plugin call's
 //! outcome is known before it is made, so that callgrind can count the instructions of each
 //! kind of call without estimating how many idle polls a run happened to make.
 //!

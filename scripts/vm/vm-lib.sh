@@ -1,5 +1,5 @@
 # shellcheck shell=bash
-# What the qemu VM runners share: scripts/rxe-vm.sh (one VM) and scripts/cluster-vm.sh (two VMs,
+# What the qemu VM runners share: scripts/vm/rxe-vm.sh (one VM) and scripts/vm/cluster-vm.sh (two VMs,
 # "hosts", joined by network links). Sourced after `set -Eeuo pipefail` and `prog=NAME` (the
 # prefix of every message); it defines, and runs nothing but the ERR trap:
 #

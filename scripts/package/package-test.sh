@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Install tests of the packages, on this host, as a user would (called by scripts/test.sh):
 #
-#   scripts/package-test.sh
+#   scripts/package/package-test.sh
 #
-#   a. scripts/package.sh builds the wheel and the .deb into target/dist/;
+#   a. scripts/package/package.sh builds the wheel and the .deb into target/dist/;
 #   b. auditwheel (from PyPI, in a tools venv) agrees with the wheel's manylinux tag;
 #   c. the wheel installs with pip into a fresh virtual environment (python3 -m venv) with
 #      --no-index: it needs no other package;
@@ -18,11 +18,11 @@
 #      NCCL_ERDMA_TRANSPORT=tcp NCCL_SOCKET_IFNAME=lo target/release/nccl-net-bench
 #        --lib <installed path> --sizes 8,64K --iters 20;
 #   h. the .deb: files, Depends (libc6 >= the glibc found), Recommends, the ldconfig trigger
-#      (installing it is the Soft-RoCE VM tier's step, scripts/vm-tier.sh).
+#      (installing it is the Soft-RoCE VM tier's step, scripts/tiers/vm-tier.sh).
 # Each step ends with `package-test: PASS|FAIL <step> (<s> s)`; exit status non-zero if any
 # step failed.
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
+cd "$(dirname "$0")/../.." || exit 1
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
 help_from_header "$@"
@@ -38,12 +38,12 @@ done_() { # print the tally, exit non-zero when a step failed
   exit
 }
 
-echo "== package-test: scripts/package.sh"
+echo "== package-test: scripts/package/package.sh"
 t=$(now)
-if bash scripts/package.sh; then
+if bash scripts/package/package.sh; then
   result PASS build "$t"
 else
-  result FAIL build "$t" "scripts/package.sh failed"
+  result FAIL build "$t" "scripts/package/package.sh failed"
   done_
 fi
 version=$(cargo pkgid --quiet -p nccl-net-erdma)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Reliability tier (called by scripts/test.sh): fuzzing and memcheck on the host, over tcp.
 #
-#   scripts/reliability.sh
+#   scripts/tiers/reliability.sh
 #
 # 1. Fuzzing (cargo-fuzz, libFuzzer, nightly toolchain): fuzz/fuzz_targets/handle_decode.rs
 #    (oob::Handle::decode + oob::handle::stage_id) and handshake.rs (oob::decode_header +
@@ -26,7 +26,7 @@
 # sanitizer build is kept between runs; default $HOME/.cache/nccl-net-erdma/fuzz-target),
 # RELIABILITY_SKIP_FUZZ=1 / RELIABILITY_SKIP_VALGRIND=1 (local loops only).
 set -uo pipefail
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root" || exit 1
 # shellcheck source=scripts/common.sh
 source scripts/common.sh

@@ -2,8 +2,8 @@
 # Two simulated hosts, each a throw-away qemu VM with two Soft-RoCE rails, joined by network
 # links that never leave this machine; runs one command on each.
 #
-#   scripts/cluster-vm.sh STAGE_DIR 'command on host 1' 'command on host 2'
-#   scripts/cluster-vm.sh --selftest
+#   scripts/vm/cluster-vm.sh STAGE_DIR 'command on host 1' 'command on host 2'
+#   scripts/vm/cluster-vm.sh --selftest
 #
 # Each host (N = 1 or 2) has three virtio NICs, found by MAC (52:54:00:00:0N:0K, K = 0, 1, 2) and
 # renamed (there is no udev; the kernel names them ethK):
@@ -42,7 +42,7 @@
 # `cluster-vm: selftest: PASS` (exit 0) or `FAIL` (exit non-zero).
 #
 # How (see /work/shared/softroce/README.md for the facts this relies on):
-# - The VMs are rxe-vm.sh's (scripts/vm-lib.sh: the same cached rootfs as an initramfs, PID 1,
+# - The VMs are rxe-vm.sh's (scripts/vm/vm-lib.sh: the same cached rootfs as an initramfs, PID 1,
 #   channels and qemu flags): Debian's stock kernel under TCG, -smp 1 each (2 host cores), with
 #   the whole run's initramfs built once and booted by both. Two VMs because rxe on kernel 6.1
 #   works in the initial network namespace only, and two rxe devices in one namespace do not
@@ -69,11 +69,11 @@
 #   CLUSTER_VM_GRACE         seconds the other host may go on after a command failed (default 30)
 #   CLUSTER_VM_MEM           guest memory per VM in MiB (default 1536; the rootfs, ~135 MiB, and
 #                            the stage live in it)
-#   RXE_VM_CACHE, RXE_VM_MIRROR, RXE_VM_SUITE   the rootfs, shared with scripts/rxe-vm.sh
+#   RXE_VM_CACHE, RXE_VM_MIRROR, RXE_VM_SUITE   the rootfs, shared with scripts/vm/rxe-vm.sh
 set -Eeuo pipefail
 
 prog=cluster-vm
-# shellcheck source=scripts/vm-lib.sh
+# shellcheck source=scripts/vm/vm-lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/vm-lib.sh"
 
 # ------------------------------------------------------------------------------------------
@@ -331,7 +331,7 @@ mkdir -p "$run/stage/usr/local/bin"
 cat >"$run/stage/usr/local/bin/cluster-vanish" <<'VANISH'
 #!/bin/sh
 # This host vanishes at once, as if it lost power: no FIN, no RST, no process ends. The mark
-# tells scripts/cluster-vm.sh that it was asked for (it counts as success).
+# tells scripts/vm/cluster-vm.sh that it was asked for (it counts as success).
 echo "vanished $(cut -d' ' -f1 /proc/uptime)" >/dev/ttyS2
 stty -F /dev/ttyS2 raw -echo 2>/dev/null # waits until the mark is out
 echo o >/proc/sysrq-trigger

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The plugin against perftest on Soft-RoCE: one qemu VM boot (scripts/rxe-vm.sh: rxe0 on a
+# The plugin against perftest on Soft-RoCE: one qemu VM boot (scripts/vm/rxe-vm.sh: rxe0 on a
 # dummy netdev, both ends of every connection on it) that measures, interleaved so both see
 # the same conditions,
 #   - per size: ib_write_bw -d rxe0 -x 1, then nccl-net-bench's bandwidth over the plugin
@@ -12,7 +12,7 @@
 # ratio, the latencies and their ratio, the QP table, and checks the targets (>= 1 MiB:
 # plugin >= 0.95 x ib_write_bw; 8 B: plugin latency <= 1.25 x ib_write_lat).
 #
-#   scripts/perf-vm.sh
+#   scripts/perf/perf-vm.sh
 #
 # Output in $OUT (default target/perf/perf-vm): summary.txt, raw.csv (every measurement),
 # perftest.csv and plugin.csv (medians; nccl-net-bench's CSV format), qps.csv, and
@@ -26,7 +26,7 @@
 set -Eeuo pipefail
 trap 'echo "perf-vm: error: line $LINENO: \`$BASH_COMMAND\` failed (exit $?)" >&2; exit 1' ERR
 
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
@@ -94,10 +94,10 @@ tar -C /tmp/perf -czf - raw.csv medians.csv perftest.csv plugin.csv qps.csv summ
 echo "--- perf-vm archive end"
 exit $rc' "$reps" "$sizes" "$budget" "$window" "$txdepth" "$qps" "$qp_sizes"
 
-echo "== perf-vm: Soft-RoCE VM (scripts/rxe-vm.sh): sizes $sizes, $reps repetitions, ~$((budget >> 20)) MiB per measurement"
+echo "== perf-vm: Soft-RoCE VM (scripts/vm/rxe-vm.sh): sizes $sizes, $reps repetitions, ~$((budget >> 20)) MiB per measurement"
 vmrc=0
 t0=$SECONDS
-RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-1500} bash scripts/rxe-vm.sh "$stage" "$inner" 2>&1 |
+RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-1500} bash scripts/vm/rxe-vm.sh "$stage" "$inner" 2>&1 |
   tee "$vmlog" | sed -u '/^--- perf-vm archive begin/,/^--- perf-vm archive end/d' ||
   vmrc=${PIPESTATUS[0]}
 echo "perf-vm: the VM run took $((SECONDS - t0)) s (rxe-vm.sh exit $vmrc)"

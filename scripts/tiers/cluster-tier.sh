@@ -3,10 +3,10 @@
 # plugin between two Soft-RoCE VMs joined by real (virtual) links, two rails each, with
 # faults injected on the RDMA path while the bootstrap link stays up.
 #
-#   scripts/cluster-tier.sh [CASE ...]
+#   scripts/tiers/cluster-tier.sh [CASE ...]
 #
 # On the host: builds the release .so, the info command and the cluster test executable
-# (tests/cluster), and stages them. scripts/cluster-vm.sh boots the two hosts; on each, every
+# (tests/cluster), and stages them. scripts/vm/cluster-vm.sh boots the two hosts; on each, every
 # case of tests/cluster runs in its own process (`cluster --exact CASE`), both hosts in step
 # over a control connection; host 2 injects the faults on itself. Each case prints one
 # `cluster: RESULT case=... host=N ...` line per host (what the plugin did, time to
@@ -20,12 +20,12 @@
 # Without arguments every case runs, in the order of tests/cluster; CASE names pick some.
 # Environment: CLUSTER_TIER_CASE_TIMEOUT (seconds per case and host, 300),
 # CLUSTER_TIER_LOSE_LINKS_AFTER=CASE (tests the rerun: in round 1, host 2's raila drops
-# everything after CASE), and scripts/cluster-vm.sh's CLUSTER_VM_* settings
+# everything after CASE), and scripts/vm/cluster-vm.sh's CLUSTER_VM_* settings
 # (CLUSTER_VM_TIMEOUT: each round).
 set -Eeuo pipefail
 trap 'echo "cluster-tier: error: line $LINENO: \`$BASH_COMMAND\` failed (exit $?)" >&2; exit 1' ERR
 
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
@@ -103,7 +103,7 @@ reset() {
 }
 # Each link answers a fresh ARP exchange with the peer (both directions) within 30 s: the
 # peer may still be finishing the case, with its faults in place, for a while. Forks are
-# slow in the VM (~70 ms), so one `ip neigh` a round.
+# slow in the VM (~70 ms), so one 'ip neigh' a round.
 links_ok() {
   local left="mgmt:\$CLUSTER_PEER_MGMT raila:\$CLUSTER_PEER_RAILA railb:\$CLUSTER_PEER_RAILB" n i up still
   for n in \$left; do ip neigh flush to "\${n#*:}" dev "\${n%%:*}" 2>/dev/null; done
@@ -175,11 +175,11 @@ fails=0
 reruns=()
 t=$(now)
 for ((round = 1; ; round++)); do
-  echo "== cluster-tier: two hosts (scripts/cluster-vm.sh), ${#todo[@]} cases (round $round)"
+  echo "== cluster-tier: two hosts (scripts/vm/cluster-vm.sh), ${#todo[@]} cases (round $round)"
   log=$work/run-$round.log
   rc=0
   cmd="CLUSTER_TIER_ROUND=$round CLUSTER_TIER_LOSE_LINKS_AFTER=${CLUSTER_TIER_LOSE_LINKS_AFTER:-} bash run-cases.sh ${todo[*]}"
-  bash scripts/cluster-vm.sh "$stage" "$cmd" "$cmd" | tee "$log" || rc=$?
+  bash scripts/vm/cluster-vm.sh "$stage" "$cmd" "$cmd" | tee "$log" || rc=$?
   cut=${#todo[@]} # the position in todo of the first case lost
   while read -r c; do
     for i in "${!todo[@]}"; do

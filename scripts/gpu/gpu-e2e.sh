@@ -15,7 +15,7 @@
 # The machine needs python3 with torch (CUDA build); no Rust toolchain and no network: the .so
 # is built elsewhere and passed in (or carried along in target/release/ of a copy of the repo).
 #
-# Usage: scripts/gpu-e2e.sh [--so PATH] [--dry-run] [--out DIR] [--transport tcp|verbs|auto]
+# Usage: scripts/gpu/gpu-e2e.sh [--so PATH] [--dry-run] [--out DIR] [--transport tcp|verbs|auto]
 #                           [--expect-abi N]
 #   --so PATH        the plugin; default target/release/libnccl-net-erdma.so, else
 #                    target/release/libnccl_net_erdma.so (relative to the repository root)
@@ -36,7 +36,7 @@
 set -uo pipefail
 
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-REPO_ROOT=$(cd "$SCRIPT_DIR/.." && pwd)
+REPO_ROOT=$(cd "$SCRIPT_DIR/../.." && pwd)
 PYPROG=$SCRIPT_DIR/gpu_e2e.py
 PLUGIN_NAME=erdma
 
@@ -347,9 +347,9 @@ check_python_files() {
     local cache err
     cache=$(mktemp -d /tmp/gpu-e2e-pycache.XXXXXX)  # keeps __pycache__ out of the checkout
     if err=$(PYTHONPYCACHEPREFIX=$cache "$PY" -m py_compile "$PYPROG" 2>&1); then
-        pass "python3 -m py_compile scripts/gpu_e2e.py"
+        pass "python3 -m py_compile scripts/gpu/gpu_e2e.py"
     else
-        fail "python3 -m py_compile scripts/gpu_e2e.py: $(tail -n 3 <<<"$err")"
+        fail "python3 -m py_compile scripts/gpu/gpu_e2e.py: $(tail -n 3 <<<"$err")"
     fi
     rm -rf "$cache"
 }

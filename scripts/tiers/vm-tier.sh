@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The Soft-RoCE VM test tier (called by scripts/test.sh): real verbs on an rxe device.
 #
-#   scripts/vm-tier.sh
+#   scripts/tiers/vm-tier.sh
 #
 # On the host: builds the release .so, binaries and integration-test executables, and stages
 # them (laid out like target/release, so the tests find the .so next to themselves) with an
-# inner script. In a qemu VM with rxe0 (scripts/rxe-vm.sh), the inner script:
+# inner script. In a qemu VM with rxe0 (scripts/vm/rxe-vm.sh), the inner script:
 #   a. ibv_devinfo -d rxe0 must show PORT_ACTIVE;
 #   b. every integration-test executable, one at a time, with NCCL_ERDMA_TEST_DEVICE=rxe0
 #      (the suite then runs over verbs on rxe0, see tests/common), NCCL_SOCKET_IFNAME=lo,
@@ -14,7 +14,7 @@
 #   c. perftest's ib_write_bw and ib_write_lat on rxe0 (server and client in the VM);
 #   d. nccl-net-bench --sizes 8,4K,64K,1M --iters 50 over each of $VM_TIER_BENCH_TRANSPORTS
 #      (default "verbs tcp"), next to c's numbers;
-#   e. the Debian package (target/dist/, built by scripts/package.sh --deb-only unless one newer
+#   e. the Debian package (target/dist/, built by scripts/package/package.sh --deb-only unless one newer
 #      than the build is there): dpkg -i, then nccl-net-erdma-info from /usr/bin must say the
 #      plugin can run on rxe0, then over verbs on rxe0 `nccl-net-bench --lib libnccl-net-erdma.so
 #      --sizes 8,64K,1M --iters 20` (a bare name: dlopen finds the installed library in the
@@ -29,7 +29,7 @@
 set -Eeuo pipefail
 trap 'echo "vm-tier: error: line $LINENO: \`$BASH_COMMAND\` failed (exit $?)" >&2; exit 1' ERR
 
-root=$(cd "$(dirname "$0")/.." && pwd)
+root=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$root"
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
@@ -94,14 +94,14 @@ while read -r bin; do
   [[ -n $bin ]] && cp "$bin" "$stage/"
 done < <(json_executables "$build_json" bin)
 for x in "${tests[@]}"; do
-  # The cluster suite needs two hosts: scripts/cluster-tier.sh runs it.
+  # The cluster suite needs two hosts: scripts/tiers/cluster-tier.sh runs it.
   [[ $(basename "$x") == cluster-* ]] && continue
   cp "$x" "$stage/deps/"
 done
 
 # The Debian package for step e: the one in target/dist/ when it is newer than this build (as
 # scripts/test.sh's packaging step leaves it), else built now.
-echo "== vm-tier: Debian package (scripts/package.sh --deb-only)"
+echo "== vm-tier: Debian package (scripts/package/package.sh --deb-only)"
 t=$(now)
 version=$(cargo pkgid --quiet -p nccl-net-erdma)
 version=${version##*[#@]}
@@ -109,12 +109,12 @@ deb=$root/target/dist/nccl-net-erdma_${version}_amd64.deb
 if [[ -f $deb && $deb -nt $so && $deb -nt $rel/nccl-net-erdma-info ]]; then
   cp "$deb" "$stage/"
   result PASS "deb-build" "$t" "${deb#"$root"/} is newer than the build: staged as is"
-elif bash scripts/package.sh --deb-only >"$work/package.log" 2>&1 && [[ -f $deb ]]; then
+elif bash scripts/package/package.sh --deb-only >"$work/package.log" 2>&1 && [[ -f $deb ]]; then
   cp "$deb" "$stage/"
   result PASS "deb-build" "$t" "built and staged ${deb#"$root"/}"
 else
   tail -n 20 "$work/package.log"
-  result FAIL "deb-build" "$t" "scripts/package.sh --deb-only failed (see above)"
+  result FAIL "deb-build" "$t" "scripts/package/package.sh --deb-only failed (see above)"
 fi
 
 # The inner script. Runs in the VM from /opt/work with bash; its settings come as arguments.
@@ -316,7 +316,7 @@ echo "== vm-tier: staged $(du -sh "$stage" | cut -f1) in $stage: $(cd "$stage" &
 # ------------------------------------------------------------------------------------------
 # The VM.
 
-echo "== vm-tier: Soft-RoCE VM (scripts/rxe-vm.sh)"
+echo "== vm-tier: Soft-RoCE VM (scripts/vm/rxe-vm.sh)"
 t=$(now)
 transport=${VM_TIER_TRANSPORT:-verbs}
 bench_args=${VM_TIER_BENCH_ARGS:---sizes 8,4K,64K,1M --iters 50}
@@ -324,7 +324,7 @@ bench_transports=${VM_TIER_BENCH_TRANSPORTS:-verbs tcp}
 printf -v inner 'bash vm-inner.sh %q %q %q %q %q' "$transport" "${VM_TIER_TEST_TIMEOUT:-300}" "$rel" \
   "$bench_args" "$bench_transports"
 vmrc=0
-bash "$root/scripts/rxe-vm.sh" "$stage" "$inner" 2>&1 | tee "$vmlog" || vmrc=$?
+bash "$root/scripts/vm/rxe-vm.sh" "$stage" "$inner" 2>&1 | tee "$vmlog" || vmrc=$?
 # Count the VM's steps from its result lines; then judge the VM run itself.
 while read -r _ status _; do
   case $status in

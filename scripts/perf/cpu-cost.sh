@@ -2,7 +2,12 @@
 # CPU cost of the plugin per call and per message, as instructions counted by callgrind, in a
 # run whose every plugin call is known in advance: the same commit gives the same figures.
 #
-#   scripts/cpu-cost.sh [tcp] [verbs]       (default: both)
+#   scripts/perf/cpu-cost.sh [--check] [tcp] [verbs]       (default: both)
+#
+# --check: the CPU budget, as CI holds it: fails (exit 1) when the verbs figures exceed it,
+# work per message > $CPU_BUDGET_WORK (1050) or an idle isend or idle test >
+# $CPU_BUDGET_IDLE (60) instructions of the plugin's own code. CI runs it with
+# NCCL_ERDMA_CTS_BATCH=1 (the hardware default).
 #
 # What runs: nccl-net-bench --script (tools/src/bin/nccl-net-bench/script.rs) under
 # `valgrind --tool=callgrind` (scripts/perf/cost-runs.sh): one process holding both ends of
@@ -19,7 +24,7 @@
 # retried and its phase run again, so each figure is the instructions of exactly the calls
 # it names, divided by their number: nothing is estimated or subtracted.
 #   tcp    on this host (loopback);
-#   verbs  inside the Soft-RoCE VM (scripts/rxe-vm.sh: rxe0, both ends in the VM), with
+#   verbs  inside the Soft-RoCE VM (scripts/vm/rxe-vm.sh: rxe0, both ends in the VM), with
 #          this host's valgrind staged into it (the VM's rootfs has none and no network).
 # The figures, per call: isend accepted, irecv, the test that completes the send, the test
 # that completes the receive; WORK PER MESSAGE, both sides = the sum of those four; and the
@@ -45,12 +50,17 @@
 set -Eeuo pipefail
 trap 'echo "cpu-cost: error: line $LINENO: \`$BASH_COMMAND\` failed (exit $?)" >&2; exit 1' ERR
 
-root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
 
 help_from_header "$@"
+check=0
+if [[ ${1:-} == --check ]]; then
+  check=1
+  shift
+fi
 transports=("$@")
 [[ ${#transports[@]} -gt 0 ]] || transports=(tcp verbs)
 for t in "${transports[@]}"; do
@@ -173,7 +183,7 @@ tar -C /tmp/cost -czf - . | base64 -w 100
 echo '--- cost-runs archive end'"
       # Streamed as it runs, without the archive.
       vmrc=0
-      RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-1500} bash scripts/rxe-vm.sh "$stage" "$inner" 2>&1 |
+      RXE_VM_TIMEOUT=${RXE_VM_TIMEOUT:-1500} bash scripts/vm/rxe-vm.sh "$stage" "$inner" 2>&1 |
         tee "$vmlog" | sed -u '/^--- cost-runs archive begin/,/^--- cost-runs archive end/d; s/^/  vm| /' ||
         vmrc=${PIPESTATUS[0]}
       rm -rf "$stage"
@@ -199,4 +209,12 @@ done
   echo "  no allocations and no lock slow paths per message."
 } | tee -a "$report"
 echo "cpu-cost: report $report, csv $csv, profiles under $out/<transport>/ ($((SECONDS - start)) s in all)"
+if [[ $check == 1 && $status == 0 ]]; then
+  # The budget (issue #31): the figures of the plugin's own code per call, verbs.
+  awk -F, -v work="${CPU_BUDGET_WORK:-1050}" -v idle="${CPU_BUDGET_IDLE:-60}" '
+    $1 == "verbs" && $3 == "work_per_message" { seen++; if ($6 + 0 > work) { bad++; print "cpu-cost: over budget: work per message " $6 " > " work } else print "cpu-cost: within budget: work per message " $6 " <= " work }
+    $1 == "verbs" && ($3 == "isend_idle" || $3 == "test_recv_idle") { seen++; if ($6 + 0 > idle) { bad++; print "cpu-cost: over budget: " $3 " " $6 " > " idle } else print "cpu-cost: within budget: " $3 " " $6 " <= " idle }
+    END { if (seen != 3) { print "cpu-cost: no verbs figures to check"; exit 1 } exit bad > 0 }
+  ' "$csv" || status=1
+fi
 exit "$status"

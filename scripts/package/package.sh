@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the install packages into target/dist/ (for CI and releases):
 #
-#   scripts/package.sh [--wheel-only | --deb-only]
+#   scripts/package/package.sh [--wheel-only | --deb-only]
 #
 #   target/dist/nccl_net_erdma-VERSION-py3-none-manylinux_2_NN_x86_64.whl
 #       the Python wheel (tools/python, hatchling + its build hook): libnccl-net-erdma.so and
@@ -19,7 +19,7 @@
 # root, or with sudo), cargo-deb with `cargo install --locked` (CARGO_DEB_VERSION, 3.8.0),
 # and hatchling from PyPI into a build virtual environment (target/package/venv).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
 help_from_header "$@"

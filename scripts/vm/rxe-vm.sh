@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs a command against a real Soft-RoCE device (rdma_rxe, `rxe0`) inside a throw-away qemu VM.
 #
-#   scripts/rxe-vm.sh STAGE_DIR 'command'
+#   scripts/vm/rxe-vm.sh STAGE_DIR 'command'
 #
 # STAGE_DIR is copied to /opt/work in the VM, which is also the command's working directory.
 # The command runs under bash as root, with `ulimit -l unlimited`, `lo` up, NCCL_SOCKET_IFNAME=lo
@@ -24,7 +24,7 @@
 #   after start, ~13 s per trivial run in all, vs ~30 s for an ext4 disk image rebuilt per run
 #   plus Debian's initrd (the reference recipe): no image to write, no udev, no ext4 module.
 #   The rootfs build (debootstrap) takes 35-50 s; the cached cpio is ~135 MiB. The rootfs, PID 1
-#   and the qemu flags are shared with scripts/cluster-vm.sh (scripts/vm-lib.sh): one cached
+#   and the qemu flags are shared with scripts/vm/cluster-vm.sh (scripts/vm/vm-lib.sh): one cached
 #   rootfs serves both, and a rootfs nobody used for a day is dropped when another is built.
 # - Separate channels: ttyS0 the kernel console (console.log, shown only on failure); a
 #   virtio-serial port the command's output (output.log, streamed here; ttyS1 as a fallback,
@@ -42,7 +42,7 @@
 set -Eeuo pipefail
 
 prog=rxe-vm
-# shellcheck source=scripts/vm-lib.sh
+# shellcheck source=scripts/vm/vm-lib.sh
 . "$(dirname "${BASH_SOURCE[0]}")/vm-lib.sh"
 
 vm_args 2 "STAGE_DIR 'command'" "$@"
