@@ -176,8 +176,9 @@ impl<T: Transport> SendComm<T> {
         }
     }
 
-    /// `test` of request `id`: whether it is done, its size then written into `sizes`.
-    #[inline]
+    /// `test` of request `id`: whether it is done, its size then written into `sizes`. Out
+    /// of line: the boundary's `test` is mostly receives' idle tests, which keep it small.
+    #[inline(never)]
     pub(crate) fn test(&self, id: usize, sizes: &mut impl SizeSink) -> Result<bool> {
         let r = self.end.test(id);
         self.stats

@@ -254,8 +254,7 @@ pub(crate) trait Receiver: Endpoint {
     /// Posts a grouped receive of `bufs` (1..=8) registered as `mhandles` (an error there
     /// fails the call, not the comm) with `tags`; `Ok(None)` when 32 are in flight. Returns a
     /// request id below `2 * MAX_REQUESTS`.
-    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], mhandles: &[u64])
-        -> Result<Option<usize>>;
+    fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], mhandles: &[u64]) -> Result<Option<usize>>;
     /// Posts a flush of received GPU data in `bufs` (registered as `mhandles`); `Ok(None)`
     /// when nothing needs one.
     fn iflush(&self, bufs: &[UserBuffer], mhandles: &[u64]) -> Result<Option<usize>>;

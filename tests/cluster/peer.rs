@@ -83,7 +83,8 @@ impl Drop for Fault {
 impl Peer {
     /// Meets the other host for `case` over `link` (within 60 s).
     pub fn meet(case: &str, link: Link) -> Peer {
-        let host = this_host().expect("CLUSTER_HOST_ID is 1 or 2 (run by scripts/vm/cluster-vm.sh)");
+        let host =
+            this_host().expect("CLUSTER_HOST_ID is 1 or 2 (run by scripts/vm/cluster-vm.sh)");
         let net = match link {
             Link::Mgmt => 0,
             Link::RailB => 2,

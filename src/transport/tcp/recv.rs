@@ -18,8 +18,8 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, CommKeys, Endpoint, Failure, Receiver, SizeSink, Tested, Traffic,
-    MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, CommKeys, Endpoint, Failure, Receiver, SizeSink, Tested, Traffic, MAX_RECVS,
+    MAX_REQUESTS,
 };
 
 /// Where a receive request is.

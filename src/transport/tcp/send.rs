@@ -17,8 +17,8 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, CommKeys, Endpoint, Failure, Sender, Tested, Traffic, MAX_RECVS,
-    MAX_REQUESTS, MAX_SEND_REQUESTS,
+    not_in_flight, CommKeys, Endpoint, Failure, Sender, Tested, Traffic, MAX_RECVS, MAX_REQUESTS,
+    MAX_SEND_REQUESTS,
 };
 
 #[derive(Debug, Clone, Copy)]

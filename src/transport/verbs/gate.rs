@@ -28,6 +28,17 @@ pub(crate) enum GatePoll {
 /// the QPs in the comm's state.
 type GateCq<N> = (Arc<N>, <N as Nic>::Cq);
 
+/// One poll of rail `r`'s CQ into `wc`.
+#[inline]
+fn poll_rail<N: Nic>((nic, cq): &GateCq<N>, wc: &mut WcBatch, r: usize) -> GatePoll {
+    match wc.try_poll(&**nic, cq) {
+        Some(0) => GatePoll::Idle,
+        Some(_) => GatePoll::Found(r),
+        // The locked poll meets the error again and fails the comm with it.
+        None => GatePoll::Lock,
+    }
+}
+
 /// What an idle `test` reads without taking the comm's lock, and the one record of which
 /// receives wait for their data. Only the holder of the comm's lock writes it (one progress
 /// thread drives a comm), so its writes are plain loads and stores; a reader that found it
@@ -67,13 +78,14 @@ impl<N: Nic> RecvGate<N> {
         if !waits || self.lock.load(Relaxed) || self.lock_this_time() {
             return GatePoll::Lock;
         }
-        let first = std::iter::once(&self.first);
-        for (r, (nic, cq)) in first.chain(self.others.iter()).enumerate() {
-            match wc.try_poll(&**nic, cq) {
-                Some(0) => {}
-                Some(_) => return GatePoll::Found(r),
-                // The locked poll meets the error again and fails the comm with it.
-                None => return GatePoll::Lock,
+        match poll_rail(&self.first, wc, 0) {
+            GatePoll::Idle => {}
+            found_or_lock => return found_or_lock,
+        }
+        for (r, cq) in self.others.iter().enumerate() {
+            match poll_rail(cq, wc, r + 1) {
+                GatePoll::Idle => {}
+                found_or_lock => return found_or_lock,
             }
         }
         GatePoll::Idle
@@ -110,6 +122,12 @@ impl<N: Nic> RecvGate<N> {
     #[inline]
     pub(crate) fn arrived(&self, slot: usize) {
         self.waiting[slot].store(false, Relaxed);
+    }
+
+    /// The lock holder's verdict of the last locked call.
+    #[inline]
+    pub(crate) fn lock_is_wanted(&self) -> bool {
+        self.lock.load(Relaxed)
     }
 
     /// The lock holder's verdict at the end of a locked call: whether the comm has work only

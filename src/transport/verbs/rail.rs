@@ -79,6 +79,7 @@ impl<N: Nic> Rail<N> {
     /// whether a completion retires signaled work of this side (then it leaves `in_flight`);
     /// then runs the slow checks when due, `waiting`: whether the comm waits for its peer.
     /// Returns whether this rail should post a probe. A failure counts as the rail's error.
+    #[inline(always)]
     pub(crate) fn drain(
         &mut self,
         wc: &mut WcBatch,

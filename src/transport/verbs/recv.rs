@@ -185,6 +185,7 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// `irecv`: the request id is the slot.
+    #[inline(always)]
     fn irecv(
         &mut self,
         gate: &RecvGate<N>,
@@ -192,11 +193,14 @@ impl<N: Nic> RecvState<N> {
         tags: &[i32],
         mhandles: &[u64],
     ) -> Result<Option<usize>> {
-        self.failure.check()?;
-        // No CQ poll here: `test` polls, and a free slot depends only on `test`.
-        if self.rails[0].cq.peer_gone {
-            let e = self.rails[0].cq.gone_error(&self.peer);
-            return Err(self.failure.fail(e));
+        if gate.lock_is_wanted() {
+            // Failed, or the peer gone (or only a clear-to-send held). No CQ poll here:
+            // `test` polls, and a free slot depends only on `test`.
+            self.failure.check()?;
+            if self.rails[0].cq.peer_gone {
+                let e = self.rails[0].cq.gone_error(&self.peer);
+                return Err(self.failure.fail(e));
+            }
         }
         let slot = (self.seq % SLOTS as u64) as usize;
         if self.slots[slot].busy {
@@ -219,6 +223,7 @@ impl<N: Nic> RecvState<N> {
 
     /// Writes free `slot`'s clear-to-send entries, one per buffer (into local memory: the
     /// sender sees them once posted), with the keys of their handles `mhandles`.
+    #[inline(always)]
     fn announce(
         &mut self,
         slot: usize,
@@ -228,11 +233,11 @@ impl<N: Nic> RecvState<N> {
     ) -> Result<()> {
         let n = bufs.len();
         for i in 0..n {
-            let (buf, tag) = (&bufs[i], &tags[i]);
-            let mem = self.keys.keys(mhandles[i], *buf)?;
+            let mem = self.keys.keys(mhandles[i], bufs[i])?;
             // All of them, as the registration holds them: the sender reads those of this
             // comm's rails.
-            let entry = CtsEntry::new(buf.addr() as u64, buf.len(), mem.rkeys, *tag, n, self.seq);
+            let (addr, len) = (bufs[i].addr() as u64, bufs[i].len());
+            let entry = CtsEntry::new(addr, len, mem.rkeys, tags[i], n, self.seq);
             self.cts_local.set(cts_index(slot, i), entry);
         }
         Ok(())
@@ -240,6 +245,7 @@ impl<N: Nic> RecvState<N> {
 
     /// Posts receive `slot` (announced) on the QPs it uses, then its clear-to-send unless
     /// held back.
+    #[inline(always)]
     fn post_receive(&mut self, gate: &RecvGate<N>, slot: usize, bufs: &[UserBuffer]) -> Result<()> {
         // The sender decides from the first entry's size, saturated as the entry holds it.
         let posted = bufs[0].len().min(u32::MAX as usize);
@@ -271,6 +277,7 @@ impl<N: Nic> RecvState<N> {
 
     /// `test` of receive or flush request `id`; `found`: the gate polled this rail's CQ into
     /// this batch, which holds completions.
+    #[inline(always)]
     fn test(
         &mut self,
         gate: &RecvGate<N>,
@@ -284,6 +291,7 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// [`Self::test`], before the gate learns whether the comm needs the lock.
+    #[inline(always)]
     fn test_receive(
         &mut self,
         gate: &RecvGate<N>,
@@ -345,6 +353,7 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// Frees receive `id`, whose data has all arrived, and reports its sizes.
+    #[inline(always)]
     fn finish_receive(&mut self, id: usize, sizes: &mut impl SizeSink) -> Tested {
         // Freed by its flag alone: `post_receive` writes the whole slot at its next use.
         let st = &mut self.slots[id];
@@ -490,7 +499,13 @@ impl<N: Nic> RecvState<N> {
     /// Posts every clear-to-send held back, in FIFO order: one RDMA WRITE per contiguous run
     /// of slots (whole slots, then the last slot's entries; the sender reads only the entries
     /// a slot announces, each checked by its sequence number).
+    #[inline(always)]
     fn post_pending_cts(&mut self) -> Result<()> {
+        let first = (self.cts_posted % SLOTS as u64) as usize;
+        if self.seq - self.cts_posted == 1 {
+            // The receive just posted (every receive, at the hardware default of no batching).
+            return self.post_cts_run(first, 1);
+        }
         while self.cts_posted != self.seq {
             let first = (self.cts_posted % SLOTS as u64) as usize;
             let pending = (self.seq - self.cts_posted) as usize;
@@ -501,6 +516,7 @@ impl<N: Nic> RecvState<N> {
 
     /// Posts the clear-to-send entries of the `k` receives from slot `first` on, the next
     /// ones due, in one write.
+    #[inline(always)]
     fn post_cts_run(&mut self, first: usize, k: usize) -> Result<()> {
         let bytes = ((k - 1) * MAX_RECVS + self.slots[first + k - 1].n) * CTS_BYTES;
         self.cts_unsignaled = (self.cts_unsignaled + 1) % CTS_SIGNAL_EVERY;
@@ -524,6 +540,7 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// Polls every rail's CQ once and hands out what arrived.
+    #[inline(always)]
     fn progress(&mut self, gate: &RecvGate<N>) -> Result<()> {
         let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
@@ -536,6 +553,7 @@ impl<N: Nic> RecvState<N> {
 
     /// Hands what rail `r`'s poll put in `wc` to the receives, flushes and probes it
     /// completes.
+    #[inline(always)]
     fn drain_rail(&mut self, gate: &RecvGate<N>, r: usize, wc: &mut WcBatch) -> Result<()> {
         let waiting = self.seq != self.finished;
         let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);

@@ -26,8 +26,7 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, CommKeys, Endpoint, Failure, Sender, Tested, Traffic, MAX_RAILS,
-    MAX_RECVS,
+    not_in_flight, CommKeys, Endpoint, Failure, Sender, Tested, Traffic, MAX_RAILS, MAX_RECVS,
 };
 use crate::verbs::device::VerbsDevice;
 use crate::verbs::dma::{DmaBuffer, SendChain, WcBatch, WriteImm};
@@ -178,6 +177,7 @@ impl<N: Nic> SendState<N> {
 
     /// `isend` once the gate saw the clear-to-send `awaited` land in the next slot (see the
     /// module doc); returns the request id `slot * 8 + entry`.
+    #[inline(always)]
     fn isend(
         &mut self,
         awaited: u64,
@@ -275,6 +275,7 @@ impl<N: Nic> SendState<N> {
     /// address and key on the QP's rail, holding `room` bytes), which it fits, over
     /// connection QP `qp`: one WRITE_WITH_IMM carrying the data and its size. Only what
     /// `test` reads of the slot is recorded.
+    #[inline(always)]
     fn post_single(
         &mut self,
         slot: usize,
@@ -312,6 +313,7 @@ impl<N: Nic> SendState<N> {
     }
 
     /// `test` of send request `id`.
+    #[inline(always)]
     fn test(&mut self, id: usize) -> Tested {
         let (slot, e) = (id / MAX_RECVS, id % MAX_RECVS);
         if slot >= SLOTS || !self.slots[slot].busy || self.slots[slot].matched & (1 << e) == 0 {
@@ -368,6 +370,7 @@ impl<N: Nic> SendState<N> {
 
     /// Polls every rail's CQ once and hands out what arrived; `waiting`: a send waits for
     /// its clear-to-send.
+    #[inline(always)]
     fn progress(&mut self, waiting: bool) -> Result<()> {
         let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
@@ -379,6 +382,7 @@ impl<N: Nic> SendState<N> {
     }
 
     /// Hands what rail `r`'s poll put in `wc` to the slots and probes it completes.
+    #[inline(always)]
     fn drain_rail(&mut self, r: usize, wc: &mut WcBatch, waiting: bool) -> Result<()> {
         let slots = &mut self.slots;
         let probe =
@@ -495,6 +499,7 @@ impl<N: Nic> SendState<N> {
     }
 
     /// Records that `slot`'s writes are posted, `cqes` of them signaled.
+    #[inline(always)]
     fn posted(&mut self, slot: usize, cqes: usize) -> Result<()> {
         let st = &mut self.slots[slot];
         st.cqe_pending = cqes as u32;

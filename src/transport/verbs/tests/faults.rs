@@ -64,10 +64,7 @@ fn a_failing_cq_poll_fails_a_waiting_receive_with_its_error_and_the_comm_stays_f
     c.fabric.fail_polls(None);
     // Failed for good: the next receive is refused, not posted.
     let mut again = c.buf(false, 64, 0);
-    assert!(c
-        .recv
-        .irecv(&[again.whole()], &[0], &[again.mh])
-        .is_err());
+    assert!(c.recv.irecv(&[again.whole()], &[0], &[again.mh]).is_err());
 }
 
 #[test]
@@ -144,10 +141,7 @@ fn a_peer_that_closes_fails_the_waiting_side() {
     drop(c.recv);
     let deadline = Instant::now() + Duration::from_secs(10);
     let e = loop {
-        match c
-            .send
-            .isend(src.whole(), 0, src.mh)
-        {
+        match c.send.isend(src.whole(), 0, src.mh) {
             Err(e) => break e,
             Ok(None) => assert!(Instant::now() < deadline, "no error"),
             Ok(Some(_)) => panic!("posted to a closed peer"),
@@ -202,10 +196,7 @@ fn a_sender_waiting_for_a_clear_to_send_on_a_dead_link_probes_and_fails() {
     let mut src = c.buf(true, 64, 0);
     let deadline = Instant::now() + Duration::from_secs(10);
     let e = loop {
-        match c
-            .send
-            .isend(src.whole(), 0, src.mh)
-        {
+        match c.send.isend(src.whole(), 0, src.mh) {
             Err(e) => break e,
             Ok(None) => assert!(Instant::now() < deadline, "no error"),
             Ok(Some(_)) => panic!("nothing was announced"),
@@ -287,10 +278,7 @@ fn a_bad_handle_fails_only_its_call_and_a_send_meets_it_once_matched() {
     // A handle that covers 8 bytes of a 64-byte buffer: every lookup of it fails.
     let bad = [c.register(dst.mem.addr(), 8, dst.keys)];
     // A receive with a bad handle posts nothing.
-    let e = c
-        .recv
-        .irecv(&[dst.whole()], &[2], &bad)
-        .unwrap_err();
+    let e = c.recv.irecv(&[dst.whole()], &[2], &bad).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::Internal);
     // A send looks its handle up once a receive matches it (as NCCL's IB transport uses it):
     // before, it waits; after, the error, and the receive is left for the next send.
@@ -330,11 +318,7 @@ fn a_truncation_a_dead_peer_and_a_fatal_event_each_keep_their_code_on_every_late
     let r = c.irecv(&mut [&mut dst], &[3]);
     let e = c.isend(src.whole(), src.mh, 3).unwrap_err();
     assert_eq!(e.code(), ncclInvalidUsage);
-    keeps_failing(&e, || {
-        c.send
-            .isend(src.whole(), 3, src.mh)
-            .map(|_| None)
-    });
+    keeps_failing(&e, || c.send.isend(src.whole(), 3, src.mh).map(|_| None));
     let e = wait_error(Duration::from_secs(5), || c.test_recv(r));
     assert_eq!(e.code(), ncclInvalidUsage);
     keeps_failing(&e, || irecv_again(&c));

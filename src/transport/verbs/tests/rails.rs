@@ -179,19 +179,11 @@ fn flushes_read_on_every_rail() {
     let c = connect_rails(2, 2, p, p);
     let mut dst = c.buf(false, 64, 0);
     let (b, k) = (dst.whole(), dst.mh);
-    let id = c
-        .recv
-        .iflush(&[b], &[k])
-        .unwrap()
-        .expect("a flush");
+    let id = c.recv.iflush(&[b], &[k]).unwrap().expect("a flush");
     assert_eq!(wait(|| c.test_recv(id)).unwrap(), Completion::EMPTY);
     // A flush whose read on one rail fails is an error naming that rail.
     c.fabric.cut(&c.rx_nics[1], Some(Cut::Fail(RETRY_EXCEEDED)));
-    let id = c
-        .recv
-        .iflush(&[b], &[k])
-        .unwrap()
-        .expect("a flush");
+    let id = c.recv.iflush(&[b], &[k]).unwrap().expect("a flush");
     let e = wait_error(Duration::from_secs(5), || c.test_recv(id));
     assert!(
         e.to_string().contains("flush RDMA read") && e.to_string().contains("on rx1"),

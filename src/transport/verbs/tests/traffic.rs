@@ -22,10 +22,7 @@ fn a_send_waits_for_its_clear_to_send() {
     let mut src = c.buf(true, 64, 3);
     let mut dst = c.buf(false, 64, 0);
     for _ in 0..1000 {
-        assert_eq!(
-            c.send.isend(src.whole(), 5, src.mh).unwrap(),
-            None
-        );
+        assert_eq!(c.send.isend(src.whole(), 5, src.mh).unwrap(), None);
     }
     let r = c.irecv(&mut [&mut dst], &[5]);
     let s = c.send_buf(&mut src, 5);
@@ -40,10 +37,7 @@ fn a_send_with_another_tag_waits() {
     let mut src = c.buf(true, 16, 1);
     let mut dst = c.buf(false, 16, 0);
     let r = c.irecv(&mut [&mut dst], &[1]);
-    assert_eq!(
-        c.send.isend(src.whole(), 2, src.mh).unwrap(),
-        None
-    );
+    assert_eq!(c.send.isend(src.whole(), 2, src.mh).unwrap(), None);
     let s = c.send_buf(&mut src, 1);
     wait(|| c.test_send(s)).unwrap();
     wait(|| c.test_recv(r)).unwrap();
@@ -145,10 +139,7 @@ fn the_sender_reuses_a_slot_only_after_its_sends_are_tested() {
     rids.push(c.irecv(&mut [last], &[0]));
     // Slot 0 holds an untested send: the 33rd send must wait for it.
     for _ in 0..1000 {
-        assert_eq!(
-            c.send.isend(src.whole(), 0, src.mh).unwrap(),
-            None
-        );
+        assert_eq!(c.send.isend(src.whole(), 0, src.mh).unwrap(), None);
     }
     wait(|| c.test_send(sids[0])).unwrap();
     let s = c.send_buf(&mut src, 0);
@@ -397,10 +388,7 @@ fn a_half_placed_clear_to_send_is_not_yet() {
     c.fabric.place_partial(super::super::wire::CTS_BYTES - 8);
     let mut src = c.buf(true, 64, 8);
     for _ in 0..100 {
-        assert_eq!(
-            c.send.isend(src.whole(), 4, src.mh).unwrap(),
-            None
-        );
+        assert_eq!(c.send.isend(src.whole(), 4, src.mh).unwrap(), None);
     }
     c.fabric.hold(false);
     let s = c.send_buf(&mut src, 4);
@@ -439,13 +427,7 @@ fn flushes_complete_and_reuse_their_slots_and_a_33rd_is_refused() {
     // Without GPUDirect there is no flush QP: no request either.
     let plain = connect(params());
     let plain_keys = [plain.register(dst.mem.addr(), 64, dst.keys)];
-    assert_eq!(
-        plain
-            .recv
-            .iflush(&bufs, &plain_keys)
-            .unwrap(),
-        None
-    );
+    assert_eq!(plain.recv.iflush(&bufs, &plain_keys).unwrap(), None);
 }
 
 #[test]
