@@ -32,20 +32,20 @@ impl fmt::Display for TransportChoice {
 /// Whether the plugin offers several NICs as one fused device (`NCCL_ERDMA_FUSE_NICS`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum FuseNics {
-    /// Fuse every usable eRDMA NIC, unless NCCL is asked to fuse NICs itself.
-    Auto,
-    /// Fuse every usable NIC (of the first one's link layer).
-    On,
-    /// Offer each NIC as its own device.
+    /// Offer each NIC as its own device, as NCCL's IB transport does.
     Off,
+    /// Fuse the NICs of each NUMA node and link layer.
+    On,
+    /// Fuse the NICs of each link layer, whatever their NUMA nodes.
+    Force,
 }
 
 impl fmt::Display for FuseNics {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            FuseNics::Auto => "auto",
-            FuseNics::On => "1",
             FuseNics::Off => "0",
+            FuseNics::On => "1",
+            FuseNics::Force => "force",
         })
     }
 }
@@ -296,14 +296,15 @@ settings! {
     stats_interval_s: u64 = 0, "NCCL_ERDMA_STATS_INTERVAL", |var, raw| int_in(var, raw, 0, 86_400);
     /// Always create the flush QP and report forceFlush (diagnostics).
     force_flush: bool = false, "NCCL_ERDMA_FORCE_FLUSH", flag;
-    /// Offer several NICs as one device striping over all of them: auto (every eRDMA NIC,
-    /// unless NCCL is asked to fuse NICs), 1 (every NIC), 0 (never).
-    fuse_nics: FuseNics = FuseNics::Auto, "NCCL_ERDMA_FUSE_NICS", |var, raw| {
+    /// Offer NICs as one device striping over all of them: 0 (each NIC its own device, as
+    /// NCCL IB), 1 (the NICs of each NUMA node and link layer), force (of each link layer,
+    /// across NUMA nodes); auto is 0.
+    fuse_nics: FuseNics = FuseNics::Off, "NCCL_ERDMA_FUSE_NICS", |var, raw| {
         match raw.trim().to_ascii_lowercase().as_str() {
-            "auto" => Ok(FuseNics::Auto),
+            "0" | "off" | "no" | "auto" => Ok(FuseNics::Off),
             "1" | "on" | "yes" => Ok(FuseNics::On),
-            "0" | "off" | "no" => Ok(FuseNics::Off),
-            _ => Err(Error::config(var, raw, "auto, 1 or 0")),
+            "force" => Ok(FuseNics::Force),
+            _ => Err(Error::config(var, raw, "0, 1 or force")),
         }
     };
     /// Whether NCCL's NIC fusion (makeVDevice) may fuse devices (1), as for NCCL IB.
@@ -322,6 +323,10 @@ settings! {
     net_force_merge: Option<String> = None, "NCCL_NET_FORCE_MERGE", text;
     /// NCCL's NIC fusion distance: while set, the plugin fuses no NICs itself.
     net_merge_level: Option<String> = None, "NCCL_NET_MERGE_LEVEL", text;
+    /// NCCL's: whether NCCL keeps the plugin loaded after its last communicator; unset or 0,
+    /// NCCL unloads it, and the plugin forgets the virtual devices NCCL made (makeVDevice) at
+    /// the last finalize, so that the next load offers the physical devices only.
+    net_plugin_ref_count: Option<String> = None, "NCCL_NET_PLUGIN_REF_COUNT", text;
 }
 
 /// A free-form value (NCCL's own settings, which NCCL itself checks).
@@ -377,6 +382,15 @@ impl Config {
     /// Reads the process environment.
     pub(crate) fn from_env() -> Result<Self> {
         Self::from_lookup(env_value)
+    }
+
+    /// Whether NCCL unloads the plugin after its last communicator
+    /// (`NCCL_NET_PLUGIN_REF_COUNT` unset or 0).
+    pub(crate) fn nccl_unloads(&self) -> bool {
+        self.net_plugin_ref_count
+            .value
+            .as_deref()
+            .is_none_or(|v| v.parse::<i64>().is_ok_and(|n| n <= 0))
     }
 
     /// Whether the user asked NCCL to fuse NICs itself (`NCCL_NET_FORCE_MERGE` or
@@ -534,7 +548,7 @@ mod tests {
             ("NCCL_SOCKET_FAMILY", "AF_UNIX", "AF_INET or AF_INET6"),
             ("NCCL_IB_ADDR_RANGE", "10.0.0.0/33", "CIDR"),
             ("NCCL_IB_HCA", "mlx5_0:x", "device[:port]"),
-            ("NCCL_ERDMA_FUSE_NICS", "2", "auto, 1 or 0"),
+            ("NCCL_ERDMA_FUSE_NICS", "2", "0, 1 or force"),
             ("NCCL_ERDMA_WORK_TIMEOUT_S", "x", "from 0 to 86400"),
         ] {
             let err = cfg(&[(var, value)]).unwrap_err();

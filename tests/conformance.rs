@@ -1222,8 +1222,8 @@ fn make_vdevice_refuses_what_cannot_be_fused() {
             assert_eq!(net.make_vdevice(devs).unwrap_err(), usage, "v{v}: {devs:?}");
         }
         if verbs_device().is_none() {
-            // One tcp device: nothing to fuse.
-            assert_eq!(net.make_vdevice(&[0]).unwrap_err(), usage, "v{v} tcp");
+            // One tcp device: nothing to fuse it with.
+            assert_eq!(net.make_vdevice(&[0, 1]).unwrap_err(), usage, "v{v} tcp");
         }
         assert_eq!(
             net.devices().unwrap(),
@@ -1275,6 +1275,46 @@ fn child_verbs_vdevice() {
         transfer(&net, s, r, size, size + 64, i as u64);
     }
     close_pair(&mut net, s, r);
+}
+
+#[test]
+fn virtual_devices_go_when_nccl_unloads_the_plugin_and_stay_when_it_does_not() {
+    // NCCL (2.28 and later) unloads the plugin after its last communicator unless
+    // NCCL_NET_PLUGIN_REF_COUNT keeps it, and its next load counts every device as physical.
+    run_child(
+        test_name!(child_vdevice_reload),
+        &[],
+        &["NCCL_NET_PLUGIN_REF_COUNT"],
+        false,
+    );
+    run_child(
+        test_name!(child_vdevice_reload),
+        &[("NCCL_NET_PLUGIN_REF_COUNT", "1"), ("CHILD_KEEPS", "1")],
+        &[],
+        false,
+    );
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_vdevice_reload() {
+    if !is_child() {
+        return;
+    }
+    let mut net = open(12);
+    let n = net.devices().unwrap();
+    assert_eq!(net.make_vdevice(&[0]).unwrap(), n);
+    assert_eq!(net.devices().unwrap(), n + 1);
+    net.finalize().unwrap();
+    drop(net);
+    let mut net = open(12);
+    let want = if std::env::var_os("CHILD_KEEPS").is_some() {
+        n + 1
+    } else {
+        n
+    };
+    assert_eq!(net.devices().unwrap(), want, "devices after a reload");
+    net.finalize().unwrap();
 }
 
 #[test]

@@ -261,16 +261,19 @@ pub(super) extern "C" fn finalize_v11(ctx: *mut c_void) -> ncclResult_t {
         if ctx.is_null() {
             return Ok(());
         }
-        let removed = CONTEXTS
-            .lock()
-            .as_mut()
-            .is_some_and(|set| set.remove(&(ctx as usize)));
+        let (removed, last) = match CONTEXTS.lock().as_mut() {
+            Some(set) => (set.remove(&(ctx as usize)), set.is_empty()),
+            None => (false, false),
+        };
         if !removed {
             return Err(Error::misuse("finalize of an unknown net context".into()));
         }
         // SAFETY: it was registered, so it is a NetContext we boxed in init; it is now
         // unregistered, so nothing else can reach it.
-        drop(unsafe { Box::from_raw(ctx as *mut NetContext) });
+        let context = unsafe { Box::from_raw(ctx as *mut NetContext) };
+        if last {
+            context.plugin.last_context_finalized();
+        }
         Ok(())
     })
 }

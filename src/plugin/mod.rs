@@ -220,13 +220,21 @@ impl<T: Transport> Plugin<T> {
     /// `makeVDevice`: a virtual device fusing the physical devices `devs` (at most `max`,
     /// the ABI version's limit); its index.
     pub(crate) fn make_vdevice(&self, devs: &[i32], max: usize) -> Result<usize> {
-        let d = self.transport.make_vdevice(devs, max)?;
-        if d >= MAX_DEVICES {
+        if self.device_count() >= MAX_DEVICES {
             return Err(Error::usage(format!(
-                "makeVDevice: more than {MAX_DEVICES} devices"
+                "makeVDevice of devices {devs:?}: {MAX_DEVICES} devices already, NCCL's limit"
             )));
         }
-        Ok(d)
+        self.transport.make_vdevice(devs, max)
+    }
+
+    /// NCCL finalized its last communicator's context: where it unloads the plugin now
+    /// (`NCCL_NET_PLUGIN_REF_COUNT` unset or 0), the virtual devices it made go, so that its
+    /// next load, which takes every device offered as a physical NIC, sees only those.
+    pub(crate) fn last_context_finalized(&self) {
+        if self.config.nccl_unloads() && self.device_count() > 0 {
+            self.transport.drop_virtual_devices();
+        }
     }
 
     /// Traffic totals of device `dev`.

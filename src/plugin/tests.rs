@@ -46,7 +46,8 @@ type SharedWire = Arc<Mutex<Wire>>;
 
 /// A transport whose connections are in-memory wires, keyed by the listener's nonce.
 struct FakeTransport {
-    device: Arc<DeviceProps>,
+    /// Device 0, then the virtual devices NCCL made.
+    devices: Mutex<Vec<Arc<DeviceProps>>>,
     wires: Mutex<HashMap<u64, SharedWire>>,
     next: AtomicU64,
     registry: Arc<Registry>,
@@ -55,7 +56,7 @@ struct FakeTransport {
 impl FakeTransport {
     fn new() -> Self {
         FakeTransport {
-            device: Arc::new(DeviceProps {
+            devices: Mutex::new(vec![Arc::new(DeviceProps {
                 name: c"fake0".to_owned(),
                 pci_path: None,
                 guid: 0,
@@ -66,7 +67,7 @@ impl FakeTransport {
                 force_flush: false,
                 vdevs: vec![0],
                 rail_id: -1,
-            }),
+            })]),
             wires: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
             registry: Arc::default(),
@@ -124,11 +125,22 @@ impl Transport for FakeTransport {
     }
 
     fn device_count(&self) -> usize {
-        1
+        self.devices.lock().len()
     }
 
     fn device(&self, dev: usize) -> Result<Arc<DeviceProps>> {
-        crate::transport::device(std::slice::from_ref(&self.device), dev).map(Arc::clone)
+        crate::transport::device(&self.devices.lock(), dev).map(Arc::clone)
+    }
+
+    fn make_vdevice(&self, _: &[i32], _: usize) -> Result<usize> {
+        let mut devices = self.devices.lock();
+        let one = Arc::clone(&devices[0]);
+        devices.push(one);
+        Ok(devices.len() - 1)
+    }
+
+    fn drop_virtual_devices(&self) {
+        self.devices.lock().truncate(1);
     }
 
     fn listen(&self, _dev: usize, ip: IpAddr) -> Result<FakeListener> {
@@ -313,7 +325,16 @@ impl Receiver for FakeReceiver {
 
 /// A plugin over the fake transport.
 fn plugin() -> Arc<Plugin<FakeTransport>> {
-    let config = Config::from_lookup(|_| None).unwrap();
+    plugin_with(&[])
+}
+
+/// A plugin over the fake transport, with the settings `env`.
+fn plugin_with(env: &[(&str, &str)]) -> Arc<Plugin<FakeTransport>> {
+    let env: HashMap<String, String> = env
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let config = Config::from_lookup(|k| env.get(k).cloned()).unwrap();
     Arc::new(Plugin::new(
         config,
         FakeTransport::new(),
@@ -432,4 +453,39 @@ fn a_failed_comm_returns_its_first_error_with_its_code_on_every_call() {
             assert_eq!((e.code(), e.to_string()), (code, error.to_string()));
         }
     }
+}
+
+#[test]
+fn virtual_devices_are_refused_at_nccls_limit_before_one_is_added() {
+    let p = plugin();
+    while p.device_count() < MAX_DEVICES {
+        p.make_vdevice(&[0], 4).unwrap();
+    }
+    let e = p.make_vdevice(&[0], 4).unwrap_err();
+    assert_eq!(e.code(), ncclResult_t::ncclInvalidUsage, "{e}");
+    assert_eq!(
+        p.device_count(),
+        MAX_DEVICES,
+        "nothing added past the limit"
+    );
+}
+
+#[test]
+fn virtual_devices_go_at_the_last_finalize_only_where_nccl_unloads_the_plugin() {
+    let p = plugin();
+    assert_eq!(p.make_vdevice(&[0], 4).unwrap(), 1);
+    p.last_context_finalized();
+    assert_eq!(
+        p.device_count(),
+        1,
+        "the next load sees the physical device only"
+    );
+    let kept = plugin_with(&[("NCCL_NET_PLUGIN_REF_COUNT", "1")]);
+    kept.make_vdevice(&[0], 4).unwrap();
+    kept.last_context_finalized();
+    assert_eq!(
+        kept.device_count(),
+        2,
+        "NCCL keeps the plugin loaded, and its devices"
+    );
 }

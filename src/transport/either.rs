@@ -143,6 +143,10 @@ impl Transport for AnyTransport {
         each!(self, t => t.make_vdevice(devs, max))
     }
 
+    fn drop_virtual_devices(&self) {
+        each!(self, t => t.drop_virtual_devices())
+    }
+
     fn listen(&self, dev: usize, ip: IpAddr) -> Result<AnyListener> {
         match self {
             Self::Verbs(t) => t.listen(dev, ip).map(AnyListener::Verbs),

@@ -108,6 +108,33 @@ pub struct Device {
     pub ptr_support: i32,
     /// `pciPath`.
     pub pci_path: Option<String>,
+    /// The NICs it spans (one for a physical device).
+    pub members: Vec<String>,
+    /// What it is: its own NIC, fused by the plugin and why, or made by NCCL.
+    pub why: String,
+}
+
+impl Device {
+    /// Device `index` with `props`, over the NICs `members`, which is `why`.
+    pub(crate) fn of(
+        index: usize,
+        props: &super::DeviceProps,
+        members: Vec<String>,
+        why: &str,
+    ) -> Self {
+        Device {
+            index,
+            name: props.name().to_string(),
+            speed_mbps: props.speed_mbps,
+            ptr_support: props.ptr_support,
+            pci_path: props
+                .pci_path
+                .as_ref()
+                .map(|p| p.to_string_lossy().into_owned()),
+            members,
+            why: why.to_string(),
+        }
+    }
 }
 
 /// Everything one transport found and decided.

@@ -170,13 +170,11 @@ pub(crate) trait Transport: Send + Sync + Sized + 'static {
     /// Device `dev` (checked).
     fn device(&self, dev: usize) -> Result<Arc<DeviceProps>>;
     /// NCCL's NIC fusion (`makeVDevice`): a virtual device over the physical devices `devs`,
-    /// at most `max` of them; returns its index. Transports that cannot fuse refuse.
-    fn make_vdevice(&self, devs: &[i32], max: usize) -> Result<usize> {
-        let _ = max;
-        Err(Error::usage(format!(
-            "makeVDevice of devices {devs:?}: this transport has one device and cannot fuse"
-        )))
-    }
+    /// at most `max` of them; returns its index.
+    fn make_vdevice(&self, devs: &[i32], max: usize) -> Result<usize>;
+    /// Forgets the virtual devices `make_vdevice` made: NCCL is about to unload the plugin,
+    /// and its next load counts every device offered as a physical NIC.
+    fn drop_virtual_devices(&self);
     /// Binds a listener for one connection on device `dev` (checked), on `ip`.
     fn listen(&self, dev: usize, ip: IpAddr) -> Result<Self::Listener>;
     /// Starts connecting to the listener `handle` describes, from device `dev` (checked).

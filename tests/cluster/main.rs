@@ -742,10 +742,47 @@ fn nccl_fuses_both_rails_and_large_messages_stripe_evenly() {
 
 #[test]
 #[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
+fn two_nics_are_two_devices_by_default_each_carrying_its_own_traffic() {
+    let case = "two_nics_are_two_devices_by_default_each_carrying_its_own_traffic";
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = open();
+    assert_eq!(net.devices().unwrap(), 2, "each NIC its own device");
+    let mut outcome = Vec::new();
+    for (dev, rail) in [(0, "rxe0"), (1, "rxe1")] {
+        let d = net.properties(dev).unwrap();
+        assert_eq!((d.name.as_str(), d.rail_plane), (rail, Some((-1, -1))));
+        let c = connect_on(&net, &mut p, dev);
+        let s = Stream {
+            sizes: &[0, 100, 65_536],
+            count: 16,
+            seed: 300 + dev as u64,
+            window: 4,
+            limit: Duration::from_secs(120),
+        };
+        let done = one_way(&net, &c, &mut p, &s, false);
+        close(&net, c);
+        p.step("closed");
+        let dir = if p.host == Host::Two { "tx" } else { "rx" };
+        let rails = rail_bytes(dir);
+        assert!(
+            rails.len() == 1 && rails[0].0 == rail && rails[0].1 > 0,
+            "device {dev}'s connection on {rail} alone: {rails:?}"
+        );
+        outcome.push(format!("{rail}={}B", done.bytes));
+    }
+    result(
+        case,
+        p.host,
+        &format!("outcome=two devices {}", outcome.join(" ")),
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn both_rails_fused_without_nccl_asking() {
     let case = "both_rails_fused_without_nccl_asking";
-    // What eRDMA gets by default (NCCL_ERDMA_FUSE_NICS=auto fuses eRDMA NICs; rxe is not
-    // eRDMA, so the test asks for it).
+    // The plugin's own fusion, asked for (NCCL_ERDMA_FUSE_NICS=1: the NICs of one NUMA node,
+    // as both of a VM's are).
     set(&[("NCCL_ERDMA_FUSE_NICS", "1")]);
     let mut p = Peer::meet(case, Link::Mgmt);
     let net = open();

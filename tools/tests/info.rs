@@ -143,11 +143,18 @@ fn verbs_device_report() {
         &["NCCL_ERDMA_TRANSPORT"],
     );
     assert!(text.contains("clear-to-send batch 3 ("), "{text}");
-    // One software device: no fusion, and the report says why.
+    // No fusion by default, and the report says why, per device too.
     assert!(text.contains("== NIC fusion"), "{text}");
-    assert!(text.contains("nothing to fuse"), "{text}");
+    assert!(text.contains("each NIC is its own device"), "{text}");
     assert!(text.contains("transport: verbs"), "{text}");
     assert!(text.contains(&format!("device 0: {dev}")), "{text}");
+    assert!(text.contains("(its own NIC)"), "{text}");
+    // Asked to fuse one NIC: nothing to fuse.
+    let (_, text) = info(
+        &[("NCCL_IB_HCA", &hca), ("NCCL_ERDMA_FUSE_NICS", "1")],
+        &["NCCL_ERDMA_TRANSPORT"],
+    );
+    assert!(text.contains("nothing to fuse"), "{text}");
     // A stale NCCL_IB_HCA is named, and the plugin cannot run with it.
     let (code, text) = info(&[("NCCL_IB_HCA", "mlx5_9")], &["NCCL_ERDMA_TRANSPORT"]);
     assert_eq!(code, 1, "{text}");

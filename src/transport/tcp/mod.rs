@@ -20,6 +20,7 @@ use std::{
     time::Duration,
 };
 
+use parking_lot::RwLock;
 use socket2::Socket;
 
 use crate::config::Config;
@@ -60,9 +61,10 @@ fn into_data_socket(stream: std::net::TcpStream) -> Result<Socket> {
 // ---------------------------------------------------------------------------------------
 // The backend
 
-/// The tcp backend: one device, the bootstrap interface.
+/// The tcp backend: one device, the bootstrap interface (and the virtual devices NCCL makes
+/// of it, which are that interface too).
 pub(crate) struct TcpTransport {
-    props: [Arc<DeviceProps>; 1],
+    props: RwLock<Vec<Arc<DeviceProps>>>,
     timeouts: Timeouts,
     registry: Arc<Registry>,
 }
@@ -87,7 +89,7 @@ impl TcpTransport {
             .and_then(|p| CString::new(p.to_string_lossy().into_owned()).ok());
         let peer = config.peer_timeout_s.value;
         TcpTransport {
-            props: [Arc::new(DeviceProps {
+            props: RwLock::new(vec![Arc::new(DeviceProps {
                 name: CString::new(format!("erdma-tcp-{ifname}")).unwrap_or_default(),
                 pci_path,
                 guid: 0,
@@ -98,7 +100,7 @@ impl TcpTransport {
                 force_flush: false,
                 vdevs: vec![0],
                 rail_id: -1,
-            })],
+            })]),
             timeouts: Timeouts {
                 connect: Duration::from_millis(config.connect_timeout_ms.value),
                 peer: (peer > 0).then(|| Duration::from_secs(peer)),
@@ -124,19 +126,22 @@ impl Transport for TcpTransport {
     }
 
     fn facts(&self) -> TransportFacts {
-        let d = &self.props[0];
+        let props = self.props.read();
+        let name = props[0].name().to_string();
         TransportFacts {
             transport: TransportKind::Tcp.name().to_string(),
-            devices: vec![facts::Device {
-                index: 0,
-                name: d.name().to_string(),
-                speed_mbps: d.speed_mbps,
-                ptr_support: d.ptr_support,
-                pci_path: d
-                    .pci_path
-                    .as_ref()
-                    .map(|p| p.to_string_lossy().into_owned()),
-            }],
+            devices: props
+                .iter()
+                .enumerate()
+                .map(|(i, d)| {
+                    let why = if i == 0 {
+                        "the bootstrap interface"
+                    } else {
+                        "made by NCCL (makeVDevice) of device 0"
+                    };
+                    facts::Device::of(i, d, vec![name.clone()], why)
+                })
+                .collect(),
             ..TransportFacts::default()
         }
     }
@@ -146,15 +151,40 @@ impl Transport for TcpTransport {
     }
 
     fn device_count(&self) -> usize {
-        self.props.len()
+        self.props.read().len()
     }
 
     fn device(&self, dev: usize) -> Result<Arc<DeviceProps>> {
-        device(&self.props, dev).map(Arc::clone)
+        device(&self.props.read(), dev).map(Arc::clone)
+    }
+
+    /// A virtual device of the one device (NCCL may ask for one of a single NIC); it is the
+    /// same interface.
+    fn make_vdevice(&self, devs: &[i32], max: usize) -> Result<usize> {
+        if devs != [0] || max == 0 {
+            return Err(Error::usage(format!(
+                "makeVDevice of devices {devs:?}: this transport has one device, 0, and cannot \
+                 fuse several"
+            )));
+        }
+        let mut props = self.props.write();
+        let one = &props[0];
+        let virtual_one = DeviceProps {
+            name: one.name.clone(),
+            pci_path: one.pci_path.clone(),
+            vdevs: vec![0],
+            ..**one
+        };
+        props.push(Arc::new(virtual_one));
+        Ok(props.len() - 1)
+    }
+
+    fn drop_virtual_devices(&self) {
+        self.props.write().truncate(1);
     }
 
     fn listen(&self, dev: usize, ip: IpAddr) -> Result<TcpListener> {
-        device(&self.props, dev)?;
+        device(&self.props.read(), dev)?;
         TcpListener::bind(ip, self.timeouts, self.keys(dev))
     }
 
@@ -164,7 +194,7 @@ impl Transport for TcpTransport {
         handle: &Handle,
         _traffic_class: Option<i32>,
     ) -> Result<TcpConnector> {
-        device(&self.props, dev)?;
+        device(&self.props.read(), dev)?;
         TcpConnector::start(handle, self.timeouts, self.keys(dev))
     }
 
@@ -175,7 +205,7 @@ impl Transport for TcpTransport {
         _len: usize,
         host: bool,
     ) -> Result<(MemKeys, Option<Hold>)> {
-        device(&self.props, dev)?;
+        device(&self.props.read(), dev)?;
         let keys = MemKeys {
             host,
             ..MemKeys::default()

@@ -4,13 +4,16 @@
 //!
 //! The watchdog exists because a device may retry for ever: Soft-RoCE (and some hardware)
 //! treats `NCCL_IB_RETRY_CNT=7` as unbounded, so on a cut link posted work neither completes
-//! nor fails, and a job would hang. A comm whose posted work has gone without any completion
-//! for the work timeout (`NCCL_ERDMA_WORK_TIMEOUT_S`) fails. A side that only waits for the
-//! peer (a receive whose data has not come, a send whose clear-to-send has not) has no work
-//! of its own in flight, so after a quarter of the timeout it posts a probe (a 1-byte RDMA
-//! READ of the peer's memory): on a live path it completes at once, on a dead one it is work
-//! that never completes. All of this runs every 256 polls that found the comm not done, so
-//! the data path pays one counter increment per completion and no clock reads.
+//! nor fails, and a job would hang. It judges two things, every few hundred polls (so the data
+//! path pays one counter increment per completion and reads no clock):
+//! - a rail with posted work and no completion for the work timeout
+//!   (`NCCL_ERDMA_WORK_TIMEOUT_S`) is dead;
+//! - every path the connection's QPs take, each distinct (local rail, remote rail) pair, is
+//!   probed while the comm has work or waits for its peer: a 1-byte RDMA READ of the peer's
+//!   memory over one QP of the pair, every quarter of the timeout; a probe unanswered for the
+//!   timeout (the age of that outstanding work) shows the path dead. So a dead path is found by
+//!   both ends, even where one end's rail also meets live rails of the peer (ends with
+//!   different rail counts) and keeps completing work.
 
 use std::{
     io::Read,
@@ -35,21 +38,57 @@ pub(crate) const IDLE_LOOK_EVERY: u32 = 64;
 /// What the watchdog concluded at a check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Verdict {
-    /// Nothing to do.
-    Fine,
-    /// Post a probe: the comm only waits for the peer, and has for a while.
-    Probe,
-    /// Posted work has gone without a completion for this long: the path is dead.
+    /// Nothing to do, or probes to post: one bit per pair of the rail ([`PairProbe`]).
+    Fine(u8),
+    /// Posted work on the rail has gone without a completion for this long: it is dead.
     Stalled(Duration),
+    /// The probe of pair `.0` has gone unanswered for this long: that path is dead.
+    Unanswered(usize, Duration),
 }
 
-/// The work watchdog of one comm (see the module doc).
+/// One path of a connection: a rail of this end and a rail of the peer that one of its QPs
+/// joins, probed over that QP (see the module doc).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct PairProbe {
+    /// The QP (index among the rail's) the probes take.
+    pub(crate) qp: usize,
+    /// The peer's rail, and its device name (for messages).
+    pub(crate) remote_rail: usize,
+    pub(crate) remote_name: String,
+    /// When the probe in flight was posted.
+    posted: Option<Instant>,
+    /// Its completion arrived (taken at the next check, which reads the clock).
+    answered: bool,
+    /// When the next probe is due (while the comm is active).
+    next: Option<Instant>,
+}
+
+impl PairProbe {
+    /// The path over the rail's QP `qp` to the peer's rail `remote_rail` (named so).
+    pub(crate) fn new(qp: usize, remote_rail: usize, remote_name: String) -> Self {
+        PairProbe {
+            qp,
+            remote_rail,
+            remote_name,
+            posted: None,
+            answered: false,
+            next: None,
+        }
+    }
+
+    /// Its probe completed.
+    pub(crate) fn answered(&mut self) {
+        self.answered = true;
+    }
+}
+
+/// The work watchdog of one rail (see the module doc).
 #[derive(Debug)]
 pub(crate) struct Watchdog {
     limit: Option<Duration>,
     /// Completions counted at the last check.
     progress: u64,
-    /// Since when checks have seen no completion while the comm was busy.
+    /// Since when checks have seen no completion while the rail had work posted.
     idle_since: Option<Instant>,
 }
 
@@ -63,39 +102,55 @@ impl Watchdog {
         }
     }
 
-    /// One check at `now`: `completions` seen so far, whether the comm has posted work not
-    /// yet completed (`work`), and whether it waits for the peer (`waiting`).
+    /// One check at `now`: `completions` seen on the rail so far, whether it has posted work
+    /// not yet completed (`work`), whether the comm waits for the peer (`waiting`), and the
+    /// rail's paths, whose probes are judged and, where due, marked to post.
     pub(crate) fn check(
         &mut self,
         now: Instant,
         completions: u64,
-        work: bool,
-        waiting: bool,
+        (work, waiting): (bool, bool),
+        pairs: &mut [PairProbe],
     ) -> Verdict {
         let Some(limit) = self.limit else {
-            return Verdict::Fine;
+            return Verdict::Fine(0);
         };
-        if completions != self.progress || !(work || waiting) {
-            // A completion means the path works; an idle comm has nothing to lose.
+        if completions != self.progress || !work {
+            // A completion means the rail works; a rail with nothing posted has nothing to lose.
             self.progress = completions;
             self.idle_since = None;
-            return Verdict::Fine;
+        } else {
+            let idle = now.saturating_duration_since(*self.idle_since.get_or_insert(now));
+            if idle > limit {
+                return Verdict::Stalled(idle);
+            }
         }
-        let since = *self.idle_since.get_or_insert(now);
-        let idle = now.saturating_duration_since(since);
-        if work {
-            return if idle > limit {
-                Verdict::Stalled(idle)
-            } else {
-                Verdict::Fine
-            };
+        let mut probe = 0;
+        for (i, p) in pairs.iter_mut().enumerate() {
+            if std::mem::take(&mut p.answered) {
+                p.posted = None;
+                p.next = Some(now + limit / 4);
+            }
+            if let Some(posted) = p.posted {
+                let age = now.saturating_duration_since(posted);
+                if age > limit {
+                    return Verdict::Unanswered(i, age);
+                }
+                continue;
+            }
+            if !(work || waiting) {
+                p.next = None;
+                continue;
+            }
+            // Active: a probe a quarter of the limit after the comm became so, or after the
+            // last answer; each gets the whole limit to come back.
+            let next = *p.next.get_or_insert(now + limit / 4);
+            if now >= next {
+                p.posted = Some(now);
+                probe |= 1 << i;
+            }
         }
-        if idle > limit / 4 {
-            // The probe gets the whole limit to complete.
-            self.idle_since = Some(now);
-            return Verdict::Probe;
-        }
-        Verdict::Fine
+        Verdict::Fine(probe)
     }
 }
 
@@ -226,18 +281,18 @@ impl<N: Nic> CqPoller<N> {
 
     /// The slow checks, after the completions (so the watchdog counts those of this poll):
     /// a fatal event on the device or one of `qps`, or a stall, is the comm's error.
-    /// `work`/`waiting` say whether the comm has posted work in flight and whether it waits
-    /// for the peer; the result says whether to post a probe.
+    /// `work`/`waiting` say whether the rail has posted work in flight and whether the comm
+    /// waits for the peer; the result: the pairs to probe (one bit each).
     #[cold]
     #[inline(never)]
     pub(crate) fn slow_checks(
         &mut self,
         nic: &N,
-        qps: &[N::Qp],
+        (qps, pairs): (&[N::Qp], &mut [PairProbe]),
         peer: &str,
         work: bool,
         waiting: bool,
-    ) -> Result<bool> {
+    ) -> Result<u8> {
         self.check_peer();
         let now = nic.drain_async_events();
         if now != self.epoch {
@@ -247,21 +302,29 @@ impl<N: Nic> CqPoller<N> {
                 return Err(Error::device(format!("fatal asynchronous event: {why}")));
             }
         }
+        let now = Instant::now();
         match self
             .watchdog
-            .check(Instant::now(), self.completions, work, waiting)
+            .check(now, self.completions, (work, waiting), pairs)
         {
-            Verdict::Fine => Ok(false),
-            Verdict::Probe => Ok(true),
-            Verdict::Stalled(idle) => Err(stalled_error(nic, peer, idle)),
+            Verdict::Fine(probe) => Ok(probe),
+            Verdict::Stalled(idle) => Err(stalled_error(nic, peer, idle, None)),
+            Verdict::Unanswered(p, age) => {
+                Err(stalled_error(nic, peer, age, Some(&pairs[p].remote_name)))
+            }
         }
     }
 }
 
 #[cold]
-fn stalled_error<N: Nic>(nic: &N, peer: &str, idle: Duration) -> Error {
+fn stalled_error<N: Nic>(nic: &N, peer: &str, idle: Duration, to: Option<&str>) -> Error {
+    let what = match to {
+        Some(_) => "a liveness probe sent",
+        None => "work posted",
+    };
+    let path = to.map_or(String::new(), |remote| format!(" (to its {remote})"));
     Error::remote(format!(
-        "work posted to peer {peer} on {} has not completed in {:.1} s \
+        "{what} to peer {peer} on {}{path} has not completed in {:.1} s \
          (NCCL_ERDMA_WORK_TIMEOUT_S): the RDMA path to the peer is down (link, switch, or the \
          peer's NIC) while the device keeps retrying",
         nic.local().name,
@@ -312,35 +375,80 @@ mod tests {
     use super::*;
 
     #[test]
-    fn watchdog_fails_work_that_never_completes_and_probes_a_waiting_comm() {
+    fn watchdog_fails_work_that_never_completes_and_probes_every_path_of_an_active_comm() {
         let t0 = Instant::now();
         let s = Duration::from_secs;
+        let pair = |r| PairProbe::new(0, r, format!("peer{r}"));
         let mut w = Watchdog::new(Some(s(8)));
-        // Work in flight, completions coming: fine however long it runs.
-        for i in 0..20 {
-            assert_eq!(w.check(t0 + s(i), i, true, false), Verdict::Fine);
-        }
-        // Then no completion: fails once the limit has passed since the first idle check.
-        assert_eq!(w.check(t0 + s(30), 19, true, false), Verdict::Fine);
-        assert_eq!(w.check(t0 + s(38), 19, true, false), Verdict::Fine);
-        assert_eq!(w.check(t0 + s(39), 19, true, false), Verdict::Stalled(s(9)));
-        // A comm that only waits for its peer probes after a quarter of the limit, and the
-        // probe then has the whole limit.
+        let mut pairs = [pair(0), pair(1)];
+        // Work in flight, completions coming: no stall however long it runs; both paths are
+        // probed a quarter of the limit after the comm became active.
+        assert_eq!(w.check(t0, 0, (true, false), &mut pairs), Verdict::Fine(0));
+        assert_eq!(
+            w.check(t0 + s(1), 1, (true, false), &mut pairs),
+            Verdict::Fine(0)
+        );
+        assert_eq!(
+            w.check(t0 + s(3), 2, (true, false), &mut pairs),
+            Verdict::Fine(0b11)
+        );
+        // Path 0 answers, path 1 does not: path 1 is dead once its probe is older than the
+        // limit, whatever the rail's other completions say.
+        pairs[0].answered();
+        assert_eq!(
+            w.check(t0 + s(4), 3, (true, false), &mut pairs),
+            Verdict::Fine(0)
+        );
+        assert_eq!(
+            w.check(t0 + s(11), 4, (true, false), &mut pairs),
+            Verdict::Fine(0b01)
+        );
+        assert_eq!(
+            w.check(t0 + s(12), 5, (true, false), &mut pairs),
+            Verdict::Unanswered(1, s(9))
+        );
+        // No completion at all with work posted: the rail is dead after the limit.
         let mut w = Watchdog::new(Some(s(8)));
-        assert_eq!(w.check(t0, 0, false, true), Verdict::Fine);
-        assert_eq!(w.check(t0 + s(3), 0, false, true), Verdict::Probe);
-        assert_eq!(w.check(t0 + s(10), 0, true, true), Verdict::Fine);
-        assert_eq!(w.check(t0 + s(12), 0, true, true), Verdict::Stalled(s(9)));
-        // The probe completing resets it.
+        let mut none: [PairProbe; 0] = [];
+        assert_eq!(w.check(t0, 0, (true, false), &mut none), Verdict::Fine(0));
+        assert_eq!(
+            w.check(t0 + s(8), 0, (true, false), &mut none),
+            Verdict::Fine(0)
+        );
+        assert_eq!(
+            w.check(t0 + s(9), 0, (true, false), &mut none),
+            Verdict::Stalled(s(9))
+        );
+        // A comm that only waits probes too, and an answered probe is followed by the next.
         let mut w = Watchdog::new(Some(s(8)));
-        w.check(t0, 0, false, true);
-        assert_eq!(w.check(t0 + s(3), 0, false, true), Verdict::Probe);
-        assert_eq!(w.check(t0 + s(4), 1, false, true), Verdict::Fine);
-        assert_eq!(w.check(t0 + s(6), 1, false, true), Verdict::Fine);
-        // Idle comms, and a watchdog turned off, never trip.
-        assert_eq!(w.check(t0 + s(100), 1, false, false), Verdict::Fine);
+        let mut one = [pair(0)];
+        assert_eq!(w.check(t0, 0, (false, true), &mut one), Verdict::Fine(0));
+        assert_eq!(
+            w.check(t0 + s(2), 0, (false, true), &mut one),
+            Verdict::Fine(1)
+        );
+        one[0].answered();
+        assert_eq!(
+            w.check(t0 + s(3), 1, (false, true), &mut one),
+            Verdict::Fine(0)
+        );
+        assert_eq!(
+            w.check(t0 + s(5), 1, (false, true), &mut one),
+            Verdict::Fine(1)
+        );
+        // Idle comms, and a watchdog turned off, never probe nor trip.
+        let mut w = Watchdog::new(Some(s(8)));
+        let mut one = [pair(0)];
+        assert_eq!(w.check(t0, 0, (false, false), &mut one), Verdict::Fine(0));
+        assert_eq!(
+            w.check(t0 + s(100), 0, (false, false), &mut one),
+            Verdict::Fine(0)
+        );
         let mut off = Watchdog::new(None);
-        assert_eq!(off.check(t0, 0, true, true), Verdict::Fine);
-        assert_eq!(off.check(t0 + s(1000), 0, true, true), Verdict::Fine);
+        assert_eq!(off.check(t0, 0, (true, true), &mut one), Verdict::Fine(0));
+        assert_eq!(
+            off.check(t0 + s(1000), 0, (true, true), &mut one),
+            Verdict::Fine(0)
+        );
     }
 }

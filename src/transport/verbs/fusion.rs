@@ -1,15 +1,15 @@
 //! NIC fusion: one device of the plugin over several NICs (rails), whose connections stripe
-//! large messages over all of them (see `rail`). Two ways to get one:
+//! large messages over all of them (see `rail`). By default every NIC is its own device, as
+//! NCCL's IB transport offers them: NCCL already spreads its channels over equal NICs and gives
+//! each GPU its nearest ones, and each device keeps its NIC's PCI path and NUMA node, so NCCL's
+//! GPUDirect and locality decisions stay right. Two ways to get a fused device:
 //! - NCCL asks (`makeVDevice`, v9+: `NCCL_NET_FORCE_MERGE`, `NCCL_NET_MERGE_LEVEL`):
 //!   [`check_vdevice`] accepts what NCCL's IB transport accepts, and the virtual device is
 //!   added after the physical ones;
-//! - zero configuration on eRDMA ([`auto_fuse`]): GPU instances often have two eRDMA NICs at
-//!   the same distance (SYS, inside a VM) from every GPU, and NCCL neither fuses them (they
-//!   are separate PCI devices, beyond its default merge level) nor reliably spreads a GPU's
-//!   traffic over both. So by default the plugin offers one device fusing every usable eRDMA
-//!   NIC, and every communicator uses all of them. `NCCL_ERDMA_FUSE_NICS=0` turns it off (the
-//!   NICs are offered one by one, and NCCL may fuse them itself), `=1` fuses whatever the
-//!   devices are (any RoCE/IB NICs of one link layer: tests, other clouds).
+//! - the user asks (`NCCL_ERDMA_FUSE_NICS=1`, [`plan`]): NICs equivalent for every GPU (one
+//!   NUMA node, one link layer) become one device each group; NICs of different NUMA nodes are
+//!   not fused (a WARN says so) unless `NCCL_ERDMA_FUSE_NICS=force`. NCCL's own merge settings
+//!   win over it. No NIC is ever hidden: a NIC not fused stays its own device.
 
 use std::ffi::CString;
 
@@ -27,82 +27,152 @@ pub(crate) struct NicInfo {
     pub(crate) speed_mbps: i32,
     pub(crate) ptr_support: i32,
     pub(crate) pci_path: Option<String>,
+    pub(crate) numa_node: Option<i32>,
     pub(crate) guid: u64,
     pub(crate) port: u8,
     pub(crate) max_comms: i32,
 }
 
-/// The automatic fusion decision: the NICs fused into device 0 (None: every NIC is its own
-/// device), and why, for the log and the info command.
+/// One device NCCL gets at `init`: its NICs (indexes into the NICs), and why it is what it is.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Fusion {
-    pub(crate) members: Option<Vec<usize>>,
+pub(crate) struct Planned {
+    pub(crate) members: Vec<usize>,
+    pub(crate) why: String,
+}
+
+/// The devices NCCL gets at `init`, and the fusion decision for the log and the info command.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Plan {
+    pub(crate) devices: Vec<Planned>,
     pub(crate) reason: String,
+    /// A WARN for the log: fusion asked for and not (all) done.
+    pub(crate) warning: Option<String>,
 }
 
-/// Decides whether the usable `nics` are offered as one fused device. `nccl_merges`: the
-/// user asked NCCL to fuse (NCCL_NET_FORCE_MERGE or NCCL_NET_MERGE_LEVEL set), so automatic
-/// fusion stays out of its way.
-pub(crate) fn auto_fuse(setting: FuseNics, nics: &[NicInfo], nccl_merges: bool) -> Fusion {
-    let no = |reason: String| Fusion {
-        members: None,
+/// A NUMA node, for messages.
+fn numa(n: Option<i32>) -> String {
+    n.map_or("unknown".into(), |n| n.to_string())
+}
+
+/// The devices the usable `nics` are offered as, under `setting`. `nccl_merges`: the user
+/// asked NCCL to fuse NICs itself (NCCL_NET_FORCE_MERGE or NCCL_NET_MERGE_LEVEL), which wins.
+pub(crate) fn plan(setting: FuseNics, nics: &[NicInfo], nccl_merges: bool) -> Plan {
+    let one_by_one = |reason: String, warning: Option<String>| Plan {
+        devices: (0..nics.len())
+            .map(|i| Planned {
+                members: vec![i],
+                why: "its own NIC".into(),
+            })
+            .collect(),
         reason,
+        warning,
     };
-    let candidates: Vec<usize> = match setting {
-        FuseNics::Off => return no("NCCL_ERDMA_FUSE_NICS=0".into()),
-        FuseNics::On => (0..nics.len()).collect(),
-        FuseNics::Auto => {
-            if nccl_merges {
-                return no(
-                    "NCCL_NET_FORCE_MERGE or NCCL_NET_MERGE_LEVEL is set: NCCL fuses NICs \
-                     itself"
-                        .into(),
-                );
-            }
-            (0..nics.len())
-                .filter(|&i| nics[i].class == DeviceClass::Erdma)
-                .collect()
-        }
-    };
-    // One link layer: the first candidate's.
-    let members: Vec<usize> = candidates
-        .iter()
-        .copied()
-        .filter(|&i| nics[i].link_layer == nics[candidates[0]].link_layer)
-        .take(MAX_RAILS)
-        .collect();
-    let what = match setting {
-        FuseNics::Auto => "eRDMA NICs",
-        _ => "NICs",
-    };
-    if members.len() < 2 {
-        return no(format!(
-            "{} usable {what} (NCCL_ERDMA_FUSE_NICS={}): nothing to fuse",
-            members.len(),
-            setting
-        ));
+    if setting == FuseNics::Off {
+        return one_by_one(
+            "each NIC is its own device (NCCL_ERDMA_FUSE_NICS=0): NCCL spreads its channels \
+             over them"
+                .into(),
+            None,
+        );
     }
-    let names: Vec<&str> = members.iter().map(|&i| nics[i].name.as_str()).collect();
-    Fusion {
-        reason: format!(
-            "{} {what} fused into one device {} (NCCL_ERDMA_FUSE_NICS={}; =0 offers them one \
-             by one)",
-            members.len(),
-            names.join("+"),
-            setting
+    if nccl_merges {
+        let msg = format!(
+            "NCCL_ERDMA_FUSE_NICS={setting} and NCCL_NET_FORCE_MERGE or NCCL_NET_MERGE_LEVEL \
+             are both set: NCCL fuses the NICs itself, so the plugin offers each NIC as its \
+             own device"
+        );
+        return one_by_one(msg.clone(), Some(msg));
+    }
+    // Groups of NICs equivalent for every GPU: one link layer and (unless forced) one NUMA
+    // node, in the order of their first NIC.
+    let key = |n: &NicInfo| {
+        (
+            n.link_layer,
+            (setting != FuseNics::Force).then_some(n.numa_node),
+        )
+    };
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    for (i, n) in nics.iter().enumerate() {
+        match groups
+            .iter_mut()
+            .find(|g| key(&nics[g[0]]) == key(n) && g.len() < MAX_RAILS)
+        {
+            Some(g) => g.push(i),
+            None => groups.push(vec![i]),
+        }
+    }
+    let names = |g: &[usize]| {
+        g.iter()
+            .map(|&i| nics[i].name.as_str())
+            .collect::<Vec<_>>()
+            .join("+")
+    };
+    let devices: Vec<Planned> = groups
+        .iter()
+        .map(|g| Planned {
+            members: g.clone(),
+            why: if g.len() == 1 {
+                "its own NIC".into()
+            } else if setting == FuseNics::Force {
+                format!("fused (NCCL_ERDMA_FUSE_NICS=force): {}", names(g))
+            } else {
+                format!(
+                    "fused (NCCL_ERDMA_FUSE_NICS=1): {} on NUMA node {}",
+                    names(g),
+                    numa(nics[g[0]].numa_node)
+                )
+            },
+        })
+        .collect();
+    // NICs of one link layer kept apart by their NUMA nodes only.
+    let split_by_numa = setting == FuseNics::On
+        && groups.iter().enumerate().any(|(a, ga)| {
+            groups[a + 1..]
+                .iter()
+                .any(|gb| nics[ga[0]].link_layer == nics[gb[0]].link_layer)
+        });
+    let warning = split_by_numa.then(|| {
+        let where_: Vec<String> = nics
+            .iter()
+            .map(|n| format!("{} on NUMA node {}", n.name, numa(n.numa_node)))
+            .collect();
+        format!(
+            "NCCL_ERDMA_FUSE_NICS=1 fuses only NICs of one NUMA node ({}): fused across NUMA \
+             nodes, the GPUs of the other node would see the device at the wrong distance and \
+             lose GPUDirect RDMA; NCCL_ERDMA_FUSE_NICS=force fuses them anyway",
+            where_.join(", ")
+        )
+    });
+    let fused = devices.iter().filter(|d| d.members.len() > 1).count();
+    let reason = match fused {
+        0 => {
+            format!("nothing to fuse (NCCL_ERDMA_FUSE_NICS={setting}): each NIC is its own device")
+        }
+        _ => format!(
+            "{fused} fused device(s) (NCCL_ERDMA_FUSE_NICS={setting}): {}",
+            devices
+                .iter()
+                .map(|d| names(&d.members))
+                .collect::<Vec<_>>()
+                .join(", ")
         ),
-        members: Some(members),
+    };
+    Plan {
+        devices,
+        reason,
+        warning,
     }
 }
 
-/// Checks a `makeVDevice` request for the physical devices `devs` (NCCL's indexes) of
-/// `physical`, at most `max` of them, as NCCL's IB transport does: none missing, no
-/// duplicates, one link layer, and fusion allowed (`NCCL_IB_MERGE_NICS`). Returns the
-/// indexes.
+/// Checks a `makeVDevice` request for the devices `devs` (NCCL's indexes) of `physical`
+/// (each device's NICs), at most `max` of them, as NCCL's IB transport does: none missing, no
+/// duplicates, each a single NIC (a device the plugin fused is not fused again), one link
+/// layer, and fusion allowed (`NCCL_IB_MERGE_NICS`). Returns the NICs' indexes.
 pub(crate) fn check_vdevice(
     devs: &[i32],
     max: usize,
-    physical: &[NicInfo],
+    physical: &[&[usize]],
+    nics: &[NicInfo],
     merge_allowed: bool,
 ) -> Result<Vec<usize>> {
     let refuse = |why: String| {
@@ -119,21 +189,27 @@ pub(crate) fn check_vdevice(
     }
     let mut out = Vec::with_capacity(devs.len());
     for &d in devs {
-        let Some(i) = usize::try_from(d).ok().filter(|&i| i < physical.len()) else {
+        let Some(members) = usize::try_from(d).ok().and_then(|i| physical.get(i)) else {
             return refuse(format!(
                 "device {d} is not one of the {} physical devices",
                 physical.len()
             ));
         };
-        if out.contains(&i) {
+        let &[nic] = *members else {
+            return refuse(format!(
+                "device {d} already fuses {} NICs (NCCL_ERDMA_FUSE_NICS)",
+                members.len()
+            ));
+        };
+        if out.contains(&nic) {
             return refuse(format!("device {d} is named twice"));
         }
-        out.push(i);
+        out.push(nic);
     }
-    let first = &physical[out[0]];
+    let first = &nics[out[0]];
     if let Some(other) = out
         .iter()
-        .map(|&i| &physical[i])
+        .map(|&i| &nics[i])
         .find(|n| n.link_layer != first.link_layer)
     {
         return refuse(format!(
@@ -145,28 +221,15 @@ pub(crate) fn check_vdevice(
     Ok(out)
 }
 
-/// The v12 `railId` of each NIC: its position among the NICs of its kind (eRDMA, software,
-/// other hardware), in the order NCCL numbers them.
-pub(crate) fn rail_ids(nics: &[NicInfo]) -> Vec<i16> {
-    let mut seen: Vec<DeviceClass> = Vec::new();
-    nics.iter()
-        .map(|n| {
-            let id = seen.iter().filter(|c| **c == n.class).count();
-            seen.push(n.class);
-            i16::try_from(id).unwrap_or(-1)
-        })
-        .collect()
-}
-
 /// The properties NCCL sees for a device over `members` (indexes into `nics`): a physical
 /// NIC's own, or for several, the first's identity (PCI path, guid: NCCL places it there)
 /// with the names joined by `+`, the speeds summed, what every member supports, and
-/// `vdevs` (NCCL's indexes of the members; for the automatic fusion, the device itself).
+/// `vdevs` (NCCL's indexes of the members; for the plugin's own fusion, the device itself).
+/// `railId` is -1: no rails are configured, as NCCL's IB transport reports it then.
 pub(crate) fn props(
     nics: &[NicInfo],
     members: &[usize],
     vdevs: Vec<i32>,
-    rail_id: i16,
     force_flush: bool,
 ) -> DeviceProps {
     let first = &nics[members[0]];
@@ -191,7 +254,7 @@ pub(crate) fn props(
             .unwrap_or(1),
         force_flush,
         vdevs,
-        rail_id,
+        rail_id: -1,
     }
 }
 
@@ -200,7 +263,7 @@ mod tests {
     use super::*;
     use crate::verbs::device::{LINK_LAYER_ETHERNET, LINK_LAYER_IB};
 
-    fn nic(name: &str, class: DeviceClass, link_layer: u8) -> NicInfo {
+    fn nic(name: &str, class: DeviceClass, link_layer: u8, numa_node: i32) -> NicInfo {
         NicInfo {
             name: name.into(),
             class,
@@ -208,70 +271,107 @@ mod tests {
             speed_mbps: 100_000,
             ptr_support: 3,
             pci_path: Some(format!("/sys/devices/{name}")),
+            numa_node: Some(numa_node),
             guid: name.len() as u64,
             port: 1,
             max_comms: 1000,
         }
     }
 
+    fn members(p: &Plan) -> Vec<Vec<usize>> {
+        p.devices.iter().map(|d| d.members.clone()).collect()
+    }
+
     #[test]
-    fn two_erdma_nics_are_fused_by_default_and_not_when_turned_off_or_nccl_fuses() {
+    fn by_default_every_nic_is_its_own_device_and_none_is_hidden() {
         let nics = [
-            nic("erdma_0", DeviceClass::Erdma, LINK_LAYER_ETHERNET),
-            nic("erdma_1", DeviceClass::Erdma, LINK_LAYER_ETHERNET),
-            nic("mlx5_0", DeviceClass::Hardware, LINK_LAYER_ETHERNET),
+            nic("erdma_0", DeviceClass::Erdma, LINK_LAYER_ETHERNET, 0),
+            nic("erdma_1", DeviceClass::Erdma, LINK_LAYER_ETHERNET, 0),
+            nic("mlx5_0", DeviceClass::Hardware, LINK_LAYER_IB, 1),
         ];
-        let f = auto_fuse(FuseNics::Auto, &nics, false);
-        assert_eq!(f.members, Some(vec![0, 1]));
-        assert!(f.reason.contains("erdma_0+erdma_1"), "{}", f.reason);
-        assert_eq!(auto_fuse(FuseNics::Off, &nics, false).members, None);
-        let nccl = auto_fuse(FuseNics::Auto, &nics, true);
-        assert_eq!(nccl.members, None);
+        let p = plan(FuseNics::Off, &nics, false);
+        assert_eq!(members(&p), [vec![0], vec![1], vec![2]]);
+        assert_eq!(p.warning, None);
+        // Asked to fuse: the two eRDMA NICs of NUMA node 0; the IB NIC stays, on its own.
+        let p = plan(FuseNics::On, &nics, false);
+        assert_eq!(members(&p), [vec![0, 1], vec![2]]);
         assert!(
-            nccl.reason.contains("NCCL fuses NICs itself"),
-            "{}",
-            nccl.reason
+            p.devices[0].why.contains("NUMA node 0"),
+            "{:?}",
+            p.devices[0]
         );
-        // One eRDMA NIC: nothing to fuse.
-        let one = auto_fuse(FuseNics::Auto, &nics[1..], false);
-        assert_eq!(one.members, None);
-        assert!(one.reason.contains("1 usable eRDMA NICs"), "{}", one.reason);
-        // Forced on: any NICs of the first one's link layer.
-        let rxe = [
-            nic("rxe0", DeviceClass::Software, LINK_LAYER_ETHERNET),
-            nic("ib0", DeviceClass::Hardware, LINK_LAYER_IB),
-            nic("rxe1", DeviceClass::Software, LINK_LAYER_ETHERNET),
+        assert_eq!(p.devices[1].why, "its own NIC");
+    }
+
+    #[test]
+    fn nics_of_different_numa_nodes_are_fused_only_when_forced() {
+        // L20N bare metal: one ERI on each NUMA node.
+        let l20n = [
+            nic("erdma_0", DeviceClass::Erdma, LINK_LAYER_ETHERNET, 0),
+            nic("erdma_1", DeviceClass::Erdma, LINK_LAYER_ETHERNET, 1),
         ];
-        assert_eq!(
-            auto_fuse(FuseNics::On, &rxe, false).members,
-            Some(vec![0, 2])
+        let p = plan(FuseNics::On, &l20n, false);
+        assert_eq!(members(&p), [vec![0], vec![1]]);
+        let w = p.warning.expect("a WARN says why not");
+        assert!(
+            w.contains("erdma_0 on NUMA node 0") && w.contains("force"),
+            "{w}"
         );
-        assert_eq!(auto_fuse(FuseNics::Auto, &rxe, false).members, None);
+        let p = plan(FuseNics::Force, &l20n, false);
+        assert_eq!(members(&p), [vec![0, 1]]);
+        assert_eq!(p.warning, None);
+    }
+
+    #[test]
+    fn nccl_merging_wins_over_the_plugins_fusion_with_a_warn() {
+        let nics = [
+            nic("rxe0", DeviceClass::Software, LINK_LAYER_ETHERNET, 0),
+            nic("rxe1", DeviceClass::Software, LINK_LAYER_ETHERNET, 0),
+        ];
+        let p = plan(FuseNics::On, &nics, true);
+        assert_eq!(
+            members(&p),
+            [vec![0], vec![1]],
+            "NCCL finds the member names"
+        );
+        assert!(p.warning.unwrap().contains("NCCL_NET_FORCE_MERGE"));
+        assert_eq!(members(&plan(FuseNics::On, &nics, false)), [vec![0, 1]]);
     }
 
     #[test]
     fn make_vdevice_requests_are_checked_as_nccl_ib_checks_them() {
         let nics = [
-            nic("rxe0", DeviceClass::Software, LINK_LAYER_ETHERNET),
-            nic("rxe1", DeviceClass::Software, LINK_LAYER_ETHERNET),
-            nic("ib0", DeviceClass::Hardware, LINK_LAYER_IB),
+            nic("rxe0", DeviceClass::Software, LINK_LAYER_ETHERNET, 0),
+            nic("rxe1", DeviceClass::Software, LINK_LAYER_ETHERNET, 0),
+            nic("ib0", DeviceClass::Hardware, LINK_LAYER_IB, 0),
         ];
-        assert_eq!(check_vdevice(&[1, 0], 4, &nics, true).unwrap(), [1, 0]);
+        let one: [&[usize]; 3] = [&[0], &[1], &[2]];
         assert_eq!(
-            check_vdevice(&[2], 4, &nics, false).unwrap(),
+            check_vdevice(&[1, 0], 4, &one, &nics, true).unwrap(),
+            [1, 0]
+        );
+        assert_eq!(
+            check_vdevice(&[2], 4, &one, &nics, false).unwrap(),
             [2],
             "one device is fine"
         );
-        for (devs, max, merge, why) in [
-            (&[0, 2][..], 4, true, "different link layers"),
-            (&[0, 0][..], 4, true, "named twice"),
-            (&[0, 3][..], 4, true, "not one of the 3 physical devices"),
-            (&[-1][..], 4, true, "not one of"),
-            (&[][..], 4, true, "1 to 4 devices"),
-            (&[0, 1, 0, 1, 0][..], 4, true, "1 to 4 devices"),
-            (&[0, 1][..], 4, false, "NCCL_IB_MERGE_NICS=0"),
+        let fused: [&[usize]; 2] = [&[0, 1], &[2]];
+        for (devs, physical, merge, why) in [
+            (&[0, 2][..], &one[..], true, "different link layers"),
+            (&[0, 0][..], &one[..], true, "named twice"),
+            (
+                &[0, 3][..],
+                &one[..],
+                true,
+                "not one of the 3 physical devices",
+            ),
+            (&[-1][..], &one[..], true, "not one of"),
+            (&[][..], &one[..], true, "1 to 4 devices"),
+            (&[0, 1, 0, 1, 0][..], &one[..], true, "1 to 4 devices"),
+            (&[0, 1][..], &one[..], false, "NCCL_IB_MERGE_NICS=0"),
+            (&[0, 1][..], &fused[..], true, "already fuses 2 NICs"),
         ] {
-            let e = check_vdevice(devs, max, &nics, merge).unwrap_err();
+            let e = check_vdevice(devs, 4, physical, &nics, merge).unwrap_err();
             assert!(e.to_string().contains(why), "{devs:?}: {e}");
             assert_eq!(e.kind(), crate::error::ErrorKind::InvalidUsage);
         }
@@ -280,12 +380,12 @@ mod tests {
     #[test]
     fn fused_devices_sum_speeds_join_names_and_keep_what_all_support() {
         let mut nics = vec![
-            nic("erdma_0", DeviceClass::Erdma, LINK_LAYER_ETHERNET),
-            nic("erdma_1", DeviceClass::Erdma, LINK_LAYER_ETHERNET),
+            nic("erdma_0", DeviceClass::Erdma, LINK_LAYER_ETHERNET, 0),
+            nic("erdma_1", DeviceClass::Erdma, LINK_LAYER_ETHERNET, 0),
         ];
         nics[1].ptr_support = 1;
         nics[1].max_comms = 10;
-        let p = props(&nics, &[0, 1], vec![0, 1], -1, false);
+        let p = props(&nics, &[0, 1], vec![0, 1], false);
         assert_eq!(p.name(), "erdma_0+erdma_1");
         assert_eq!(p.speed_mbps, 200_000);
         assert_eq!(p.ptr_support, 1, "GPUDirect only if every member has it");
@@ -295,17 +395,10 @@ mod tests {
             "/sys/devices/erdma_0"
         );
         assert_eq!((p.vdevs, p.rail_id), (vec![0, 1], -1));
-        let one = props(&nics, &[1], vec![1], 1, false);
-        assert_eq!((one.name(), one.speed_mbps), ("erdma_1", 100_000));
-    }
-
-    #[test]
-    fn rails_are_numbered_within_each_kind_of_nic() {
-        let nics = [
-            nic("erdma_0", DeviceClass::Erdma, LINK_LAYER_ETHERNET),
-            nic("mlx5_0", DeviceClass::Hardware, LINK_LAYER_ETHERNET),
-            nic("erdma_1", DeviceClass::Erdma, LINK_LAYER_ETHERNET),
-        ];
-        assert_eq!(rail_ids(&nics), [0, 0, 1]);
+        let one = props(&nics, &[1], vec![1], false);
+        assert_eq!(
+            (one.name(), one.speed_mbps, one.rail_id),
+            ("erdma_1", 100_000, -1)
+        );
     }
 }

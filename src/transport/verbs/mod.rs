@@ -62,6 +62,8 @@ struct Device {
     /// Indexes into `VerbsTransport::ports`: the rails of its connections.
     members: Vec<usize>,
     props: Arc<DeviceProps>,
+    /// What it is, for the info command: its own NIC, fused and why, or made by NCCL.
+    why: String,
 }
 
 /// The verbs backend of the plugin.
@@ -95,6 +97,7 @@ fn nic_info(d: &VerbsDevice) -> fusion::NicInfo {
         speed_mbps: d.speed_mbps,
         ptr_support,
         pci_path: d.pci_path.clone(),
+        numa_node: d.numa_node,
         guid: d.guid,
         port: d.local.port,
         max_comms: d.max_qp.max(1),
@@ -156,38 +159,35 @@ impl VerbsTransport {
                 }
             })
             .collect();
-        let fused = fusion::auto_fuse(config.fuse_nics.value, &infos, config.nccl_merges());
+        let plan = fusion::plan(config.fuse_nics.value, &infos, config.nccl_merges());
+        if let Some(w) = &plan.warning {
+            tracing::warn!("{w}");
+        }
         let force_flush = config.force_flush.value;
         facts.fusion = facts::Fusion {
-            members: fused
-                .members
+            members: plan
+                .devices
                 .iter()
-                .flatten()
-                .map(|&i| infos[i].name.clone())
+                .filter(|d| d.members.len() > 1)
+                .flat_map(|d| d.members.iter().map(|&i| infos[i].name.clone()))
                 .collect(),
-            reason: fused.reason,
+            reason: plan.reason,
         };
-        let devices: Vec<Device> = match fused.members {
-            Some(members) => vec![Device {
-                props: Arc::new(fusion::props(&infos, &members, vec![0], -1, force_flush)),
-                members,
-            }],
-            None => {
-                let rails = fusion::rail_ids(&infos);
-                (0..infos.len())
-                    .map(|i| Device {
-                        props: Arc::new(fusion::props(
-                            &infos,
-                            &[i],
-                            vec![i as i32],
-                            rails[i],
-                            force_flush,
-                        )),
-                        members: vec![i],
-                    })
-                    .collect()
-            }
-        };
+        let devices: Vec<Device> = plan
+            .devices
+            .into_iter()
+            .enumerate()
+            .map(|(index, d)| Device {
+                props: Arc::new(fusion::props(
+                    &infos,
+                    &d.members,
+                    vec![index as i32],
+                    force_flush,
+                )),
+                members: d.members,
+                why: d.why,
+            })
+            .collect();
         Ok(VerbsTransport {
             config: config.clone(),
             ports,
@@ -236,16 +236,9 @@ impl Transport for VerbsTransport {
             .read()
             .iter()
             .enumerate()
-            .map(|(index, d)| facts::Device {
-                index,
-                name: d.props.name().to_string(),
-                speed_mbps: d.props.speed_mbps,
-                ptr_support: d.props.ptr_support,
-                pci_path: d
-                    .props
-                    .pci_path
-                    .as_ref()
-                    .map(|p| p.to_string_lossy().into_owned()),
+            .map(|(index, d)| {
+                let members = d.members.iter().map(|&i| self.infos[i].name.clone());
+                facts::Device::of(index, &d.props, members.collect(), &d.why)
             })
             .collect();
         facts
@@ -264,17 +257,20 @@ impl Transport for VerbsTransport {
     }
 
     fn make_vdevice(&self, devs: &[i32], max: usize) -> Result<usize> {
-        // Only NCCL's physical devices can be fused, and not once they were fused
-        // automatically (that would name their NICs twice).
-        let unfused = if self.physical == self.infos.len() {
-            &self.infos[..]
-        } else {
-            &[]
-        };
-        let picked = fusion::check_vdevice(devs, max, unfused, self.config.merge_nics.value)?;
-        let force_flush = self.config.force_flush.value;
-        let props = fusion::props(&self.infos, &picked, devs.to_vec(), -1, force_flush);
         let mut devices = self.devices.write();
+        let physical: Vec<&[usize]> = devices[..self.physical]
+            .iter()
+            .map(|d| &d.members[..])
+            .collect();
+        let picked = fusion::check_vdevice(
+            devs,
+            max,
+            &physical,
+            &self.infos,
+            self.config.merge_nics.value,
+        )?;
+        let force_flush = self.config.force_flush.value;
+        let props = fusion::props(&self.infos, &picked, devs.to_vec(), force_flush);
         let d = devices.len();
         tracing::info!(
             target: crate::log::INIT,
@@ -285,8 +281,13 @@ impl Transport for VerbsTransport {
         devices.push(Device {
             members: picked,
             props: Arc::new(props),
+            why: format!("made by NCCL (makeVDevice of devices {devs:?})"),
         });
         Ok(d)
+    }
+
+    fn drop_virtual_devices(&self) {
+        self.devices.write().truncate(self.physical);
     }
 
     fn listen(&self, dev: usize, ip: IpAddr) -> Result<VerbsListener> {

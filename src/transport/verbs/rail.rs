@@ -1,12 +1,13 @@
 //! The rails of a connection: one per NIC of its device (one for a physical device, up to 8
 //! for a virtual one). Each rail has its own QPs and completion queue (a CQ belongs to one
-//! NIC), its own work watchdog (so a rail that dies is found and named even while the others
-//! still complete work) and its own traffic counters. QP `q` of a connection lives on rail
-//! `q % rails` of each end.
+//! NIC), its own work watchdog and probes of each path its QPs take to the peer (so a rail or
+//! path that dies is found and named even while others still complete work) and its own
+//! traffic counters. QP `q` of a connection lives on rail `q % rails` of each end.
 
 use std::sync::Arc;
 
-use super::cq::{self, CqPoller};
+use super::cq::{self, CqPoller, PairProbe};
+use super::wire::WrKind;
 use crate::error::Result;
 use crate::verbs::dma::{Completion, WcBatch};
 use crate::verbs::nic::Nic;
@@ -34,6 +35,8 @@ pub(crate) struct Rail<N: Nic> {
     /// count that did would read as nothing in flight.
     pub(crate) in_flight: i32,
     pub(crate) stats: RailStats,
+    /// The paths its QPs take to the peer's rails, each probed by the watchdog.
+    pub(crate) pairs: Vec<PairProbe>,
 }
 
 impl<N: Nic> Rail<N> {
@@ -50,6 +53,21 @@ impl<N: Nic> Rail<N> {
             nic,
             in_flight: 0,
             stats: RailStats::default(),
+            pairs: Vec::new(),
+        }
+    }
+
+    /// Learns the peer's rails (their device names, one per rail): rail `index` of `rails`
+    /// then knows each path its QPs take (QP `q` of the connection joins rail `q % rails` here
+    /// and `q % remote.len()` there), to be probed over the first QP of each.
+    pub(crate) fn learn_paths(&mut self, index: usize, rails: usize, remote: &[String]) {
+        self.pairs.clear();
+        for i in 0..self.qps.len() {
+            let remote_rail = (i * rails + index) % remote.len();
+            if !self.pairs.iter().any(|p| p.remote_rail == remote_rail) {
+                let name = remote[remote_rail].clone();
+                self.pairs.push(PairProbe::new(i, remote_rail, name));
+            }
         }
     }
 
@@ -77,8 +95,9 @@ impl<N: Nic> Rail<N> {
 
     /// Hands what a poll put in `wc` to `on` (see [`CqPoller::hand_out`]), which says
     /// whether a completion retires signaled work of this side (then it leaves `in_flight`);
-    /// then runs the slow checks when due, `waiting`: whether the comm waits for its peer.
-    /// Returns whether this rail should post a probe. A failure counts as the rail's error.
+    /// a probe's completion is the rail's own. Then runs the slow checks when due, `waiting`:
+    /// whether the comm waits for its peer. Returns the paths to probe now (one bit each of
+    /// [`Self::pairs`]). A failure counts as the rail's error.
     #[inline(always)]
     pub(crate) fn drain(
         &mut self,
@@ -86,11 +105,19 @@ impl<N: Nic> Rail<N> {
         peer: &str,
         waiting: bool,
         mut on: impl FnMut(Completion<'_>) -> bool,
-    ) -> Result<bool> {
+    ) -> Result<u8> {
         let mut done = 0;
-        let handed = self
-            .cq
-            .hand_out(&self.nic, wc, |c| done += i32::from(on(c)));
+        let pairs = &mut self.pairs;
+        let handed = self.cq.hand_out(&self.nic, wc, |c| {
+            if WrKind::of(c.wr_id()) == Some(WrKind::Probe) {
+                if let Some(p) = pairs.get_mut(WrKind::slot(c.wr_id())) {
+                    p.answered();
+                }
+                done += 1;
+            } else {
+                done += i32::from(on(c));
+            }
+        });
         self.in_flight -= done;
         if !matches!(handed, Ok(true)) {
             // Stopped at a failed completion (Ok(false)) or poll.
@@ -98,12 +125,12 @@ impl<N: Nic> Rail<N> {
             return self.count_error(e);
         }
         if !self.cq.checks_due() {
-            return Ok(false);
+            return Ok(0);
         }
         let work = self.in_flight > 0;
         let r = self
             .cq
-            .slow_checks(&self.nic, &self.qps, peer, work, waiting);
+            .slow_checks(&self.nic, (&self.qps, &mut self.pairs), peer, work, waiting);
         self.count_error(r)
     }
 }

@@ -582,35 +582,37 @@ impl<N: Nic> RecvState<N> {
                     };
                     true
                 }
-                Some(WrKind::Cts | WrKind::Probe) => true,
+                Some(WrKind::Cts) => true,
                 _ => false,
             }
         })?;
-        if probe {
-            self.post_probe(r)?;
+        if probe != 0 {
+            self.post_probes(r, probe)?;
         }
         Ok(())
     }
 
-    /// A 1-byte read of the sender's FIFO over rail `r`: work that completes at once on a
-    /// live path, for the watchdog. Behind any clear-to-send stuck in the same queue.
+    /// 1-byte reads of the sender's FIFO over the paths `which` (bits of rail `r`'s pairs):
+    /// work that completes at once on a live path, for the watchdog.
     #[cold]
-    fn post_probe(&mut self, r: usize) -> Result<()> {
-        // The rail's first QP is the connection's QP `r`, which meets the sender's rail
-        // `r % its rails`.
-        let rkey = self.remote_fifo.1[r % self.plan.rails];
-        self.chain.clear();
-        self.chain.read(
-            self.flush_target.addr(1),
-            1,
-            self.flush_target.lkey(r),
-            self.remote_fifo.0,
-            rkey,
-        );
-        self.chain.finish(WrKind::Probe.id(0), 0);
+    fn post_probes(&mut self, r: usize, which: u8) -> Result<()> {
         let rail = &mut self.rails[r];
-        self.chain.post(&*rail.nic, &rail.qps[0])?;
-        rail.in_flight += 1;
+        for (p, pair) in rail.pairs.iter().enumerate() {
+            if which & (1 << p) == 0 {
+                continue;
+            }
+            self.chain.clear();
+            self.chain.read(
+                self.flush_target.addr(1),
+                1,
+                self.flush_target.lkey(r),
+                self.remote_fifo.0,
+                self.remote_fifo.1[pair.remote_rail],
+            );
+            self.chain.finish(WrKind::Probe.id(p), 0);
+            self.chain.post(&*rail.nic, &rail.qps[pair.qp])?;
+            rail.in_flight += 1;
+        }
         Ok(())
     }
 }

@@ -392,34 +392,36 @@ impl<N: Nic> SendState<N> {
                     st.cqe_pending = st.cqe_pending.saturating_sub(1);
                     true
                 }
-                Some(WrKind::Probe) => true,
                 _ => false,
             })?;
-        if probe {
-            self.post_probe(r)?;
+        if probe != 0 {
+            self.post_probes(r, probe)?;
         }
         Ok(())
     }
 
-    /// A 1-byte read of the receiver's size records over rail `r`: work that completes at
-    /// once on a live path, for the watchdog.
+    /// 1-byte reads of the receiver's size records over the paths `which` (bits of rail
+    /// `r`'s pairs): work that completes at once on a live path, for the watchdog.
     #[cold]
-    fn post_probe(&mut self, r: usize) -> Result<()> {
-        // The rail's first QP is the connection's QP `r`, which meets the peer's rail
-        // `r % its rails`.
-        let (addr, rkeys, remote_rails) = self.remote_sizes;
-        self.chain.clear();
-        self.chain.read(
-            self.sizes_local.addr(PROBE_AT),
-            1,
-            self.sizes_local.lkey(r),
-            addr,
-            rkeys[r % remote_rails],
-        );
-        self.chain.finish(WrKind::Probe.id(0), 0);
+    fn post_probes(&mut self, r: usize, which: u8) -> Result<()> {
+        let (addr, rkeys, _) = self.remote_sizes;
         let rail = &mut self.rails[r];
-        self.chain.post(&*rail.nic, &rail.qps[0])?;
-        rail.in_flight += 1;
+        for (p, pair) in rail.pairs.iter().enumerate() {
+            if which & (1 << p) == 0 {
+                continue;
+            }
+            self.chain.clear();
+            self.chain.read(
+                self.sizes_local.addr(PROBE_AT),
+                1,
+                self.sizes_local.lkey(r),
+                addr,
+                rkeys[pair.remote_rail],
+            );
+            self.chain.finish(WrKind::Probe.id(p), 0);
+            self.chain.post(&*rail.nic, &rail.qps[pair.qp])?;
+            rail.in_flight += 1;
+        }
         Ok(())
     }
 

@@ -221,6 +221,16 @@ fn make_rails<N: Nic>(
         .collect()
 }
 
+/// Tells each of `rails` the paths its QPs take to the peer's rails (`remote`'s), for the
+/// watchdog's probes.
+fn learn_paths<N: Nic>(rails: &mut [Rail<N>], remote: &ConnInfo) {
+    let names: Vec<String> = remote.rails.iter().map(|r| r.device.clone()).collect();
+    let count = rails.len();
+    for (i, rail) in rails.iter_mut().enumerate() {
+        rail.learn_paths(i, count, &names);
+    }
+}
+
 /// The remote keys of a `ConnInfo`'s memory, by rail.
 fn rkeys(info: &ConnInfo) -> [u32; MAX_RAILS] {
     let mut keys = [0; MAX_RAILS];
@@ -324,7 +334,7 @@ impl<N: Nic> VerbsConnector<N> {
             }
         }
         let remote = ConnInfo::decode(&m.payload)?;
-        let made = self.made.take().ok_or_else(|| {
+        let mut made = self.made.take().ok_or_else(|| {
             Error::misuse(format!("connect to {peer} polled again after it failed"))
         })?;
         check_links(&made.rails, &remote, peer)?;
@@ -345,6 +355,7 @@ impl<N: Nic> VerbsConnector<N> {
         }
         let p = &self.params;
         connect_qps(&made.rails, &remote, p, p.traffic_class, p.sl)?;
+        learn_paths(&mut made.rails, &remote);
         let plan = QpPlan {
             nqps,
             rails: made.rails.len(),
@@ -454,8 +465,9 @@ impl<N: Nic> VerbsListener<N> {
         let nics = &self.nics[..self.nics.len().min(nqps)];
         // Per QP: a receive per slot; and the signaled clear-to-sends, flushes and probes.
         let sizing = (RECEIVER_SEND_DEPTH, SLOTS as u32 + 1, SLOTS + 2);
-        let rails = make_rails(nics, nqps, sizing, self.params.flush, &self.params)?;
+        let mut rails = make_rails(nics, nqps, sizing, self.params.flush, &self.params)?;
         check_links(&rails, remote, peer)?;
+        learn_paths(&mut rails, remote);
         // The receiver uses the sender's traffic class and service level, as NCCL does.
         connect_qps(&rails, remote, &self.params, remote.tc, remote.sl)?;
         if remote.split != self.params.split_data {

@@ -97,17 +97,19 @@ fn render(r: &Report) -> String {
     }
     if !f.fusion.reason.is_empty() {
         let mut lines = vec![f.fusion.reason.clone()];
-        if !f.fusion.members.is_empty() {
+        for d in f.devices.iter().filter(|d| d.members.len() > 1) {
             lines.push(format!(
-                "NCCL sees one device {} over {} rails; large messages are striped over all of \
-                 them",
-                f.fusion.members.join("+"),
-                f.fusion.members.len()
+                "device {} is {} over {} rails; receives of 16 KiB or more are striped over \
+                 all of them",
+                d.index,
+                d.name,
+                d.members.len()
             ));
-        } else if f.devices.len() > 1 {
+        }
+        if f.devices.len() > 1 && f.fusion.members.is_empty() {
             lines.push(
-                "NCCL sees each NIC as its own device and may fuse them itself (makeVDevice, \
-                 NCCL_NET_FORCE_MERGE)"
+                "NCCL spreads its channels over the devices and may fuse them itself \
+                 (makeVDevice, NCCL_NET_FORCE_MERGE)"
                     .into(),
             );
         }
@@ -141,12 +143,13 @@ fn render(r: &Report) -> String {
         let mut lines = vec![format!("transport: {}", f.transport)];
         lines.extend(f.devices.iter().map(|d| {
             format!(
-                "device {}: {} speed {} Mbps ptrSupport {:#x} PCI {}",
+                "device {}: {} speed {} Mbps ptrSupport {:#x} PCI {} ({})",
                 d.index,
                 d.name,
                 d.speed_mbps,
                 d.ptr_support,
-                d.pci_path.as_deref().unwrap_or("none")
+                d.pci_path.as_deref().unwrap_or("none"),
+                d.why
             )
         }));
         sections.push(("what NCCL would get", lines));
@@ -234,6 +237,9 @@ fn to_json(r: &Report) -> Value {
                 "speed_mbps": d.speed_mbps,
                 "ptr_support": format!("{:#x}", d.ptr_support),
                 "pci_path": d.pci_path,
+                "members": d.members,
+                "fused": d.members.len() > 1,
+                "why": d.why,
             })).collect::<Vec<_>>(),
         },
         "warnings": r.all_warnings().map(|w| json!({"what": w.what, "fix": w.fix})).collect::<Vec<_>>(),

@@ -263,3 +263,45 @@ fn a_send_larger_than_its_striped_receive_fails_both_sides_and_sends_nothing() {
         |s: &[crate::transport::verbs::rail::RailStats]| -> u64 { s.iter().map(|r| r.bytes).sum() };
     assert_eq!(sent(&after), sent(&before), "no bytes counted on any rail");
 }
+
+#[test]
+fn a_dead_path_is_found_by_both_ends_whatever_their_rail_counts() {
+    // (sender rails, receiver rails, QPs per sender rail, the NIC cut): each time one end's
+    // rail also meets a live rail of the peer, so only probing every path finds the dead one.
+    for (tx, rx, qps, cut_sender_rail) in [(2, 1, 1, 1), (1, 2, 2, 99), (3, 2, 1, 2)] {
+        let p = ConnParams {
+            qps_per_connection: qps,
+            work_timeout: Some(Duration::from_millis(300)),
+            ..params()
+        };
+        let c = connect_rails(tx, rx, p, p);
+        let cut = if cut_sender_rail < tx {
+            &c.tx_nics[cut_sender_rail]
+        } else {
+            &c.rx_nics[1]
+        };
+        c.fabric.cut(cut, Some(Cut::Silent));
+        // The receiver waits for a receive; the sender waits for a clear-to-send of a tag no
+        // receive has.
+        let mut dst = c.buf(false, 64, 0);
+        let mut src = c.buf(true, 64, 1);
+        let r = c.irecv(&mut [&mut dst], &[1]);
+        let t0 = Instant::now();
+        let (mut rx_err, mut tx_err) = (None, None);
+        while (rx_err.is_none() || tx_err.is_none()) && t0.elapsed() < Duration::from_secs(5) {
+            if rx_err.is_none() {
+                rx_err = c.test_recv(r).err();
+            }
+            if tx_err.is_none() {
+                tx_err = c.send.isend(src.whole(), 2, src.mh).err();
+            }
+        }
+        let what = format!("{tx} -> {rx} rails, {} cut", cut.local().name);
+        let (rx_err, tx_err) = (rx_err.expect(&what), tx_err.expect(&what));
+        assert!(t0.elapsed() >= Duration::from_millis(300), "{what}");
+        for e in [rx_err, tx_err] {
+            assert_eq!(e.kind(), ErrorKind::Remote, "{what}: {e}");
+            assert!(e.to_string().contains("has not completed"), "{what}: {e}");
+        }
+    }
+}
