@@ -2,12 +2,13 @@
 //! any RoCE/IB verbs device, with a TCP transport for hosts without RDMA.
 //!
 //! Layers, top to bottom; imports only point down (`tests/layers.rs` checks it):
-//! `abi` (the C boundary: exported tables, panic boundary, error mapping) and `report` (what
-//! the info command shows), `plugin` (the version-neutral core), `transport` (the transport
-//! contract, with `tcp` and `verbs` behind it), `oob` (the out-of-band bootstrap), `verbs`
-//! (the only caller of `ibv_*`), `config`, `log`, and the small shared pieces at the bottom
-//! (`error`, `buffer`, `random`, `ffi`). `unsafe` lives only in `abi`, `verbs` and the buffer
-//! type `abi` hands down.
+//! `abi` (the C boundary: exported tables, panic boundary) and `report` (what the info command
+//! shows), `plugin` (the version-neutral core, generic over the transport contract),
+//! `transport` (the contract; `either` names `tcp` and `verbs` behind it), `oob` (the
+//! out-of-band bootstrap), `verbs` (the only caller of `ibv_*`), `log`, `config`, and the small
+//! shared pieces at the bottom (`error`, with the one mapping to NCCL's codes, `buffer`,
+//! `random`, `sysfs`, `ffi`). `unsafe` lives only in `abi`, `verbs` and the buffer type `abi`
+//! hands down.
 //!
 //! The crate's public surface is what the tools and tests need besides the exported tables:
 //! [`ffi`] (the ABI types), [`protocol`] (the wire format of the handle and handshake, for
