@@ -138,6 +138,28 @@ impl VerbsDevice {
     }
 
     /// Active MTU in bytes.
+    /// The port's nonzero hardware counters (`/sys/class/infiniband/DEV/ports/N/hw_counters`,
+    /// and `counters`), `name=value ...` sorted by name, where the driver exposes any.
+    pub(crate) fn counters(&self) -> Option<String> {
+        let base = format!(
+            "/sys/class/infiniband/{}/ports/{}",
+            self.ibv_name, self.local.port
+        );
+        let mut found: Vec<String> = ["hw_counters", "counters"]
+            .iter()
+            .filter_map(|dir| std::fs::read_dir(format!("{base}/{dir}")).ok())
+            .flatten()
+            .filter_map(|e| {
+                let e = e.ok()?;
+                let name = e.file_name().to_string_lossy().into_owned();
+                let value: u64 = sysfs(&e.path().to_string_lossy())?.parse().ok()?;
+                (value != 0).then(|| format!("{name}={value}"))
+            })
+            .collect();
+        found.sort();
+        (!found.is_empty()).then(|| found.join(" "))
+    }
+
     pub(crate) fn active_mtu_bytes(&self) -> u32 {
         mtu_bytes(self.local.active_mtu)
     }

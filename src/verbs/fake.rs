@@ -118,6 +118,9 @@ struct World {
     device_memory: Vec<(usize, usize)>,
     /// The errno every CQ poll fails with, if any.
     poll_errno: Option<i32>,
+    /// QPs whose work waits (a lossy link retransmitting for a long time), while the rest of
+    /// their NICs' work goes on.
+    slow: Vec<u32>,
 }
 
 /// What happened to an op this pass.
@@ -184,6 +187,9 @@ impl World {
             self.qps.get_mut(&op.qpn).expect("present").fail_next = None;
             self.fail(op, status);
             return Outcome::Done;
+        }
+        if self.slow.contains(&op.qpn) {
+            return Outcome::Wait;
         }
         let Some(rqpn) = remote else {
             self.fail(op, RETRY_EXCEEDED);
@@ -379,6 +385,18 @@ impl Fabric {
         let mut w = self.world.lock();
         w.nics[nic.index].cut = how;
         if how.is_none() && !w.hold {
+            w.deliver(usize::MAX);
+        }
+    }
+
+    /// Makes the work of QP `qpn` wait (`true`), as a link that loses its packets over and over
+    /// while others of the NIC's QPs go on, or go on again (`false`).
+    pub(crate) fn slow_qp(&self, qpn: u32, slow: bool) {
+        let mut w = self.world.lock();
+        w.slow.retain(|q| *q != qpn);
+        if slow {
+            w.slow.push(qpn);
+        } else if !w.hold {
             w.deliver(usize::MAX);
         }
     }

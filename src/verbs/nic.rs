@@ -96,6 +96,10 @@ pub(crate) unsafe trait Nic: Send + Sync + 'static {
     fn fatal_for(&self, cq: &Self::Cq, qpns: &[u32]) -> Option<String>;
     /// `ibv_wc_status_str`.
     fn status_str(&self, status: u32) -> String;
+    /// The port's nonzero hardware counters (`name=value ...`), where the device has any.
+    fn counters(&self) -> Option<String> {
+        None
+    }
 }
 
 impl QueuePair for Qp {
@@ -184,5 +188,9 @@ unsafe impl Nic for VerbsDevice {
 
     fn status_str(&self, status: u32) -> String {
         self.ctx.lib().status_str(status)
+    }
+
+    fn counters(&self) -> Option<String> {
+        VerbsDevice::counters(self)
     }
 }

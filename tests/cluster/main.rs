@@ -407,6 +407,72 @@ fn netem_bit_corruption() {
     through_netem("netem_bit_corruption", "corrupt 1%", 48);
 }
 
+/// Every size up to 4 MiB both ways through `loss` on host 2's rail A, with a watchdog far
+/// shorter than the slowest writes take there (`NCCL_ERDMA_WORK_TIMEOUT_S=1` against 268 ms
+/// retransmission timers: every lost tail of a write costs one): slow is not dead, the probes
+/// answer, and every byte arrives.
+fn lossy_rail_every_size_both_ways(case: &str, loss: &str) {
+    set(&[
+        ("NCCL_IB_HCA", "=rxe0"),
+        ("NCCL_IB_TIMEOUT", "16"),
+        ("NCCL_ERDMA_WORK_TIMEOUT_S", "1"),
+    ]);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = open();
+    let c = connect(&net, &mut p);
+    let injected = (p.host == Host::Two).then(|| {
+        Fault::inject(
+            &format!("tc qdisc add dev raila root netem loss {loss}"),
+            "tc qdisc del dev raila root",
+        )
+    });
+    p.step("fault on");
+    let s = Stream {
+        sizes: &SIZES,
+        count: SIZES.len(),
+        seed: 71,
+        window: 4,
+        limit: Duration::from_secs(240),
+    };
+    let there = one_way(&net, &c, &mut p, &s, false);
+    p.step("reverse");
+    let back = one_way(&net, &c, &mut p, &Stream { seed: 171, ..s }, true);
+    drop(injected);
+    close(&net, c);
+    p.step("closed");
+    let slow = warnings()
+        .iter()
+        .filter(|w| w.contains("lossy or congested"))
+        .count();
+    result(
+        case,
+        p.host,
+        &format!(
+            "loss={loss} outcome=completed bytes_verified={} secs={:.1} slow_warnings={slow}",
+            there.bytes + back.bytes,
+            (there.elapsed + back.elapsed).as_secs_f64()
+        ),
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
+fn lossy_rail_1pct_every_size_both_ways_slow_is_not_dead() {
+    lossy_rail_every_size_both_ways(
+        "lossy_rail_1pct_every_size_both_ways_slow_is_not_dead",
+        "1%",
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
+fn lossy_rail_5pct_every_size_both_ways_slow_is_not_dead() {
+    lossy_rail_every_size_both_ways(
+        "lossy_rail_5pct_every_size_both_ways_slow_is_not_dead",
+        "5%",
+    );
+}
+
 /// Cuts host 2's rail A for good (`cut`, restored with `restore`) mid-stream with `vars`:
 /// pending and new requests must fail on both hosts within `bound` of the cut, with a WARN
 /// naming the peer, the device and the cause; closing the comms then succeeds.

@@ -4,16 +4,18 @@
 //!
 //! The watchdog exists because a device may retry for ever: Soft-RoCE (and some hardware)
 //! treats `NCCL_IB_RETRY_CNT=7` as unbounded, so on a cut link posted work neither completes
-//! nor fails, and a job would hang. It judges two things, every few hundred polls (so the data
-//! path pays one counter increment per completion and reads no clock):
-//! - a rail with posted work and no completion for the work timeout
-//!   (`NCCL_ERDMA_WORK_TIMEOUT_S`) is dead;
+//! nor fails, and a job would hang. It tells a dead path from a slow one, every few hundred
+//! polls (so the data path pays one counter increment per completion and reads no clock):
 //! - every path the connection's QPs take, each distinct (local rail, remote rail) pair, is
 //!   probed while the comm has work or waits for its peer: a 1-byte RDMA READ of the peer's
-//!   memory over one QP of the pair, every quarter of the timeout; a probe unanswered for the
-//!   timeout (the age of that outstanding work) shows the path dead. So a dead path is found by
-//!   both ends, even where one end's rail also meets live rails of the peer (ends with
-//!   different rail counts) and keeps completing work.
+//!   memory every quarter of the work timeout (`NCCL_ERDMA_WORK_TIMEOUT_S`), over a QP of the
+//!   path's own, so that it never waits behind the data (RC orders a QP's work). A probe
+//!   unanswered for the timeout shows the path dead, and the comm fails; so a dead path is
+//!   found by both ends, even where one end's rail also meets live rails of the peer;
+//! - data work without a completion for the timeout while every path answers is slow, not dead
+//!   (a lossy or congested link, whose RC retransmissions can take minutes for a large write):
+//!   a WARN says so, with the device's counters, and the comm waits on; only work that makes no
+//!   progress for [`SLOW_CEILING`] times the timeout fails it (the bound that still holds).
 
 use std::{
     io::Read,
@@ -35,12 +37,20 @@ const CHECK_EVERY: u32 = 256;
 /// so that is still every few microseconds.
 pub(crate) const IDLE_LOOK_EVERY: u32 = 64;
 
+/// Work that makes no progress while its path answers probes fails after this many work
+/// timeouts (11.4 minutes at the default of 68.7 s).
+pub(crate) const SLOW_CEILING: u32 = 10;
+
 /// What the watchdog concluded at a check.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Verdict {
     /// Nothing to do, or probes to post: one bit per pair of the rail ([`PairProbe`]).
     Fine(u8),
-    /// Posted work on the rail has gone without a completion for this long: it is dead.
+    /// As `Fine`, and the rail's posted work has gone this long without a completion while its
+    /// paths answer: slow, not dead (said once per such stretch).
+    Slow(Duration, u8),
+    /// Posted work on the rail has gone this long without a completion: past the ceiling, or
+    /// on a rail without paths to probe.
     Stalled(Duration),
     /// The probe of pair `.0` has gone unanswered for this long: that path is dead.
     Unanswered(usize, Duration),
@@ -86,19 +96,27 @@ impl PairProbe {
 #[derive(Debug)]
 pub(crate) struct Watchdog {
     limit: Option<Duration>,
+    /// How long a probe may go unanswered: the limit, and at least several of the device's
+    /// retransmission timers (a probe lost on a lossy link is sent again only after one).
+    probe_limit: Duration,
     /// Completions counted at the last check.
     progress: u64,
     /// Since when checks have seen no completion while the rail had work posted.
     idle_since: Option<Instant>,
+    /// The slow work of this stretch was said.
+    said_slow: bool,
 }
 
 impl Watchdog {
-    /// A watchdog failing work after `limit` (None: off).
-    pub(crate) fn new(limit: Option<Duration>) -> Self {
+    /// A watchdog judging work by `limit` (None: off) and probes by `probe_limit` (at least
+    /// `limit`).
+    pub(crate) fn new(limit: Option<Duration>, probe_limit: Duration) -> Self {
         Watchdog {
             limit,
+            probe_limit: limit.map_or(probe_limit, |l| probe_limit.max(l)),
             progress: 0,
             idle_since: None,
+            said_slow: false,
         }
     }
 
@@ -115,14 +133,20 @@ impl Watchdog {
         let Some(limit) = self.limit else {
             return Verdict::Fine(0);
         };
+        let mut slow = None;
         if completions != self.progress || !work {
             // A completion means the rail works; a rail with nothing posted has nothing to lose.
             self.progress = completions;
             self.idle_since = None;
+            self.said_slow = false;
         } else {
             let idle = now.saturating_duration_since(*self.idle_since.get_or_insert(now));
-            if idle > limit {
+            if idle > limit * SLOW_CEILING || (idle > limit && pairs.is_empty()) {
                 return Verdict::Stalled(idle);
+            }
+            if idle > limit && !self.said_slow {
+                // Unless a probe below shows a path dead, which comes first.
+                slow = Some(idle);
             }
         }
         let mut probe = 0;
@@ -133,7 +157,7 @@ impl Watchdog {
             }
             if let Some(posted) = p.posted {
                 let age = now.saturating_duration_since(posted);
-                if age > limit {
+                if age > self.probe_limit {
                     return Verdict::Unanswered(i, age);
                 }
                 continue;
@@ -150,7 +174,13 @@ impl Watchdog {
                 probe |= 1 << i;
             }
         }
-        Verdict::Fine(probe)
+        match slow {
+            Some(idle) => {
+                self.said_slow = true;
+                Verdict::Slow(idle, probe)
+            }
+            None => Verdict::Fine(probe),
+        }
     }
 }
 
@@ -172,7 +202,9 @@ pub(crate) struct CqPoller<N: Nic> {
 }
 
 impl<N: Nic> CqPoller<N> {
-    pub(crate) fn new(cq: N::Cq, work_timeout: Option<Duration>) -> Self {
+    /// A poller of `cq`, judging work by `work_timeout` (None: never) and probes by
+    /// `probe_timeout` (at least the work timeout).
+    pub(crate) fn new(cq: N::Cq, work_timeout: Option<Duration>, probe_timeout: Duration) -> Self {
         CqPoller {
             cq,
             epoch: 0,
@@ -181,7 +213,7 @@ impl<N: Nic> CqPoller<N> {
             peer_gone: false,
             peer_silent: false,
             completions: 0,
-            watchdog: Watchdog::new(work_timeout),
+            watchdog: Watchdog::new(work_timeout, probe_timeout),
         }
     }
 
@@ -308,6 +340,19 @@ impl<N: Nic> CqPoller<N> {
             .check(now, self.completions, (work, waiting), pairs)
         {
             Verdict::Fine(probe) => Ok(probe),
+            Verdict::Slow(idle, probe) => {
+                tracing::warn!(
+                    "work posted to peer {peer} on {} has not completed in {:.1} s while every \
+                     path to the peer answers liveness probes: the link is lossy or congested, \
+                     not dead, and the comm waits on (it fails after {} times \
+                     NCCL_ERDMA_WORK_TIMEOUT_S without progress){}",
+                    nic.local().name,
+                    idle.as_secs_f64(),
+                    SLOW_CEILING,
+                    counters(nic)
+                );
+                Ok(probe)
+            }
             Verdict::Stalled(idle) => Err(stalled_error(nic, peer, idle, None)),
             Verdict::Unanswered(p, age) => {
                 Err(stalled_error(nic, peer, age, Some(&pairs[p].remote_name)))
@@ -316,19 +361,36 @@ impl<N: Nic> CqPoller<N> {
     }
 }
 
+/// The device's counters, for a WARN: `; counters: name=value ...`, or nothing.
+fn counters<N: Nic>(nic: &N) -> String {
+    nic.counters().map_or(String::new(), |c| {
+        format!("; counters of {}: {c}", nic.local().name)
+    })
+}
+
+/// The error of a path shown dead: a probe `to` the peer's rail unanswered, or (`to` None)
+/// work that made no progress for the ceiling or on a rail without paths.
 #[cold]
 fn stalled_error<N: Nic>(nic: &N, peer: &str, idle: Duration, to: Option<&str>) -> Error {
-    let what = match to {
-        Some(_) => "a liveness probe sent",
-        None => "work posted",
+    let (what, why) = match to {
+        Some(_) => (
+            "a liveness probe sent",
+            "the RDMA path to the peer is down (link, switch, or the peer's NIC) while the \
+             device keeps retrying",
+        ),
+        None => (
+            "work posted",
+            "no progress for that long, although the path answers liveness probes (a lossy or \
+             congested link that never recovered)",
+        ),
     };
     let path = to.map_or(String::new(), |remote| format!(" (to its {remote})"));
     Error::remote(format!(
         "{what} to peer {peer} on {}{path} has not completed in {:.1} s \
-         (NCCL_ERDMA_WORK_TIMEOUT_S): the RDMA path to the peer is down (link, switch, or the \
-         peer's NIC) while the device keeps retrying",
+         (NCCL_ERDMA_WORK_TIMEOUT_S): {why}{}",
         nic.local().name,
-        idle.as_secs_f64()
+        idle.as_secs_f64(),
+        counters(nic)
     ))
 }
 
@@ -379,7 +441,7 @@ mod tests {
         let t0 = Instant::now();
         let s = Duration::from_secs;
         let pair = |r| PairProbe::new(0, r, format!("peer{r}"));
-        let mut w = Watchdog::new(Some(s(8)));
+        let mut w = Watchdog::new(Some(s(8)), s(1));
         let mut pairs = [pair(0), pair(1)];
         // Work in flight, completions coming: no stall however long it runs; both paths are
         // probed a quarter of the limit after the comm became active.
@@ -408,7 +470,7 @@ mod tests {
             Verdict::Unanswered(1, s(9))
         );
         // No completion at all with work posted: the rail is dead after the limit.
-        let mut w = Watchdog::new(Some(s(8)));
+        let mut w = Watchdog::new(Some(s(8)), s(1));
         let mut none: [PairProbe; 0] = [];
         assert_eq!(w.check(t0, 0, (true, false), &mut none), Verdict::Fine(0));
         assert_eq!(
@@ -420,7 +482,7 @@ mod tests {
             Verdict::Stalled(s(9))
         );
         // A comm that only waits probes too, and an answered probe is followed by the next.
-        let mut w = Watchdog::new(Some(s(8)));
+        let mut w = Watchdog::new(Some(s(8)), s(1));
         let mut one = [pair(0)];
         assert_eq!(w.check(t0, 0, (false, true), &mut one), Verdict::Fine(0));
         assert_eq!(
@@ -437,14 +499,14 @@ mod tests {
             Verdict::Fine(1)
         );
         // Idle comms, and a watchdog turned off, never probe nor trip.
-        let mut w = Watchdog::new(Some(s(8)));
+        let mut w = Watchdog::new(Some(s(8)), s(1));
         let mut one = [pair(0)];
         assert_eq!(w.check(t0, 0, (false, false), &mut one), Verdict::Fine(0));
         assert_eq!(
             w.check(t0 + s(100), 0, (false, false), &mut one),
             Verdict::Fine(0)
         );
-        let mut off = Watchdog::new(None);
+        let mut off = Watchdog::new(None, s(1));
         assert_eq!(off.check(t0, 0, (true, true), &mut one), Verdict::Fine(0));
         assert_eq!(
             off.check(t0 + s(1000), 0, (true, true), &mut one),

@@ -28,6 +28,9 @@ pub(crate) struct Rail<N: Nic> {
     pub(crate) qps: Vec<N::Qp>,
     /// The loopback QP of a receiver's flushes (GPUDirect), when it has one.
     pub(crate) flush_qp: Option<N::Qp>,
+    /// The probe QP of each path of this rail (see [`Self::pairs`]): the watchdog's probes go
+    /// there, never behind the data.
+    pub(crate) probe_qps: Vec<N::Qp>,
     pub(crate) cq: CqPoller<N>,
     pub(crate) nic: Arc<N>,
     /// Signaled work requests posted on this rail and not completed yet. Signed, so taking
@@ -49,6 +52,7 @@ impl<N: Nic> Rail<N> {
         Rail {
             qps,
             flush_qp,
+            probe_qps: Vec::new(),
             cq,
             nic,
             in_flight: 0,
@@ -57,18 +61,14 @@ impl<N: Nic> Rail<N> {
         }
     }
 
-    /// Learns the peer's rails (their device names, one per rail): rail `index` of `rails`
-    /// then knows each path its QPs take (QP `q` of the connection joins rail `q % rails` here
-    /// and `q % remote.len()` there), to be probed over the first QP of each.
-    pub(crate) fn learn_paths(&mut self, index: usize, rails: usize, remote: &[String]) {
-        self.pairs.clear();
-        for i in 0..self.qps.len() {
-            let remote_rail = (i * rails + index) % remote.len();
-            if !self.pairs.iter().any(|p| p.remote_rail == remote_rail) {
-                let name = remote[remote_rail].clone();
-                self.pairs.push(PairProbe::new(i, remote_rail, name));
-            }
-        }
+    /// Adds a path of this rail to the peer's rail `remote_rail` (its device `remote_name`),
+    /// probed over `qp`, a QP of its own; returns its index among the rail's paths.
+    pub(crate) fn add_path(&mut self, qp: N::Qp, remote_rail: usize, remote_name: &str) -> usize {
+        self.probe_qps.push(qp);
+        let i = self.pairs.len();
+        self.pairs
+            .push(PairProbe::new(i, remote_rail, remote_name.to_string()));
+        i
     }
 
     /// The device name, for messages.

@@ -610,7 +610,7 @@ impl<N: Nic> RecvState<N> {
                 self.remote_fifo.1[pair.remote_rail],
             );
             self.chain.finish(WrKind::Probe.id(p), 0);
-            self.chain.post(&*rail.nic, &rail.qps[pair.qp])?;
+            self.chain.post(&*rail.nic, &rail.probe_qps[pair.qp])?;
             rail.in_flight += 1;
         }
         Ok(())

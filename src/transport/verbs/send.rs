@@ -419,7 +419,7 @@ impl<N: Nic> SendState<N> {
                 rkeys[pair.remote_rail],
             );
             self.chain.finish(WrKind::Probe.id(p), 0);
-            self.chain.post(&*rail.nic, &rail.qps[pair.qp])?;
+            self.chain.post(&*rail.nic, &rail.probe_qps[pair.qp])?;
             rail.in_flight += 1;
         }
         Ok(())
@@ -639,6 +639,16 @@ impl<N: Nic> VerbsSender<N> {
     #[cfg(test)]
     pub(crate) fn rail_stats(&self) -> Vec<rail::RailStats> {
         self.state.lock().rails.iter().map(|r| r.stats).collect()
+    }
+
+    /// The QP numbers of the probe QPs, rail after rail.
+    #[cfg(test)]
+    pub(crate) fn probe_qpns(&self) -> Vec<u32> {
+        let s = self.state.lock();
+        s.rails
+            .iter()
+            .flat_map(|r| r.probe_qps.iter().map(|q| q.qpn()))
+            .collect()
     }
 }
 

@@ -12,7 +12,9 @@ use super::cq::CqPoller;
 use super::rail::{locate, Rail};
 use super::recv::{RecvState, VerbsReceiver, RECEIVER_SEND_DEPTH};
 use super::send::{SendState, VerbsSender, PROBE_AT};
-use super::wire::{ConnInfo, CtsEntry, QpPlan, RailInfo, MAX_INLINE, MAX_QPS, SLOTS};
+use super::wire::{
+    decode_qps, encode_qps, paths, ConnInfo, CtsEntry, QpPlan, RailInfo, MAX_INLINE, MAX_QPS, SLOTS,
+};
 use crate::error::{Error, Result};
 use crate::oob::{self, Channel, Handle, Hello, Message, MsgKind, Timeouts, TransportKind};
 use crate::transport::{CommKeys, Connector, Listener, MAX_RAILS, MAX_RECVS};
@@ -97,6 +99,7 @@ fn local_info<N: Nic>(
         split: p.split_data,
         rails: info,
         qps,
+        probes: Vec::new(),
     }
 }
 
@@ -213,7 +216,7 @@ fn make_rails<N: Nic>(
             };
             Ok(Rail::new(
                 Arc::clone(nic),
-                CqPoller::new(cq, p.work_timeout),
+                CqPoller::new(cq, p.work_timeout, probe_timeout(p.timeout)),
                 qps,
                 flush_qp,
             ))
@@ -221,14 +224,94 @@ fn make_rails<N: Nic>(
         .collect()
 }
 
-/// Tells each of `rails` the paths its QPs take to the peer's rails (`remote`'s), for the
-/// watchdog's probes.
-fn learn_paths<N: Nic>(rails: &mut [Rail<N>], remote: &ConnInfo) {
-    let names: Vec<String> = remote.rails.iter().map(|r| r.device.clone()).collect();
-    let count = rails.len();
-    for (i, rail) in rails.iter_mut().enumerate() {
-        rail.learn_paths(i, count, &names);
+/// QP numbers and initial PSNs, one per QP.
+type QpIds = Vec<(u32, u32)>;
+
+/// The paths of a connection: (connector rail, listener rail) each.
+type Paths = Vec<(usize, usize)>;
+
+/// Which end of a connection this is, to read a path (connector rail, listener rail).
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum End {
+    Connector,
+    Listener,
+}
+
+impl End {
+    /// (this end's rail, the peer's rail) of `path`.
+    fn sides(self, (connector, listener): (usize, usize)) -> (usize, usize) {
+        match self {
+            End::Connector => (connector, listener),
+            End::Listener => (listener, connector),
+        }
     }
+}
+
+/// Makes this end's probe QP of each of `paths` on its rail of the path, and tells the rail
+/// the path (the peer's rail, named as `remote` names it). Returns, per path, (rail, the
+/// path's index among the rail's), to connect them by.
+fn make_probes<N: Nic>(
+    rails: &mut [Rail<N>],
+    paths: &[(usize, usize)],
+    end: End,
+    remote: &ConnInfo,
+) -> Result<Vec<(usize, usize)>> {
+    paths
+        .iter()
+        .map(|&path| {
+            let (mine, theirs) = end.sides(path);
+            let rail = &mut rails[mine];
+            // One probe in flight at a time, a read: no receive is ever consumed.
+            let qp = rail.nic.create_qp(&rail.cq.cq, 4, 1, MAX_INLINE)?;
+            let index = rail.add_path(qp, theirs, &remote.rails[theirs].device);
+            Ok((mine, index))
+        })
+        .collect()
+}
+
+/// This end's probe QPs (`made`, per path), as the other end needs them.
+fn probe_qps<N: Nic>(rails: &[Rail<N>], made: &[(usize, usize)]) -> Vec<(u32, u32)> {
+    made.iter()
+        .map(|&(r, i)| {
+            let qp = &rails[r].probe_qps[i];
+            (qp.qpn(), qp.psn())
+        })
+        .collect()
+}
+
+/// Brings this end's probe QPs (`made`, per path) up against the peer's (`theirs`, per path).
+#[allow(clippy::too_many_arguments)] // each QP's two ends, and the path's parameters
+fn connect_probes<N: Nic>(
+    rails: &[Rail<N>],
+    made: &[(usize, usize)],
+    paths: &[(usize, usize)],
+    end: End,
+    theirs: &[(u32, u32)],
+    remote: &ConnInfo,
+    p: &ConnParams,
+    (tc, sl): (u8, u8),
+) -> Result<()> {
+    for (k, &(r, i)) in made.iter().enumerate() {
+        let rail = &rails[r];
+        let their_rail = &remote.rails[end.sides(paths[k]).1];
+        let (qpn, psn) = theirs[k];
+        let rq = RemoteQp {
+            qpn,
+            psn,
+            gid: their_rail.gid,
+            lid: their_rail.lid,
+        };
+        let path = path(&*rail.nic, their_rail, p, tc, sl);
+        rail.nic.connect_qp(&rail.probe_qps[i], &path, &rq)?;
+    }
+    Ok(())
+}
+
+/// How long a probe may go unanswered at least: eight of the device's retransmission timers
+/// (`4.096 us * 2^NCCL_IB_TIMEOUT`), so that a probe whose packets a lossy link drops a few
+/// times still comes back in time (the work timeout, where longer, bounds it otherwise).
+fn probe_timeout(ib_timeout: u8) -> Duration {
+    Duration::from_secs_f64(8.0 * 4.096e-6 * 2f64.powi(i32::from(ib_timeout)))
 }
 
 /// The remote keys of a `ConnInfo`'s memory, by rail.
@@ -301,8 +384,9 @@ impl<N: Nic> VerbsConnector<N> {
             let Some(m) = self.chan.poll_recv()? else {
                 return Ok(None);
             };
-            self.sender = Some(self.accepted(m)?);
-            self.chan.queue(MsgKind::Ready, &[]);
+            let (sender, probes) = self.accepted(m)?;
+            self.sender = Some(sender);
+            self.chan.queue(MsgKind::Ready, &encode_qps(&probes));
             if !self.chan.flush()? {
                 return Ok(None);
             }
@@ -316,8 +400,9 @@ impl<N: Nic> VerbsConnector<N> {
         Ok(Some(VerbsSender::new(s)))
     }
 
-    /// Brings the QPs up against the listener's answer.
-    fn accepted(&mut self, m: Message) -> Result<SendState<N>> {
+    /// Brings the QPs up against the listener's answer; returns the sending end and this
+    /// end's probe QPs, for the `Ready`.
+    fn accepted(&mut self, m: Message) -> Result<(SendState<N>, QpIds)> {
         let peer = self.chan.peer();
         match m.kind {
             MsgKind::Accept => {}
@@ -355,13 +440,33 @@ impl<N: Nic> VerbsConnector<N> {
         }
         let p = &self.params;
         connect_qps(&made.rails, &remote, p, p.traffic_class, p.sl)?;
-        learn_paths(&mut made.rails, &remote);
+        let paths = paths(nqps, made.rails.len(), remote.rails.len());
+        if remote.probes.len() != paths.len() {
+            return Err(Error::remote(format!(
+                "{peer} answered with {} probe QPs for {} paths",
+                remote.probes.len(),
+                paths.len()
+            )));
+        }
+        let probes = make_probes(&mut made.rails, &paths, End::Connector, &remote)?;
+        let tc_sl = (p.traffic_class, p.sl);
+        connect_probes(
+            &made.rails,
+            &probes,
+            &paths,
+            End::Connector,
+            &remote.probes,
+            &remote,
+            p,
+            tc_sl,
+        )?;
+        let ours = probe_qps(&made.rails, &probes);
         let plan = QpPlan {
             nqps,
             rails: made.rails.len(),
             split: remote.split,
         };
-        Ok(SendState::new(
+        let state = SendState::new(
             made.rails,
             Arc::new(made.fifo),
             made.sizes_local,
@@ -369,7 +474,8 @@ impl<N: Nic> VerbsConnector<N> {
             plan,
             format!("{peer} ({})", remote.devices()),
             made.keys,
-        ))
+        );
+        Ok((state, ours))
     }
 }
 
@@ -388,7 +494,17 @@ pub(crate) struct VerbsListener<N: Nic = VerbsDevice> {
     params: ConnParams,
     /// For the receiving end, once a peer connects.
     keys: Option<CommKeys>,
-    accepting: Option<(Channel, RecvState<N>)>,
+    accepting: Option<Accepting<N>>,
+}
+
+/// A listener's connection between its answer and the connector's `Ready`.
+struct Accepting<N: Nic> {
+    chan: Channel,
+    state: RecvState<N>,
+    /// The connector's setup, and the connection's paths with this end's probe QPs of each.
+    remote: ConnInfo,
+    paths: Vec<(usize, usize)>,
+    probes: Vec<(usize, usize)>,
 }
 
 impl<N: Nic> VerbsListener<N> {
@@ -416,7 +532,7 @@ impl<N: Nic> VerbsListener<N> {
             };
             let peer = chan.peer();
             let remote = ConnInfo::decode(&hello.payload)?;
-            let state = match self.setup_receiver(&remote, peer) {
+            let (mut state, paths) = match self.setup_receiver(&remote, peer) {
                 Ok(s) => s,
                 Err(e) => {
                     chan.queue(MsgKind::Reject, e.to_string().as_bytes());
@@ -424,6 +540,7 @@ impl<N: Nic> VerbsListener<N> {
                     return Err(e);
                 }
             };
+            let probes = make_probes(&mut state.rails, &paths, End::Listener, &remote)?;
             // The answer carries the traffic class and service level the connector asked
             // for, and the split setting this side uses.
             let answer = ConnParams {
@@ -432,42 +549,67 @@ impl<N: Nic> VerbsListener<N> {
                 ..self.params
             };
             let records = &state.sizes_record;
-            let info = local_info(&state.rails, records.addr(0), |r| records.rkey(r), &answer);
+            let mut info = local_info(&state.rails, records.addr(0), |r| records.rkey(r), &answer);
+            info.probes = probe_qps(&state.rails, &probes);
             chan.queue(MsgKind::Accept, &info.encode());
-            self.accepting = Some((chan, state));
+            self.accepting = Some(Accepting {
+                chan,
+                state,
+                remote,
+                paths,
+                probes,
+            });
         }
-        let Some((chan, _)) = self.accepting.as_mut() else {
+        let Some(a) = self.accepting.as_mut() else {
             return Ok(None);
         };
-        if !chan.flush()? {
+        if !a.chan.flush()? {
             return Ok(None);
         }
-        match chan.poll_recv()? {
+        match a.chan.poll_recv()? {
             None => Ok(None),
             Some(m) if m.kind == MsgKind::Ready => {
-                let Some((chan, mut state)) = self.accepting.take() else {
+                let Some(mut a) = self.accepting.take() else {
                     return Ok(None);
                 };
-                state.rails[0].cq.watch(chan.into_stream());
-                Ok(Some(VerbsReceiver::new(state)))
+                // The connector's probe QPs: this end's come up against them.
+                let theirs = decode_qps(&m.payload, a.paths.len())?;
+                let tc_sl = (a.remote.tc, a.remote.sl);
+                connect_probes(
+                    &a.state.rails,
+                    &a.probes,
+                    &a.paths,
+                    End::Listener,
+                    &theirs,
+                    &a.remote,
+                    &self.params,
+                    tc_sl,
+                )?;
+                a.state.rails[0].cq.watch(a.chan.into_stream());
+                Ok(Some(VerbsReceiver::new(a.state)))
             }
             Some(m) => Err(Error::remote(format!(
                 "{} sent message type {:?} instead of ready",
-                chan.peer(),
+                a.chan.peer(),
                 m.kind
             ))),
         }
     }
 
-    fn setup_receiver(&mut self, remote: &ConnInfo, peer: SocketAddr) -> Result<RecvState<N>> {
+    /// The receiving end against the connector's setup `remote`, and the connection's paths.
+    fn setup_receiver(
+        &mut self,
+        remote: &ConnInfo,
+        peer: SocketAddr,
+    ) -> Result<(RecvState<N>, Paths)> {
         let nqps = remote.qps.len();
         // Every rail used carries at least one QP.
         let nics = &self.nics[..self.nics.len().min(nqps)];
         // Per QP: a receive per slot; and the signaled clear-to-sends, flushes and probes.
         let sizing = (RECEIVER_SEND_DEPTH, SLOTS as u32 + 1, SLOTS + 2);
-        let mut rails = make_rails(nics, nqps, sizing, self.params.flush, &self.params)?;
+        let rails = make_rails(nics, nqps, sizing, self.params.flush, &self.params)?;
         check_links(&rails, remote, peer)?;
-        learn_paths(&mut rails, remote);
+        let paths = paths(nqps, remote.rails.len(), rails.len());
         // The receiver uses the sender's traffic class and service level, as NCCL does.
         connect_qps(&rails, remote, &self.params, remote.tc, remote.sl)?;
         if remote.split != self.params.split_data {
@@ -483,7 +625,7 @@ impl<N: Nic> VerbsListener<N> {
             rails: remote.rails.len(),
             split: self.params.split_data,
         };
-        Ok(RecvState::new(
+        let state = RecvState::new(
             rails,
             dma(nics, SLOTS * MAX_RECVS)?,
             dma(nics, SLOTS * MAX_RECVS)?,
@@ -495,7 +637,8 @@ impl<N: Nic> VerbsListener<N> {
             self.keys.take().ok_or_else(|| {
                 Error::misuse("accept polled again after it made its connection".into())
             })?,
-        ))
+        );
+        Ok((state, paths))
     }
 }
 

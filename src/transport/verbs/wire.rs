@@ -233,6 +233,56 @@ pub(crate) struct ConnInfo {
     pub(crate) rails: Vec<RailInfo>,
     /// (QP number, initial PSN) of each QP.
     pub(crate) qps: Vec<(u32, u32)>,
+    /// (QP number, initial PSN) of the probe QP of each path ([`paths`]): the listener's in
+    /// its accept; none in the connector's hello (it sends its own once it knows the paths).
+    pub(crate) probes: Vec<(u32, u32)>,
+}
+
+/// The paths of a connection of `nqps` QPs between a connector of `connector_rails` rails and
+/// a listener of `listener_rails`: each distinct (connector rail, listener rail) pair its QPs
+/// join (QP `q` joins rail `q % connector_rails` and rail `q % listener_rails`), in the order
+/// of their first QP. Both ends number them so; each path has a probe QP of its own at each end.
+pub(crate) fn paths(
+    nqps: usize,
+    connector_rails: usize,
+    listener_rails: usize,
+) -> Vec<(usize, usize)> {
+    let mut out = Vec::new();
+    for q in 0..nqps {
+        let pair = (q % connector_rails, q % listener_rails);
+        if !out.contains(&pair) {
+            out.push(pair);
+        }
+    }
+    out
+}
+
+/// The probe QPs of one end, as the connector sends them in its `Ready`.
+pub(crate) fn encode_qps(qps: &[(u32, u32)]) -> Vec<u8> {
+    let mut v = Vec::with_capacity(2 + 8 * qps.len());
+    v.extend_from_slice(&(qps.len() as u16).to_le_bytes());
+    for (qpn, psn) in qps {
+        v.extend_from_slice(&qpn.to_le_bytes());
+        v.extend_from_slice(&psn.to_le_bytes());
+    }
+    v
+}
+
+/// [`encode_qps`]' message back; `want` of them.
+pub(crate) fn decode_qps(p: &[u8], want: usize) -> Result<Vec<(u32, u32)>> {
+    let n = p
+        .get(..2)
+        .map(|b| u16::from_le_bytes([b[0], b[1]]) as usize);
+    if n != Some(want) || p.len() != 2 + 8 * want {
+        return Err(Error::remote(format!(
+            "invalid probe QPs: {} bytes for {want} paths",
+            p.len()
+        )));
+    }
+    let u32_at = |o: usize| u32::from_le_bytes([p[o], p[o + 1], p[o + 2], p[o + 3]]);
+    Ok((0..want)
+        .map(|i| (u32_at(2 + 8 * i), u32_at(6 + 8 * i)))
+        .collect())
 }
 
 const CONN_FIXED: usize = 16;
@@ -268,6 +318,7 @@ impl ConnInfo {
             v.extend_from_slice(&qpn.to_le_bytes());
             v.extend_from_slice(&psn.to_le_bytes());
         }
+        v.extend_from_slice(&encode_qps(&self.probes));
         v
     }
 
@@ -282,9 +333,19 @@ impl ConnInfo {
             return Err(bad(&format!("{nqps} QPs over {nrails} rails")));
         }
         let qps_at = CONN_FIXED + RAIL_BYTES * nrails;
-        if p.len() != qps_at + 8 * nqps {
+        let probes_at = qps_at + 8 * nqps;
+        let nprobes = p
+            .get(probes_at..probes_at + 2)
+            .map(|b| u16::from_le_bytes([b[0], b[1]]) as usize);
+        let Some(nprobes) = nprobes.filter(|&n| n <= nqps) else {
             return Err(bad(&format!(
                 "{} bytes for {nqps} QPs over {nrails} rails",
+                p.len()
+            )));
+        };
+        if p.len() != probes_at + 2 + 8 * nprobes {
+            return Err(bad(&format!(
+                "{} bytes for {nqps} QPs over {nrails} rails and {nprobes} paths",
                 p.len()
             )));
         }
@@ -319,6 +380,7 @@ impl ConnInfo {
             qps: (0..nqps)
                 .map(|i| (u32_at(qps_at + 8 * i), u32_at(qps_at + 8 * i + 4)))
                 .collect(),
+            probes: decode_qps(&p[probes_at..], nprobes)?,
         })
     }
 }
@@ -451,6 +513,20 @@ mod tests {
     }
 
     #[test]
+    fn paths_are_each_rail_pair_the_qps_join_numbered_alike_at_both_ends() {
+        assert_eq!(paths(1, 1, 1), [(0, 0)]);
+        assert_eq!(paths(8, 1, 1), [(0, 0)]);
+        assert_eq!(paths(2, 2, 1), [(0, 0), (1, 0)]);
+        assert_eq!(paths(2, 1, 2), [(0, 0), (0, 1)]);
+        assert_eq!(paths(3, 3, 2), [(0, 0), (1, 1), (2, 0)]);
+        assert_eq!(paths(4, 2, 2), [(0, 0), (1, 1)]);
+        let qps = [(5, 6), (7, 8)];
+        assert_eq!(decode_qps(&encode_qps(&qps), 2).unwrap(), qps);
+        assert!(decode_qps(&encode_qps(&qps), 3).is_err());
+        assert!(decode_qps(&encode_qps(&qps)[..9], 2).is_err());
+    }
+
+    #[test]
     fn conn_info_round_trips_and_rejects_bad_lengths() {
         let info = ConnInfo {
             addr: 0xdead_beef_0000,
@@ -459,6 +535,7 @@ mod tests {
             split: true,
             rails: vec![rail("rxe0", 42), rail("rxe1", 43)],
             qps: vec![(17, 100), (18, 200), (19, 300), (20, 400)],
+            probes: vec![(31, 7), (32, 8)],
         };
         let bytes = info.encode();
         assert_eq!(ConnInfo::decode(&bytes).unwrap(), info);

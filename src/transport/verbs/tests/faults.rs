@@ -346,3 +346,43 @@ fn a_truncation_a_dead_peer_and_a_fatal_event_each_keep_their_code_on_every_late
     keeps_failing(&e, || c.test_recv(r));
     keeps_failing(&e, || irecv_again(&c));
 }
+
+#[test]
+fn a_path_that_answers_probes_keeps_its_slow_work_and_one_that_does_not_fails() {
+    // The data QP's work waits (a lossy link retransmitting a large write for a long time)
+    // while the probe QP of the same path answers: slow, not dead, for many work timeouts.
+    let c = connect(watchdog_params());
+    let mut dst = c.buf(false, 4096, 0);
+    let mut src = c.buf(true, 4096, 31);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    let data_qp = c.send.qpns()[0];
+    c.fabric.slow_qp(data_qp, true);
+    let s = c.send_buf(&mut src, 0);
+    let until = Instant::now() + Duration::from_millis(1500);
+    while Instant::now() < until {
+        assert_eq!(c.test_send(s).unwrap(), None, "slow work is not an error");
+        assert_eq!(c.test_recv(r).unwrap(), None, "nor for the receiver");
+    }
+    c.fabric.slow_qp(data_qp, false);
+    assert_eq!(wait(|| c.test_send(s)).unwrap(), Completion::single(4096));
+    assert_eq!(wait(|| c.test_recv(r)).unwrap(), Completion::single(4096));
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(4096, 31));
+    // The same, with the probes lost too: the path is shown dead, within the bound.
+    let c = connect(watchdog_params());
+    let mut dst = c.buf(false, 4096, 0);
+    let mut src = c.buf(true, 4096, 32);
+    c.irecv(&mut [&mut dst], &[0]);
+    c.fabric.slow_qp(c.send.qpns()[0], true);
+    for qpn in c.send.probe_qpns() {
+        c.fabric.slow_qp(qpn, true);
+    }
+    let t0 = Instant::now();
+    let s = c.send_buf(&mut src, 0);
+    let e = wait_error(Duration::from_secs(5), || c.test_send(s));
+    let took = t0.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_millis(1500),
+        "{took:?}"
+    );
+    assert!(e.to_string().contains("liveness probe"), "{e}");
+}

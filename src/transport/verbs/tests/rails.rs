@@ -239,7 +239,10 @@ fn a_rail_that_never_answers_is_found_by_its_own_watchdog() {
     let e = wait_error(Duration::from_secs(10), || c.test_send(sends[1]));
     assert!(t0.elapsed() >= Duration::from_millis(300));
     let msg = e.to_string();
-    assert!(msg.contains("on tx1 has not completed"), "{msg}");
+    assert!(
+        msg.contains("on tx1 (to its rx1) has not completed"),
+        "names the dead path: {msg}"
+    );
 }
 
 #[test]
