@@ -314,6 +314,14 @@ settings! {
     cts_batch: Option<u32> = None, "NCCL_ERDMA_CTS_BATCH", |var, raw| {
         int_in(var, raw, 1, 16).map(Some)
     }, unset = "per device";
+    /// Nanoseconds after which a signaled work request's completion (or its absence) is a
+    /// WARN, "WQE slow" / "WQE stall (no CQE)", as for NCCL IB (0 = off: no clock is read).
+    wqe_latency_threshold_ns: u64 = 0, "NCCL_IB_WQE_LATENCY_THRESHOLD_NS", |var, raw| {
+        int_in(var, raw, 0, 3_600_000_000_000)
+    };
+    /// With a threshold set: one INFO line per QP at comm close with its post-to-completion
+    /// latency (count, p50, p90, p99, p99.9, max), as for NCCL IB.
+    wqe_latency_report: bool = true, "NCCL_IB_WQE_LATENCY_REPORT", flag;
     /// NCCL's log level; before NCCL hands over its logger (and in the tools), the plugin's
     /// own lines go to stderr at WARN unless it says INFO or TRACE.
     nccl_debug: Option<String> = None, "NCCL_DEBUG", text;

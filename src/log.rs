@@ -154,6 +154,26 @@ impl<S: Subscriber> Layer<S> for NcclLayer {
     }
 }
 
+/// The WARN lines `f` logs on this thread (tests: the global sink sees every thread's).
+#[cfg(test)]
+pub(crate) fn warnings_of<R>(f: impl FnOnce() -> R) -> (R, Vec<String>) {
+    struct Collect(Arc<parking_lot::Mutex<Vec<String>>>);
+    impl<S: Subscriber> Layer<S> for Collect {
+        fn on_event(&self, event: &Event<'_>, _ctx: Context<'_, S>) {
+            if *event.metadata().level() <= Level::WARN {
+                let mut visitor = LineVisitor::default();
+                event.record(&mut visitor);
+                self.0.lock().push(visitor.text);
+            }
+        }
+    }
+    let lines = Arc::new(parking_lot::Mutex::new(Vec::new()));
+    let subscriber = tracing_subscriber::registry().with(Collect(lines.clone()));
+    let r = tracing::subscriber::with_default(subscriber, f);
+    let lines = lines.lock().clone();
+    (r, lines)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -473,6 +473,91 @@ fn lossy_rail_5pct_every_size_both_ways_slow_is_not_dead() {
     );
 }
 
+/// The p50 of the `WQE latency` report lines (µs) the plugin logged for `rail`, one per QP.
+fn wqe_p50s(rail: &str) -> Vec<f64> {
+    let head = format!("WQE latency on {rail} to peer ");
+    traffic::logged()
+        .iter()
+        .filter(|l| l.contains(&head))
+        .filter_map(|l| l.split(" p50 ").nth(1)?.split(' ').next()?.parse().ok())
+        .collect()
+}
+
+/// Both hosts' NICs as two devices, a comm on each, with 20 ms of delay on host 2's rail A
+/// (its egress: host 2's writes and the acknowledgements of host 1's wait there) and
+/// `NCCL_IB_WQE_LATENCY_THRESHOLD_NS` at 10 ms: each host WARNs "WQE slow" naming rxe0 and
+/// never rxe1, and the close report puts rxe0's p50 near the delay and rxe1's far below it.
+#[test]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
+fn delayed_rail_shows_in_the_wqe_latency_warnings_and_report() {
+    let case = "delayed_rail_shows_in_the_wqe_latency_warnings_and_report";
+    let delay_ms = 20.0;
+    // Every clear-to-send its own write, so that the receiver signals some (one in 32).
+    set(&[
+        ("NCCL_IB_WQE_LATENCY_THRESHOLD_NS", "10000000"),
+        ("NCCL_ERDMA_CTS_BATCH", "1"),
+    ]);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = open();
+    assert_eq!(net.devices().unwrap(), 2, "each NIC its own device");
+    let comms = [connect_on(&net, &mut p, 0), connect_on(&net, &mut p, 1)];
+    let injected = (p.host == Host::Two).then(|| {
+        Fault::inject(
+            &format!("tc qdisc add dev raila root netem delay {delay_ms}ms"),
+            "tc qdisc del dev raila root",
+        )
+    });
+    p.step("fault on");
+    let mut bytes = 0;
+    for (dev, c) in comms.iter().enumerate() {
+        let s = Stream {
+            sizes: &[8, 4096],
+            count: 96,
+            seed: 500 + dev as u64,
+            window: 4,
+            limit: Duration::from_secs(120),
+        };
+        bytes += one_way(&net, c, &mut p, &s, false).bytes;
+    }
+    drop(injected);
+    for c in comms {
+        close(&net, c);
+    }
+    p.step("closed");
+    let slow: Vec<String> = warnings()
+        .into_iter()
+        .filter(|w| w.contains("WQE slow: "))
+        .collect();
+    assert!(
+        slow.iter().any(|w| w.contains(" on rxe0 QP ")),
+        "a WQE slow WARN naming rxe0: {slow:?}"
+    );
+    assert!(
+        !slow.iter().any(|w| w.contains(" on rxe1 ")),
+        "no WQE slow WARN on the undelayed rxe1: {slow:?}"
+    );
+    let (delayed, clean) = (wqe_p50s("rxe0"), wqe_p50s("rxe1"));
+    let busiest = |p50s: &[f64]| p50s.iter().cloned().fold(0.0, f64::max);
+    let near = busiest(&delayed) / 1e3;
+    assert!(
+        (delay_ms * 0.9..delay_ms * 1.5).contains(&near),
+        "rxe0's p50 near the {delay_ms} ms delay: {delayed:?} us"
+    );
+    assert!(
+        !clean.is_empty() && busiest(&clean) / 1e3 < delay_ms / 2.0,
+        "rxe1's p50 far below the delay: {clean:?} us"
+    );
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=completed bytes_verified={bytes} wqe_slow_warnings={} p50_us_rxe0={delayed:?} \
+             p50_us_rxe1={clean:?}",
+            slow.len()
+        ),
+    );
+}
+
 /// Cuts host 2's rail A for good (`cut`, restored with `restore`) mid-stream with `vars`:
 /// pending and new requests must fail on both hosts within `bound` of the cut, with a WARN
 /// naming the peer, the device and the cause; closing the comms then succeeds.
@@ -760,7 +845,11 @@ fn nccl_fuses_both_rails_and_large_messages_stripe_evenly() {
     let net = open();
     assert_eq!(net.devices().unwrap(), 2, "rxe0 and rxe1");
     let (a, b) = (net.properties(0).unwrap(), net.properties(1).unwrap());
-    assert_eq!((a.rail_plane, b.rail_plane), (Some((0, -1)), Some((1, -1))));
+    // railId -1: no rails configured, as NCCL's IB transport reports it.
+    assert_eq!(
+        (a.rail_plane, b.rail_plane),
+        (Some((-1, -1)), Some((-1, -1)))
+    );
     let fused = net.make_vdevice(&[0, 1]).expect("makeVDevice");
     assert_eq!(fused, 2);
     let f = net.properties(fused).unwrap();

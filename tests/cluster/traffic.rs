@@ -312,6 +312,11 @@ pub fn warnings() -> Vec<String> {
         .collect()
 }
 
+/// Every line the plugin logged so far, at any level.
+pub fn logged() -> Vec<String> {
+    client::logged_lines().into_iter().map(|l| l.text).collect()
+}
+
 /// The bytes each rail carried, from the plugin's close summary of the last `dir` ("tx" or
 /// "rx") comm: `... (rails rxe0: B bytes in M messages, E errors; rxe1: ...)`.
 pub fn rail_bytes(dir: &str) -> Vec<(String, u64)> {

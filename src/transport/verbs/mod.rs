@@ -18,6 +18,7 @@
 mod cq;
 pub(crate) mod fusion;
 mod gate;
+mod latency;
 mod mr_cache;
 pub(crate) mod profile;
 mod rail;

@@ -113,6 +113,12 @@ pub(crate) fn conn_params(
         },
         cts_batch: t.cts_batch.value,
         work_timeout: work_timeout(config),
+        wqe_latency: (c.wqe_latency_threshold_ns.value > 0).then(|| {
+            (
+                Duration::from_nanos(c.wqe_latency_threshold_ns.value),
+                c.wqe_latency_report.value,
+            )
+        }),
     }
 }
 

@@ -457,7 +457,8 @@ impl<N: Nic> RecvState<N> {
             self.chain.finish(WrKind::Flush.id(fslot), 0);
             let posted = self.chain.post(&*rail.nic, flush_qp);
             self.failure.record(posted)?;
-            rail.in_flight += 1;
+            let qpn = flush_qp.qpn();
+            rail.signaled(qpn, WrKind::Flush.id(fslot));
         }
         self.flush_slots[fslot] = FlushSlot::Pending(self.rails.len() as u32);
         self.flush_next = (fslot + 1) % SLOTS;
@@ -533,7 +534,10 @@ impl<N: Nic> RecvState<N> {
             signaled,
             qp.max_inline(),
         )?;
-        rail.in_flight += i32::from(signaled);
+        if signaled {
+            let qpn = qp.qpn();
+            rail.signaled(qpn, WrKind::Cts.id(first));
+        }
         self.cts_posted += k as u64;
         self.cts_writes += 1;
         Ok(())
@@ -597,21 +601,20 @@ impl<N: Nic> RecvState<N> {
     #[cold]
     fn post_probes(&mut self, r: usize, which: u8) -> Result<()> {
         let rail = &mut self.rails[r];
-        for (p, pair) in rail.pairs.iter().enumerate() {
-            if which & (1 << p) == 0 {
-                continue;
-            }
+        for p in (0..rail.pairs.len()).filter(|p| which & (1 << p) != 0) {
+            let (qp, remote_rail) = (rail.pairs[p].qp, rail.pairs[p].remote_rail);
             self.chain.clear();
             self.chain.read(
                 self.flush_target.addr(1),
                 1,
                 self.flush_target.lkey(r),
                 self.remote_fifo.0,
-                self.remote_fifo.1[pair.remote_rail],
+                self.remote_fifo.1[remote_rail],
             );
             self.chain.finish(WrKind::Probe.id(p), 0);
-            self.chain.post(&*rail.nic, &rail.probe_qps[pair.qp])?;
-            rail.in_flight += 1;
+            self.chain.post(&*rail.nic, &rail.probe_qps[qp])?;
+            let qpn = rail.probe_qps[qp].qpn();
+            rail.signaled(qpn, WrKind::Probe.id(p));
         }
         Ok(())
     }
@@ -669,6 +672,16 @@ impl<N: Nic> VerbsReceiver<N> {
     #[inline(never)]
     fn test_locked(&self, id: usize, sizes: &mut impl SizeSink, found: Found<'_>) -> Tested {
         self.state.lock().test(&self.gate, id, sizes, found)
+    }
+}
+
+impl<N: Nic> Drop for VerbsReceiver<N> {
+    /// The latency summary of each QP, where asked for (`NCCL_IB_WQE_LATENCY_REPORT`).
+    fn drop(&mut self) {
+        let s = self.state.get_mut();
+        for rail in &s.rails {
+            rail.latency_report(&s.peer);
+        }
     }
 }
 

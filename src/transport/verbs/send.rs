@@ -291,6 +291,7 @@ impl<N: Nic> SendState<N> {
         let len = buf.len() as u32;
         // Inline data is copied by the CPU at post: never from GPU memory.
         let max_inline = if mem.host { qp_r.max_inline() } else { 0 };
+        let qpn = qp_r.qpn();
         let post = self.single.post(
             &*rail.nic,
             qp_r,
@@ -300,7 +301,7 @@ impl<N: Nic> SendState<N> {
             max_inline,
         );
         self.failure.record(post)?;
-        rail.in_flight += 1;
+        rail.signaled(qpn, WrKind::Send.id(slot));
         rail.stats.bytes += u64::from(len);
         rail.stats.messages += 1;
         let st = &mut self.slots[slot];
@@ -406,21 +407,20 @@ impl<N: Nic> SendState<N> {
     fn post_probes(&mut self, r: usize, which: u8) -> Result<()> {
         let (addr, rkeys, _) = self.remote_sizes;
         let rail = &mut self.rails[r];
-        for (p, pair) in rail.pairs.iter().enumerate() {
-            if which & (1 << p) == 0 {
-                continue;
-            }
+        for p in (0..rail.pairs.len()).filter(|p| which & (1 << p) != 0) {
+            let (qp, remote_rail) = (rail.pairs[p].qp, rail.pairs[p].remote_rail);
             self.chain.clear();
             self.chain.read(
                 self.sizes_local.addr(PROBE_AT),
                 1,
                 self.sizes_local.lkey(r),
                 addr,
-                rkeys[pair.remote_rail],
+                rkeys[remote_rail],
             );
             self.chain.finish(WrKind::Probe.id(p), 0);
-            self.chain.post(&*rail.nic, &rail.probe_qps[pair.qp])?;
-            rail.in_flight += 1;
+            self.chain.post(&*rail.nic, &rail.probe_qps[qp])?;
+            let qpn = rail.probe_qps[qp].qpn();
+            rail.signaled(qpn, WrKind::Probe.id(p));
         }
         Ok(())
     }
@@ -493,7 +493,7 @@ impl<N: Nic> SendState<N> {
             let qp = &rail.qps[qi];
             chain.finish(WrKind::Send.id(slot), st.max_inline(qp.max_inline()));
             chain.post(&*rail.nic, qp)?;
-            rail.in_flight += 1;
+            rail.signaled(qp.qpn(), WrKind::Send.id(slot));
             rail.stats.bytes += bytes;
             rail.stats.messages += u64::from(bytes > 0);
         }
@@ -641,6 +641,16 @@ impl<N: Nic> VerbsSender<N> {
         self.state.lock().rails.iter().map(|r| r.stats).collect()
     }
 
+    /// Slow completions and stalls the latency of each rail counted.
+    #[cfg(test)]
+    pub(crate) fn wqe_counts(&self) -> (u64, u64) {
+        let s = self.state.lock();
+        s.rails
+            .iter()
+            .filter_map(|r| r.latency.as_ref())
+            .fold((0, 0), |(a, b), l| (a + l.slow, b + l.stalls))
+    }
+
     /// The QP numbers of the probe QPs, rail after rail.
     #[cfg(test)]
     pub(crate) fn probe_qpns(&self) -> Vec<u32> {
@@ -649,6 +659,16 @@ impl<N: Nic> VerbsSender<N> {
             .iter()
             .flat_map(|r| r.probe_qps.iter().map(|q| q.qpn()))
             .collect()
+    }
+}
+
+impl<N: Nic> Drop for VerbsSender<N> {
+    /// The latency summary of each QP, where asked for (`NCCL_IB_WQE_LATENCY_REPORT`).
+    fn drop(&mut self) {
+        let s = self.state.get_mut();
+        for rail in &s.rails {
+            rail.latency_report(&s.peer);
+        }
     }
 }
 

@@ -47,6 +47,8 @@ pub(crate) struct ConnParams {
     /// `NCCL_ERDMA_WORK_TIMEOUT_S`: posted work without completion for this long fails the
     /// comm (None: never).
     pub(crate) work_timeout: Option<Duration>,
+    /// `NCCL_IB_WQE_LATENCY_THRESHOLD_NS` (None: 0, off) and `NCCL_IB_WQE_LATENCY_REPORT`.
+    pub(crate) wqe_latency: Option<(Duration, bool)>,
 }
 
 /// A DMA buffer of `len` elements registered on every NIC of `nics`.
@@ -269,6 +271,16 @@ fn make_probes<N: Nic>(
         .collect()
 }
 
+/// Times the signaled work of every QP of `rails` where `p` asks for it (once every QP,
+/// probe QPs too, is made).
+fn time_work<N: Nic>(rails: &mut [Rail<N>], p: &ConnParams) {
+    if let Some((threshold, report)) = p.wqe_latency {
+        for rail in rails {
+            rail.time_work(threshold, report);
+        }
+    }
+}
+
 /// This end's probe QPs (`made`, per path), as the other end needs them.
 fn probe_qps<N: Nic>(rails: &[Rail<N>], made: &[(usize, usize)]) -> Vec<(u32, u32)> {
     made.iter()
@@ -449,6 +461,7 @@ impl<N: Nic> VerbsConnector<N> {
             )));
         }
         let probes = make_probes(&mut made.rails, &paths, End::Connector, &remote)?;
+        time_work(&mut made.rails, p);
         let tc_sl = (p.traffic_class, p.sl);
         connect_probes(
             &made.rails,
@@ -541,6 +554,7 @@ impl<N: Nic> VerbsListener<N> {
                 }
             };
             let probes = make_probes(&mut state.rails, &paths, End::Listener, &remote)?;
+            time_work(&mut state.rails, &self.params);
             // The answer carries the traffic class and service level the connector asked
             // for, and the split setting this side uses.
             let answer = ConnParams {

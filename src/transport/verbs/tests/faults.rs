@@ -386,3 +386,78 @@ fn a_path_that_answers_probes_keeps_its_slow_work_and_one_that_does_not_fails() 
     );
     assert!(e.to_string().contains("liveness probe"), "{e}");
 }
+
+fn timed(threshold_ms: u64, work_timeout: Option<Duration>) -> ConnParams {
+    ConnParams {
+        wqe_latency: Some((Duration::from_millis(threshold_ms), true)),
+        work_timeout,
+        ..params()
+    }
+}
+
+#[test]
+fn work_slower_than_the_latency_threshold_is_counted_and_one_held_for_good_stalls_first() {
+    // Held 20 ms past a threshold of 5: one slow completion, a WARN with its fields.
+    let c = connect(timed(5, None));
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 41);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    let ((), warned) = crate::log::warnings_of(|| {
+        c.fabric.hold(true);
+        let s = c.send_buf(&mut src, 0);
+        std::thread::sleep(Duration::from_millis(25));
+        c.fabric.hold(false);
+        wait(|| c.test_send(s)).unwrap();
+        wait(|| c.test_recv(r)).unwrap();
+    });
+    assert_eq!(c.send.wqe_counts().0, 1, "one slow completion");
+    let qpn = c.send.qpns()[0];
+    let slow: Vec<_> = warned.iter().filter(|w| w.contains("WQE slow")).collect();
+    assert_eq!(slow.len(), 1, "{warned:?}");
+    for part in [
+        "data RDMA write".to_string(),
+        format!("on {} QP {qpn} to peer ", c.tx_nics[0].local().name),
+        "completed after".to_string(),
+        "NCCL_IB_WQE_LATENCY_THRESHOLD_NS 5000000".to_string(),
+    ] {
+        assert!(slow[0].contains(&part), "{part}: {}", slow[0]);
+    }
+    let took: f64 = slow[0]
+        .split("completed after ")
+        .nth(1)
+        .and_then(|t| t.split(' ').next()?.parse().ok())
+        .unwrap();
+    assert!(took >= 20_000.0, "held 25 ms: {took} us");
+    // Fast ones are not.
+    one_message(&c, 64, 42);
+    assert_eq!(c.send.wqe_counts().0, 1);
+    // Held for good on a dead link: the stall is said before the watchdog fails the comm.
+    let c = connect(timed(5, Some(Duration::from_millis(300))));
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 43);
+    c.irecv(&mut [&mut dst], &[0]);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Silent));
+    let s = c.send_buf(&mut src, 0);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let (e, warned) = crate::log::warnings_of(|| loop {
+        match c.test_send(s) {
+            Err(e) => break e,
+            Ok(None) => assert!(Instant::now() < deadline, "no error"),
+            Ok(Some(_)) => panic!("completed on a cut link"),
+        }
+    });
+    assert!(e.to_string().contains("liveness probe"), "{e}");
+    let stall = warned
+        .iter()
+        .position(|w| w.contains("WQE stall (no CQE): data RDMA write") && w.contains("QP "))
+        .unwrap_or_else(|| panic!("no stall WARN: {warned:?}"));
+    let failure = warned
+        .iter()
+        .position(|w| w.contains("liveness probe"))
+        .unwrap_or(warned.len());
+    assert!(
+        stall < failure,
+        "said before the watchdog's error: {warned:?}"
+    );
+    assert!(c.send.wqe_counts().1 > 0);
+}

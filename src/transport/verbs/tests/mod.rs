@@ -48,6 +48,7 @@ fn params() -> ConnParams {
         },
         cts_batch: 1,
         work_timeout: None,
+        wqe_latency: None,
     }
 }
 
