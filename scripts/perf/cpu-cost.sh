@@ -47,7 +47,8 @@
 # every-n-th-call work in every phase alike), CPU_COST_WINDOW (1..32), CPU_COST_IDLE,
 # CPU_COST_WAIT_US, OUT, CPU_COST_REPORT_ONLY=1 (no runs: report again from the profiles
 # already in $OUT), NCCL_ERDMA_CTS_BATCH (passed into the VM: 1 measures the hardware
-# default; unset, Soft-RoCE's 8), and rxe-vm.sh's RXE_VM_*. scripts/perf/cost-annotate.py breaks one profile
+# default; unset, Soft-RoCE's 8), NCCL_IB_WQE_LATENCY_THRESHOLD_NS (passed in: what timing
+# the work costs), and rxe-vm.sh's RXE_VM_*. scripts/perf/cost-annotate.py breaks one profile
 # down per instruction and per source line.
 set -Eeuo pipefail
 trap 'echo "cpu-cost: error: line $LINENO: \`$BASH_COMMAND\` failed (exit $?)" >&2; exit 1' ERR
@@ -178,7 +179,7 @@ for t in "${transports[@]}"; do
       cp "$vglib/callgrind-amd64-linux" "$vglib/vgpreload_core-amd64-linux.so" "$vglib/default.supp" "$stage/vg/lib/"
       # The inner command: the same runs as on the host, then the profiles back as base64.
       # NCCL_ERDMA_CTS_BATCH goes along when set (1: the hardware default; unset: rxe's 8).
-      inner="export VALGRIND_LIB=/opt/work/vg/lib VALGRIND=/opt/work/vg/valgrind NCCL_ERDMA_TRANSPORT=verbs NCCL_IB_HCA==rxe0 COST_RUN_TIMEOUT=${COST_RUN_TIMEOUT:-900}${NCCL_ERDMA_CTS_BATCH:+ NCCL_ERDMA_CTS_BATCH=$NCCL_ERDMA_CTS_BATCH}
+      inner="export VALGRIND_LIB=/opt/work/vg/lib VALGRIND=/opt/work/vg/valgrind NCCL_ERDMA_TRANSPORT=verbs NCCL_IB_HCA==rxe0 COST_RUN_TIMEOUT=${COST_RUN_TIMEOUT:-900}${NCCL_ERDMA_CTS_BATCH:+ NCCL_ERDMA_CTS_BATCH=$NCCL_ERDMA_CTS_BATCH}${NCCL_IB_WQE_LATENCY_THRESHOLD_NS:+ NCCL_IB_WQE_LATENCY_THRESHOLD_NS=$NCCL_IB_WQE_LATENCY_THRESHOLD_NS}
 bash cost-runs.sh ./nccl-net-bench ./libnccl-net-erdma.so /tmp/cost $rounds $window $idle '$wait_us' || exit 1
 echo '--- cost-runs archive begin'
 tar -C /tmp/cost -czf - . | base64 -w 100

@@ -481,6 +481,13 @@ impl Completion<'_> {
         self.0.opcode
     }
 
+    /// Whether it completes a request of the send queue (this side's signaled work) rather
+    /// than a receive: verbs numbers the receive opcodes from `IBV_WC_RECV` (128) up.
+    #[inline(always)]
+    pub(crate) fn of_send_queue(&self) -> bool {
+        self.0.opcode & ibv_wc_opcode::IBV_WC_RECV == 0
+    }
+
     /// Vendor error.
     pub(crate) fn vendor_err(&self) -> u32 {
         self.0.vendor_err

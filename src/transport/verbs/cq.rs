@@ -23,6 +23,7 @@ use std::{
     time::{Duration, Instant},
 };
 
+use super::latency::RailLatency;
 use super::wire::WrKind;
 use crate::error::{Error, Result};
 use crate::oob;
@@ -199,6 +200,9 @@ pub(crate) struct CqPoller<N: Nic> {
     /// Completions seen (the watchdog's sign of life).
     completions: u64,
     watchdog: Watchdog,
+    /// Post-to-completion latency of the signaled work (`NCCL_IB_WQE_LATENCY_THRESHOLD_NS`
+    /// set), or None: then nothing reads a clock.
+    pub(crate) latency: Option<Box<RailLatency>>,
 }
 
 impl<N: Nic> CqPoller<N> {
@@ -214,6 +218,7 @@ impl<N: Nic> CqPoller<N> {
             peer_silent: false,
             completions: 0,
             watchdog: Watchdog::new(work_timeout, probe_timeout),
+            latency: None,
         }
     }
 
@@ -267,14 +272,27 @@ impl<N: Nic> CqPoller<N> {
     pub(crate) fn poll(&mut self, nic: &N, wc: &mut WcBatch) -> Result<bool> {
         self.calls = self.calls.wrapping_add(1);
         let n = wc.poll(nic, &self.cq)?;
+        self.time(wc);
         Ok(n > 0 || self.calls % CHECK_EVERY == 0)
     }
 
     /// Counts a poll made without the comm's lock, which found completions (now in the
-    /// caller's batch, for [`Self::hand_out`]).
+    /// caller's batch `wc`, for [`Self::hand_out`]).
     #[inline(always)]
-    pub(crate) fn polled_unlocked(&mut self) {
+    pub(crate) fn polled_unlocked(&mut self, wc: &WcBatch) {
         self.calls = self.calls.wrapping_add(1);
+        self.time(wc);
+    }
+
+    /// Times the completions a poll put in `wc`, where work is timed: every poll passes
+    /// here, so none is missed.
+    #[inline(always)]
+    fn time(&mut self, wc: &WcBatch) {
+        if let Some(l) = &mut self.latency {
+            if wc.polled() > 0 {
+                l.completed_batch(wc);
+            }
+        }
     }
 
     /// After a poll found something: hands every successful completion in `wc` to `on`,
@@ -301,6 +319,7 @@ impl<N: Nic> CqPoller<N> {
                 return Ok(true);
             }
             wc.poll(nic, &self.cq)?;
+            self.time(wc);
         }
     }
 
@@ -326,6 +345,9 @@ impl<N: Nic> CqPoller<N> {
         waiting: bool,
     ) -> Result<u8> {
         self.check_peer();
+        if let Some(l) = &mut self.latency {
+            l.warn_stalls();
+        }
         let now = nic.drain_async_events();
         if now != self.epoch {
             self.epoch = now;

@@ -12,6 +12,7 @@
 use std::time::{Duration, Instant};
 
 use super::wire::WrKind;
+use crate::verbs::dma::{WcBatch, WC_SUCCESS};
 
 /// Histogram buckets: 16 per power of two of nanoseconds (at most 6.25% wide), to 2^40 ns
 /// (18 minutes; longer lands in the last).
@@ -123,6 +124,9 @@ pub(crate) struct Slow {
 pub(crate) struct RailLatency {
     threshold: Duration,
     report: bool,
+    /// The rail's device and the peer, for the WARNs.
+    device: String,
+    peer: String,
     qps: Vec<QpLatency>,
     /// Completions slower than the threshold, and stalls said.
     pub(crate) slow: u64,
@@ -130,20 +134,18 @@ pub(crate) struct RailLatency {
 }
 
 impl RailLatency {
-    /// Latency for work slower than `threshold`, reported at close where `report`.
-    pub(crate) fn new(threshold: Duration, report: bool) -> Self {
+    /// Latency of the work of `device` towards `peer`, a WARN where slower than
+    /// `threshold`, reported at close where `report`.
+    pub(crate) fn new(threshold: Duration, report: bool, device: &str, peer: &str) -> Self {
         RailLatency {
             threshold,
             report,
+            device: device.to_string(),
+            peer: peer.to_string(),
             qps: Vec::new(),
             slow: 0,
             stalls: 0,
         }
-    }
-
-    /// The threshold, for messages.
-    pub(crate) fn threshold(&self) -> Duration {
-        self.threshold
     }
 
     fn qp(&mut self, qpn: u32) -> &mut QpLatency {
@@ -202,6 +204,44 @@ impl RailLatency {
         })
     }
 
+    /// [`Self::posted`] now: out of line, so that the data path carries only the check
+    /// whether work is timed.
+    #[inline(never)]
+    pub(crate) fn posted_now(&mut self, qpn: u32, wr_id: u64) {
+        self.posted(qpn, wr_id, Instant::now());
+    }
+
+    /// [`Self::completed`] now for every successful send-queue completion of `wc` (a QP
+    /// completes its signaled requests in order), with the WARNs; once per batch and out of
+    /// line, so that a poll carries only the check whether work is timed.
+    #[inline(never)]
+    pub(crate) fn completed_batch(&mut self, wc: &WcBatch) {
+        let now = Instant::now();
+        for c in wc.iter() {
+            if c.status() != WC_SUCCESS {
+                break;
+            }
+            if !c.of_send_queue() {
+                continue;
+            }
+            if let Some(slow) = self.completed(c.qp_num(), now) {
+                self.warn(&slow);
+            }
+        }
+    }
+
+    /// WARNs of the requests outstanding past the threshold now.
+    pub(crate) fn warn_stalls(&mut self) {
+        for slow in self.stalls(Instant::now()) {
+            self.warn(&slow);
+        }
+    }
+
+    fn warn(&self, slow: &Slow) {
+        let line = warning(slow, &self.device, &self.peer, self.threshold);
+        tracing::warn!("{line}");
+    }
+
     /// The requests outstanding past the threshold at `now`, one per QP that may WARN again.
     pub(crate) fn stalls(&mut self, now: Instant) -> Vec<Slow> {
         let threshold = self.threshold;
@@ -251,6 +291,20 @@ impl RailLatency {
                 })
                 .collect(),
         )
+    }
+}
+
+impl Drop for RailLatency {
+    /// The close report (the comm's rails go when it closes): one INFO line per QP, where
+    /// asked for.
+    fn drop(&mut self) {
+        for line in self.report().into_iter().flatten() {
+            tracing::info!(
+                "WQE latency on {} to peer {}: {line}",
+                self.device,
+                self.peer
+            );
+        }
     }
 }
 
@@ -312,7 +366,7 @@ mod tests {
     fn slow_and_stalled_work_warns_at_most_once_a_second_per_qp() {
         let t0 = Instant::now();
         let ms = Duration::from_millis;
-        let mut l = RailLatency::new(ms(1), true);
+        let mut l = RailLatency::new(ms(1), true, "rxe0", "peer");
         l.track(7);
         l.posted(7, WrKind::Send.id(0), t0);
         l.posted(7, WrKind::Send.id(1), t0);
@@ -350,6 +404,8 @@ mod tests {
         let report = l.report().unwrap();
         assert_eq!(report.len(), 1);
         assert!(report[0].starts_with("QP 7: 3 requests"), "{}", report[0]);
-        assert!(RailLatency::new(ms(1), false).report().is_none());
+        assert!(RailLatency::new(ms(1), false, "rxe0", "peer")
+            .report()
+            .is_none());
     }
 }

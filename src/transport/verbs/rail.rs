@@ -4,10 +4,10 @@
 //! path that dies is found and named even while others still complete work) and its own
 //! traffic counters. QP `q` of a connection lives on rail `q % rails` of each end.
 
-use std::{sync::Arc, time::Instant};
+use std::sync::Arc;
 
 use super::cq::{self, CqPoller, PairProbe};
-use super::latency::{self, RailLatency};
+use super::latency::RailLatency;
 use super::wire::WrKind;
 use crate::error::Result;
 use crate::verbs::dma::{Completion, WcBatch};
@@ -41,9 +41,6 @@ pub(crate) struct Rail<N: Nic> {
     pub(crate) stats: RailStats,
     /// The paths its QPs take to the peer's rails, each probed by the watchdog.
     pub(crate) pairs: Vec<PairProbe>,
-    /// Post-to-completion latency of its signaled work (`NCCL_IB_WQE_LATENCY_THRESHOLD_NS`
-    /// set), or None: then nothing reads a clock.
-    pub(crate) latency: Option<Box<RailLatency>>,
 }
 
 impl<N: Nic> Rail<N> {
@@ -62,39 +59,28 @@ impl<N: Nic> Rail<N> {
             in_flight: 0,
             stats: RailStats::default(),
             pairs: Vec::new(),
-            latency: None,
         }
     }
 
     /// A signaled work request `wr_id` was posted on QP `qpn`: in flight until its completion
-    /// (and timed, where latency is).
+    /// (and timed, where work is).
     #[inline]
     pub(crate) fn signaled(&mut self, qpn: u32, wr_id: u64) {
         self.in_flight += 1;
-        if let Some(l) = &mut self.latency {
-            l.posted(qpn, wr_id, Instant::now());
+        if let Some(l) = &mut self.cq.latency {
+            l.posted_now(qpn, wr_id);
         }
     }
 
-    /// Times the signaled work of every QP of the rail from now on: slower than `threshold`
-    /// is a WARN, and `report` asks for the summary at close.
-    pub(crate) fn time_work(&mut self, threshold: std::time::Duration, report: bool) {
-        let mut l = RailLatency::new(threshold, report);
+    /// Times the signaled work of every QP of the rail towards `peer` from now on: slower
+    /// than `threshold` is a WARN, and `report` asks for the summary at close.
+    pub(crate) fn time_work(&mut self, threshold: std::time::Duration, report: bool, peer: &str) {
+        let mut l = RailLatency::new(threshold, report, self.name(), peer);
         let qps = self.qps.iter().chain(&self.probe_qps).chain(&self.flush_qp);
         for qp in qps {
             l.track(qp.qpn());
         }
-        self.latency = Some(Box::new(l));
-    }
-
-    /// The latency summary of each QP, at close, where asked for.
-    pub(crate) fn latency_report(&self, peer: &str) {
-        let Some(lines) = self.latency.as_ref().and_then(|l| l.report()) else {
-            return;
-        };
-        for line in lines {
-            tracing::info!("WQE latency on {} to peer {peer}: {line}", self.name());
-        }
+        self.cq.latency = Some(Box::new(l));
     }
 
     /// Adds a path of this rail to the peer's rail `remote_rail` (its device `remote_name`),
@@ -143,23 +129,15 @@ impl<N: Nic> Rail<N> {
         mut on: impl FnMut(Completion<'_>) -> bool,
     ) -> Result<u8> {
         let mut done = 0;
-        let (pairs, latency) = (&mut self.pairs, &mut self.latency);
-        let now = latency.as_ref().map(|_| Instant::now());
-        let name = &self.nic.local().name;
+        let pairs = &mut self.pairs;
         let handed = self.cq.hand_out(&self.nic, wc, |c| {
-            let retired = if WrKind::of(c.wr_id()) == Some(WrKind::Probe) {
+            if WrKind::of(c.wr_id()) == Some(WrKind::Probe) {
                 if let Some(p) = pairs.get_mut(WrKind::slot(c.wr_id())) {
                     p.answered();
                 }
-                true
+                done += 1;
             } else {
-                on(c)
-            };
-            done += i32::from(retired);
-            if let (true, Some(l), Some(now)) = (retired, latency.as_mut(), now) {
-                if let Some(slow) = l.completed(c.qp_num(), now) {
-                    tracing::warn!("{}", latency::warning(&slow, name, peer, l.threshold()));
-                }
+                done += i32::from(on(c));
             }
         });
         self.in_flight -= done;
@@ -170,12 +148,6 @@ impl<N: Nic> Rail<N> {
         }
         if !self.cq.checks_due() {
             return Ok(0);
-        }
-        if let Some(l) = &mut self.latency {
-            for slow in l.stalls(Instant::now()) {
-                let line = latency::warning(&slow, &self.nic.local().name, peer, l.threshold());
-                tracing::warn!("{line}");
-            }
         }
         let work = self.in_flight > 0;
         let r = self

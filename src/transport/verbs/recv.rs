@@ -301,7 +301,7 @@ impl<N: Nic> RecvState<N> {
     ) -> Tested {
         // Drained whatever becomes of the request: the completions are off the CQ.
         let drained = found.map(|(rail, wc)| {
-            self.rails[rail].cq.polled_unlocked();
+            self.rails[rail].cq.polled_unlocked(wc);
             self.drain_rail(gate, rail, wc)
         });
         if !self.slots.get(id).is_some_and(|st| st.busy) {
@@ -672,16 +672,6 @@ impl<N: Nic> VerbsReceiver<N> {
     #[inline(never)]
     fn test_locked(&self, id: usize, sizes: &mut impl SizeSink, found: Found<'_>) -> Tested {
         self.state.lock().test(&self.gate, id, sizes, found)
-    }
-}
-
-impl<N: Nic> Drop for VerbsReceiver<N> {
-    /// The latency summary of each QP, where asked for (`NCCL_IB_WQE_LATENCY_REPORT`).
-    fn drop(&mut self) {
-        let s = self.state.get_mut();
-        for rail in &s.rails {
-            rail.latency_report(&s.peer);
-        }
     }
 }
 

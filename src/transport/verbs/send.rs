@@ -647,7 +647,7 @@ impl<N: Nic> VerbsSender<N> {
         let s = self.state.lock();
         s.rails
             .iter()
-            .filter_map(|r| r.latency.as_ref())
+            .filter_map(|r| r.cq.latency.as_ref())
             .fold((0, 0), |(a, b), l| (a + l.slow, b + l.stalls))
     }
 
@@ -659,16 +659,6 @@ impl<N: Nic> VerbsSender<N> {
             .iter()
             .flat_map(|r| r.probe_qps.iter().map(|q| q.qpn()))
             .collect()
-    }
-}
-
-impl<N: Nic> Drop for VerbsSender<N> {
-    /// The latency summary of each QP, where asked for (`NCCL_IB_WQE_LATENCY_REPORT`).
-    fn drop(&mut self) {
-        let s = self.state.get_mut();
-        for rail in &s.rails {
-            rail.latency_report(&s.peer);
-        }
     }
 }
 

@@ -273,10 +273,10 @@ fn make_probes<N: Nic>(
 
 /// Times the signaled work of every QP of `rails` where `p` asks for it (once every QP,
 /// probe QPs too, is made).
-fn time_work<N: Nic>(rails: &mut [Rail<N>], p: &ConnParams) {
+fn time_work<N: Nic>(rails: &mut [Rail<N>], p: &ConnParams, peer: &str) {
     if let Some((threshold, report)) = p.wqe_latency {
         for rail in rails {
-            rail.time_work(threshold, report);
+            rail.time_work(threshold, report, peer);
         }
     }
 }
@@ -461,7 +461,8 @@ impl<N: Nic> VerbsConnector<N> {
             )));
         }
         let probes = make_probes(&mut made.rails, &paths, End::Connector, &remote)?;
-        time_work(&mut made.rails, p);
+        let peer = format!("{peer} ({})", remote.devices());
+        time_work(&mut made.rails, p, &peer);
         let tc_sl = (p.traffic_class, p.sl);
         connect_probes(
             &made.rails,
@@ -485,7 +486,7 @@ impl<N: Nic> VerbsConnector<N> {
             made.sizes_local,
             (remote.addr, rkeys(&remote), remote.rails.len()),
             plan,
-            format!("{peer} ({})", remote.devices()),
+            peer,
             made.keys,
         );
         Ok((state, ours))
@@ -554,7 +555,7 @@ impl<N: Nic> VerbsListener<N> {
                 }
             };
             let probes = make_probes(&mut state.rails, &paths, End::Listener, &remote)?;
-            time_work(&mut state.rails, &self.params);
+            time_work(&mut state.rails, &self.params, &state.peer);
             // The answer carries the traffic class and service level the connector asked
             // for, and the split setting this side uses.
             let answer = ConnParams {
