@@ -40,7 +40,8 @@ ensure_packages() {
 }
 
 ensure_build_deps() {
-  ensure_packages libclang-dev libibverbs-dev librdmacm-dev pkg-config binutils
+  # gcc: the linker, and the tools' C logger (tools/csrc).
+  ensure_packages libclang-dev libibverbs-dev librdmacm-dev pkg-config binutils gcc
   if [[ -z "${LIBCLANG_PATH:-}" && -d /usr/lib/llvm-14/lib ]]; then
     export LIBCLANG_PATH=/usr/lib/llvm-14/lib
   fi
@@ -53,6 +54,12 @@ build_release() {
   local out
   out=$(release_dir)
   cp -f "$out/libnccl_net_erdma.so" "$out/libnccl-net-erdma.so"
+}
+
+# The toy plugin (tools/tests/toy-plugin/toy_net.c: ncclNet_v8 over TCP on loopback, printf
+# logging), built into FILE: a plugin that is not ours, for the tools' side-by-side modes.
+build_toy_plugin() { # FILE
+  "${CC:-cc}" -shared -fPIC -O2 -Wall -Wextra -Werror -Iinclude tools/tests/toy-plugin/toy_net.c -o "$1"
 }
 
 # Step bookkeeping for the tier scripts: `step_prefix NAME`, then `result PASS|FAIL|SKIP STEP

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test: lint (rustfmt, clippy, shellcheck), the host tier (unit tests and the
-# conformance suite over tcp), the packaging tests (scripts/package/package-test.sh: the wheel
-# and .deb built and installed), the Soft-RoCE VM tier (real verbs on an rxe device in a qemu
-# VM), the CPU budget (scripts/perf/cpu-cost.sh --check) and the two-host cluster tier (two
-# VMs, two rails each, faults on the RDMA path). Installs the Debian packages it needs.
+# conformance suite over tcp), the tools against another plugin (scripts/tiers/other-plugin.sh),
+# the packaging tests (scripts/package/package-test.sh: the wheel and .deb built and
+# installed), the Soft-RoCE VM tier (real verbs on an rxe device in a qemu VM), the CPU budget
+# (scripts/perf/cpu-cost.sh --check) and the two-host cluster tier (two VMs, two rails each,
+# faults on the RDMA path). Installs the Debian packages it needs.
 # NCCL_ERDMA_SKIP_VM=1 skips the VM tier, NCCL_ERDMA_SKIP_CLUSTER=1 the cluster tier and
 # NCCL_ERDMA_SKIP_RELIABILITY=1 the fuzzing and valgrind runs, for quick local loops; CI never
 # sets them.
@@ -29,6 +30,10 @@ build_release
 
 echo "== host tier"
 cargo test --release --workspace
+
+# The benchmark and the CPU yardstick side by side with a plugin that is not ours (a toy in C).
+echo "== tools against another plugin"
+bash scripts/tiers/other-plugin.sh
 
 # The wheel and the .deb (scripts/package/package.sh into target/dist/), installed as a user would: the
 # wheel into a fresh venv, then its commands, its Python API and the benchmark through it. The

@@ -2,7 +2,7 @@
 # the profiles of one scripted run (scripts/perf/cost-runs.sh), one profile per phase and
 # each phase counting exactly one kind of call. Usage:
 #
-#   awk -v name='tcp (host, loopback)' -v transport=tcp -v root=/repo -v csv=FILE \
+#   awk -v name='tcp (host, loopback)' -v transport=tcp -v root=/repo -v csv=FILE -v library=NAME \
 #       -f cost-report.awk \
 #       tag=S script.txt tag=1 part.1.tsv tag=2 part.2.tsv ...
 #
@@ -71,7 +71,7 @@ function row(lbl, ncalls, nmiss, p, l, vb, d, al, sl) {
 }
 function csvrow(fig, ncalls, nmiss, p, l, vb, d, al, sl) {
   if (csv == "") return
-  printf "%s,%s,%s,%s,%s,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f\n", transport, hdr["window"], fig, ncalls, nmiss, p, l, vb, d, al, sl >> csv
+  printf "%s,%s,%s,%s,%s,%.0f,%.0f,%.0f,%.0f,%.4f,%.4f,%s\n", transport, hdr["window"], fig, ncalls, nmiss, p, l, vb, d, al, sl, library >> csv
 }
 # Every figure of one kind of call (or, for "work", per message) into the table and the CSV.
 function figure(b, lbl) {
@@ -141,7 +141,7 @@ END {
     figure(b, label[b])
     if (b == "test_recv") figure("work", "WORK PER MESSAGE, both sides: the 4 above")
   }
-  printf "  plugin: its own code (libnccl_net_erdma.so, with the std code compiled into it); libc, verbs\n"
+  printf "  plugin: its own code (%s, with what is compiled into it); libc, verbs\n", (library == "" ? "libnccl_net_erdma.so" : library)
   printf "  (libibverbs + provider): called by it; driver: the bench's client code around the call;\n"
   printf "  allocs: calls of malloc & co.; locks: lock slow paths (parking_lot *_slow, park, futex).\n"
   for (i = 1; i <= nbins; i++) {

@@ -2,7 +2,16 @@
 # CPU cost of the plugin per call and per message, as instructions counted by callgrind, in a
 # run whose every plugin call is known in advance: the same commit gives the same figures.
 #
-#   scripts/perf/cpu-cost.sh [--check] [tcp] [verbs]       (default: both)
+#   scripts/perf/cpu-cost.sh [--check] [--lib PATH] [--compare-lib PATH] [tcp] [verbs]
+#                                                           (default: both transports)
+#
+# --lib PATH: cost that NCCL net plugin instead of the built one (any library exporting
+# ncclNetPlugin_v6..v12; the bench uses the highest it has). --compare-lib PATH: also cost that
+# one, in the same run (the same VM boot for verbs, one after the other), and print each
+# figure for both with the ratio (other / this). The reports and the CSV name the library
+# and its table version; the other's profiles go to $OUT/<transport>-other/. "tcp" runs on this
+# host, "verbs" in the Soft-RoCE VM: another plugin takes there whatever its own settings say
+# (NCCL_IB_HCA=rxe0 is set).
 #
 # --check: the CPU budget, as CI holds it: fails (exit 1) when a verbs figure exceeds its
 # budget in instructions of the plugin's own code: the work per message $CPU_BUDGET_WORK
@@ -60,11 +69,18 @@ source scripts/common.sh
 
 help_from_header "$@"
 check=0
-if [[ ${1:-} == --check ]]; then
-  check=1
-  shift
-fi
-transports=("$@")
+lib_this='' lib_other='' transports=()
+while (($#)); do
+  case $1 in
+    --check) check=1; shift ;;
+    --lib | --compare-lib)
+      [[ $# -ge 2 && -f $2 ]] || { echo "cpu-cost: $1 needs an existing library, not '${2:-}'" >&2; exit 2; }
+      if [[ $1 == --lib ]]; then lib_this=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); else lib_other=$(cd "$(dirname "$2")" && pwd)/$(basename "$2"); fi
+      shift 2
+      ;;
+    *) transports+=("$1"); shift ;;
+  esac
+done
 [[ ${#transports[@]} -gt 0 ]] || transports=(tcp verbs)
 for t in "${transports[@]}"; do
   [[ $t == tcp || $t == verbs ]] || {
@@ -103,16 +119,33 @@ if [[ ${CPU_COST_REPORT_ONLY:-0} != 1 ]]; then
 fi
 rel=$(cd "$(release_dir)" && pwd)
 bench=$rel/nccl-net-bench
-lib=$rel/libnccl-net-erdma.so
+lib_this=${lib_this:-$rel/libnccl-net-erdma.so}
+# The libraries costed: this one, and the other where asked, each with its results' suffix.
+libs=("$lib_this")
+suffixes=("")
+if [[ -n $lib_other ]]; then
+  libs+=("$lib_other")
+  suffixes+=("-other")
+fi
 
 report=$out/cpu-cost.txt
 csv=$out/cpu-cost.csv
 : >"$report"
-echo "transport,window,figure,calls,misses,plugin_ir,libc_ir,verbs_ir,driver_ir,allocs,lock_slow_paths" >"$csv"
+echo "transport,window,figure,calls,misses,plugin_ir,libc_ir,verbs_ir,driver_ir,allocs,lock_slow_paths,library" >"$csv"
 
-# Sums each profile of DIR (one per phase) and prints the report for NAME (TRANSPORT in the CSV).
-analyze() { # TRANSPORT NAME DIR
-  local transport=$1 name=$2 dir=$3 f n args=()
+# Sums each profile of DIR (one per phase) and prints the report for NAME (TRANSPORT in the
+# CSV), the plugin being the object LIB (a path; its basename names it in the report).
+analyze() { # TRANSPORT NAME DIR LIB
+  local transport=$1 name=$2 dir=$3 lib=$4 f n args=() base regex abi
+  base=$(basename "$lib")
+  # The plugin's object in the profiles, by its file name (ours is staged under either spelling).
+  if [[ $base == libnccl[-_]net[-_]erdma.so ]]; then
+    regex='libnccl[-_]net[-_]erdma'
+  else
+    # Literal: library names are letters, digits and ._+-
+    regex=${base//./[.]}
+    regex=${regex//+/[+]}
+  fi
   [[ -s $dir/bench.log ]] || {
     echo "cpu-cost: no bench output in $dir" >&2
     return 1
@@ -122,50 +155,61 @@ analyze() { # TRANSPORT NAME DIR
     echo "cpu-cost: no script-phase lines in $dir/bench.log" >&2
     return 1
   }
+  abi=$(sed -n 's/^script .* abi=\([0-9]*\) .*/\1/p' "$dir/script.txt" | head -n 1)
   for f in "$dir"/callgrind.*.out.*; do
     [[ -e $f ]] || {
       echo "cpu-cost: no callgrind profiles in $dir" >&2
       return 1
     }
     n=${f##*.}
-    awk -v plugin='libnccl[-_]net[-_]erdma' -f scripts/perf/callgrind-sum.awk "$f" >"$dir/part.$n.tsv"
+    awk -v plugin="$regex" -f scripts/perf/callgrind-sum.awk "$f" >"$dir/part.$n.tsv"
     args+=("tag=$n" "$dir/part.$n.tsv")
   done
-  awk -v name="$name" -v transport="$transport" -v root="$root" -v csv="$csv" -f scripts/perf/cost-report.awk \
+  awk -v name="$name, $base (ncclNetPlugin_v$abi)" -v transport="$transport" -v root="$root" -v csv="$csv" \
+    -v library="$base" -f scripts/perf/cost-report.awk \
     tag=S "$dir/script.txt" "${args[@]}" | tee -a "$report"
   return "${PIPESTATUS[0]}"
 }
 
+name_of() { # TRANSPORT
+  case $1 in
+    tcp) echo "tcp (host, loopback)" ;;
+    verbs) echo "verbs (rxe0 in the Soft-RoCE VM, clear-to-send batch ${NCCL_ERDMA_CTS_BATCH:-8})" ;;
+  esac
+}
+
 status=0
 for t in "${transports[@]}"; do
-  dir=$out/$t
   if [[ ${CPU_COST_REPORT_ONLY:-0} == 1 ]]; then
-    case $t in
-      tcp) analyze tcp "tcp (host, loopback)" "$dir" || status=1 ;;
-      verbs) analyze verbs "verbs (rxe0 in the Soft-RoCE VM, clear-to-send batch ${NCCL_ERDMA_CTS_BATCH:-8})" "$dir" || status=1 ;;
-    esac
+    for i in "${!libs[@]}"; do
+      analyze "$t" "$(name_of "$t")" "$out/$t${suffixes[i]}" "${libs[i]}" || status=1
+    done
     continue
   fi
-  rm -rf "$dir"
-  mkdir -p "$dir"
   t0=$SECONDS
+  for i in "${!libs[@]}"; do
+    rm -rf "${out:?}/$t${suffixes[i]}"
+    mkdir -p "$out/$t${suffixes[i]}"
+  done
   case $t in
     tcp)
       echo "== cpu-cost: tcp on this host (loopback), scripted run under callgrind"
-      if ! NCCL_ERDMA_TRANSPORT=tcp NCCL_SOCKET_IFNAME=lo \
-        bash scripts/perf/cost-runs.sh "$bench" "$lib" "$dir" "$rounds" "$window" "$idle" "$wait_us"; then
-        status=1
-        continue
-      fi
-      analyze tcp "tcp (host, loopback)" "$dir" || status=1
+      for i in "${!libs[@]}"; do
+        dir=$out/$t${suffixes[i]}
+        if ! NCCL_ERDMA_TRANSPORT=tcp NCCL_SOCKET_IFNAME=lo \
+          bash scripts/perf/cost-runs.sh "$bench" "${libs[i]}" "$dir" "$rounds" "$window" "$idle" "$wait_us"; then
+          status=1
+          continue
+        fi
+        analyze tcp "$(name_of tcp)" "$dir" "${libs[i]}" || status=1
+      done
       ;;
     verbs)
       echo "== cpu-cost: verbs on rxe0 in the Soft-RoCE VM, with this host's valgrind staged in"
       stage=$(mktemp -d "${TMPDIR:-/tmp}/cpu-cost-stage.XXXXXX")
-      vmlog=$dir/vm.log
+      vmlog=$out/$t/vm.log
       mkdir -p "$stage/vg/lib"
       cp "$bench" "$stage/nccl-net-bench"
-      cp "$lib" "$stage/libnccl-net-erdma.so"
       cp scripts/perf/cost-runs.sh "$stage/"
       vgbin=$(command -v valgrind.bin || true)
       vglib=/usr/libexec/valgrind
@@ -177,11 +221,19 @@ for t in "${transports[@]}"; do
       fi
       cp "$vgbin" "$stage/vg/valgrind"
       cp "$vglib/callgrind-amd64-linux" "$vglib/vgpreload_core-amd64-linux.so" "$vglib/default.supp" "$stage/vg/lib/"
+      # Each library in a directory of its own (their names may be the same), and the runs
+      # one after the other in the one VM boot.
+      runs=''
+      for i in "${!libs[@]}"; do
+        mkdir -p "$stage/lib$i"
+        cp "${libs[i]}" "$stage/lib$i/"
+        runs+="bash cost-runs.sh ./nccl-net-bench ./lib$i/$(basename "${libs[i]}") /tmp/cost/$i $rounds $window $idle '$wait_us' || exit 1
+"
+      done
       # The inner command: the same runs as on the host, then the profiles back as base64.
       # NCCL_ERDMA_CTS_BATCH goes along when set (1: the hardware default; unset: rxe's 8).
       inner="export VALGRIND_LIB=/opt/work/vg/lib VALGRIND=/opt/work/vg/valgrind NCCL_ERDMA_TRANSPORT=verbs NCCL_IB_HCA==rxe0 COST_RUN_TIMEOUT=${COST_RUN_TIMEOUT:-900}${NCCL_ERDMA_CTS_BATCH:+ NCCL_ERDMA_CTS_BATCH=$NCCL_ERDMA_CTS_BATCH}${NCCL_IB_WQE_LATENCY_THRESHOLD_NS:+ NCCL_IB_WQE_LATENCY_THRESHOLD_NS=$NCCL_IB_WQE_LATENCY_THRESHOLD_NS}
-bash cost-runs.sh ./nccl-net-bench ./libnccl-net-erdma.so /tmp/cost $rounds $window $idle '$wait_us' || exit 1
-echo '--- cost-runs archive begin'
+${runs}echo '--- cost-runs archive begin'
 tar -C /tmp/cost -czf - . | base64 -w 100
 echo '--- cost-runs archive end'"
       # Streamed as it runs, without the archive.
@@ -195,13 +247,38 @@ echo '--- cost-runs archive end'"
         status=1
         continue
       fi
+      got=$(mktemp -d "${TMPDIR:-/tmp}/cpu-cost-got.XXXXXX")
       sed -n '/^--- cost-runs archive begin/,/^--- cost-runs archive end/p' "$vmlog" | sed '1d;$d' |
-        base64 -d | tar -C "$dir" -xzf -
-      analyze verbs "verbs (rxe0 in the Soft-RoCE VM, clear-to-send batch ${NCCL_ERDMA_CTS_BATCH:-8})" "$dir" || status=1
+        base64 -d | tar -C "$got" -xzf -
+      for i in "${!libs[@]}"; do
+        dir=$out/$t${suffixes[i]}
+        cp -r "$got/$i/." "$dir/"
+        analyze verbs "$(name_of verbs)" "$dir" "${libs[i]}" || status=1
+      done
+      rm -rf "$got"
       ;;
   esac
   echo "cpu-cost: $t took $((SECONDS - t0)) s"
 done
+
+# Side by side: each figure of the plugin's own code, and of all it ran in user space (its
+# code, libc, verbs), for both libraries, with the ratio other / this.
+if [[ ${#libs[@]} == 2 ]]; then
+  awk -F, -v this="$(basename "${libs[0]}")" -v other="$(basename "${libs[1]}")" '
+    NR == 1 { next }
+    { k = $1 SUBSEP $3; own[k, $12] = $6; all[k, $12] = $6 + $7 + $8; if (!(k in seen)) { seen[k] = 1; keys[++n] = k } }
+    function r(a, b) { return (a > 0 && b != "") ? sprintf("%.2f", b / a) : "-" }
+    END {
+      printf "\n== side by side: %s (this) and %s (other), instructions per call\n", this, other
+      printf "  %-6s %-18s %9s %9s %6s | %9s %9s %6s\n", "", "figure", "own this", "own other", "o/t", "all this", "all other", "o/t"
+      for (i = 1; i <= n; i++) {
+        split(keys[i], p, SUBSEP)
+        printf "  %-6s %-18s %9s %9s %6s | %9s %9s %6s\n", p[1], p[2], own[keys[i], this], own[keys[i], other], \
+          r(own[keys[i], this], own[keys[i], other]), all[keys[i], this], all[keys[i], other], r(all[keys[i], this], all[keys[i], other])
+      }
+      print "  own: the library'"'"'s own code; all: its code, libc and libibverbs with its provider."
+    }' "$csv" | tee -a "$report"
+fi
 
 {
   echo
@@ -211,13 +288,13 @@ done
   echo "  at most ${CPU_BUDGET_WORK:-1250} Ir of the plugin's own code, an idle isend ${CPU_BUDGET_IDLE_ISEND:-70}, an idle test ${CPU_BUDGET_IDLE_TEST:-90};"
   echo "  no allocations and no lock slow paths per message."
 } | tee -a "$report"
-echo "cpu-cost: report $report, csv $csv, profiles under $out/<transport>/ ($((SECONDS - start)) s in all)"
+echo "cpu-cost: report $report, csv $csv, profiles under $out/<transport>[-other]/ ($((SECONDS - start)) s in all)"
 if [[ $check == 1 && $status == 0 ]]; then
   # The budget (issue #31): the figures of the plugin's own code per call, verbs.
   awk -F, -v work="${CPU_BUDGET_WORK:-1250}" -v isend="${CPU_BUDGET_IDLE_ISEND:-70}" \
-    -v test="${CPU_BUDGET_IDLE_TEST:-90}" '
+    -v test="${CPU_BUDGET_IDLE_TEST:-90}" -v lib="$(basename "${libs[0]}")" '
     BEGIN { budget["work_per_message"] = work; budget["isend_idle"] = isend; budget["test_recv_idle"] = test }
-    $1 == "verbs" && ($3 in budget) {
+    $1 == "verbs" && ($3 in budget) && $12 == lib {
       seen++
       verdict = ($6 + 0 > budget[$3]) ? "over budget" : "within budget"
       if (verdict == "over budget") bad++

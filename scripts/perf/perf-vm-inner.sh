@@ -2,7 +2,7 @@
 # The part of scripts/perf/perf-vm.sh that runs inside the Soft-RoCE VM (from the stage directory,
 # next to nccl-net-bench and libnccl-net-erdma.so):
 #
-#   bash perf-vm-inner.sh OUTDIR REPS SIZES BYTES WINDOW TXDEPTH QPS QPSIZES
+#   bash perf-vm-inner.sh OUTDIR REPS SIZES BYTES WINDOW TXDEPTH QPS QPSIZES LIB [OTHER]
 #
 # For each of REPS repetitions and each size of SIZES (bytes, comma-separated), one after the
 # other so both see the same conditions: ib_write_bw, then the plugin's bandwidth; then per
@@ -11,19 +11,24 @@
 # Each measurement moves about BYTES payload bytes (at least 16 messages); the plugin keeps
 # WINDOW receives in flight and perftest TXDEPTH writes. Writes OUTDIR/raw.csv (every
 # measurement), perftest.csv and plugin.csv (medians, in nccl-net-bench's CSV format),
-# qps.csv and summary.txt, and prints the tables.
+# qps.csv and summary.txt, and prints the tables. LIB is the plugin measured; OTHER, where
+# given, another plugin measured right after it at every size (other.csv, its own table).
 set -uo pipefail
 
-[[ $# -eq 8 ]] || {
+[[ $# -eq 9 || $# -eq 10 ]] || {
   sed -n '2,/^set -/{/^set -/d;s/^# \{0,1\}//;p}' "$0" >&2
   exit 2
 }
-out=$1 reps=$2 sizes=$3 budget=$4 window=$5 txdepth=$6 qps_list=$7 qp_sizes=$8
+out=$1 reps=$2 sizes=$3 budget=$4 window=$5 txdepth=$6 qps_list=$7 qp_sizes=$8 lib=$9 other=${10:-}
 mkdir -p "$out"
 raw=$out/raw.csv
 echo "tool,metric,size_bytes,qps,rep,value" >"$raw"
 export NCCL_ERDMA_TRANSPORT=verbs NCCL_IB_HCA='=rxe0' NCCL_SOCKET_IFNAME=lo
-bench=(./nccl-net-bench --lib ./libnccl-net-erdma.so --quiet)
+# Each library's name and table, as the bench states them.
+named() { ./nccl-net-bench --lib "$1" --sizes 8 --iters 1 --phases lat 2>/dev/null | sed -n 's/^library: *//p'; }
+lib_name=$(named "$lib")
+other_name=
+[[ -z $other ]] || other_name=$(named "$other")
 IFS=, read -r -a size_list <<<"$sizes"
 IFS=, read -r -a qp_list <<<"$qps_list"
 failures=0
@@ -73,15 +78,15 @@ perftest_pair() { # NAME HOST ARGS...
   return 1
 }
 
-# The plugin: one size, one phase; prints GB/s or us.
-plugin_run() { # PHASE SIZE ITERS [ENV...]
-  local phase=$1 size=$2 iters=$3 col rc=0
-  shift 3
+# A plugin (LIB), one size, one phase; prints GB/s or us.
+plugin_run() { # LIB PHASE SIZE ITERS [ENV...]
+  local which=$1 phase=$2 size=$3 iters=$4 col rc=0
+  shift 4
   rm -f "$out/bench.csv"
-  env "$@" timeout -k 5 300 "${bench[@]}" --sizes "$size" --iters "$iters" --window "$window" \
+  env "$@" timeout -k 5 300 ./nccl-net-bench --lib "$which" --quiet --sizes "$size" --iters "$iters" --window "$window" \
     --phases "$phase" --csv "$out/bench.csv" >"$out/bench.log" 2>&1 || rc=$?
   if [[ $rc -ne 0 ]]; then
-    echo "perf-vm: nccl-net-bench ($phase, $size B, $*) failed (exit $rc): $(tail -n 3 "$out/bench.log" | tr '\n' ' ')" >&2
+    echo "perf-vm: nccl-net-bench ($which, $phase, $size B, $*) failed (exit $rc): $(tail -n 3 "$out/bench.log" | tr '\n' ' ')" >&2
     return 1
   fi
   col=2
@@ -100,10 +105,17 @@ for ((rep = 1; rep <= reps; rep++)); do
     else
       failures=$((failures + 1))
     fi
-    if v=$(plugin_run bw "$size" "$n"); then
+    if v=$(plugin_run "$lib" bw "$size" "$n"); then
       record plugin bw "$size" default "$rep" "$v"
     else
       failures=$((failures + 1))
+    fi
+    if [[ -n $other ]]; then
+      if v=$(plugin_run "$other" bw "$size" "$n"); then
+        record other bw "$size" default "$rep" "$v"
+      else
+        failures=$((failures + 1))
+      fi
     fi
   done
   for size in "${size_list[@]}"; do
@@ -113,10 +125,17 @@ for ((rep = 1; rep <= reps; rep++)); do
     else
       failures=$((failures + 1))
     fi
-    if v=$(plugin_run lat "$size" "$n"); then
+    if v=$(plugin_run "$lib" lat "$size" "$n"); then
       record plugin lat "$size" default "$rep" "$v"
     else
       failures=$((failures + 1))
+    fi
+    if [[ -n $other ]]; then
+      if v=$(plugin_run "$other" lat "$size" "$n"); then
+        record other lat "$size" default "$rep" "$v"
+      else
+        failures=$((failures + 1))
+      fi
     fi
     # The floor of a receiver that learns of arrival from a completion queue entry (as
     # NCCL's IB transport and this plugin do), where ib_write_lat polls memory instead.
@@ -130,7 +149,7 @@ for ((rep = 1; rep <= reps; rep++)); do
   done
   for q in "${qp_list[@]}"; do
     for size in ${qp_sizes//,/ }; do
-      if v=$(plugin_run bw "$size" "$(bw_iters "$size")" NCCL_IB_QPS_PER_CONNECTION="$q"); then
+      if v=$(plugin_run "$lib" bw "$size" "$(bw_iters "$size")" NCCL_IB_QPS_PER_CONNECTION="$q"); then
         record plugin bw "$size" "$q" "$rep" "$v"
       else
         failures=$((failures + 1))
@@ -171,7 +190,9 @@ human() {
 }
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (a != "" && b != "" && b > 0) printf "%.2f", a / b; else printf "-" }'; }
 
-for tool in perftest plugin; do
+tools=(perftest plugin)
+[[ -z $other ]] || tools+=(other)
+for tool in "${tools[@]}"; do
   echo "size_bytes,bandwidth_gbps,latency_us" >"$out/$tool.csv"
   for size in "${size_list[@]}"; do
     echo "$size,$(med "$tool" bw "$size" default),$(med "$tool" lat "$size" default)" >>"$out/$tool.csv"
@@ -181,6 +202,7 @@ done
 {
   echo
   echo "== Soft-RoCE (rxe0, qemu TCG): plugin (verbs) vs perftest, same VM run, $reps repetitions"
+  echo "   plugin: $lib_name"
   echo "   (the plugin keeps $window receives in flight, ib_write_bw -t $txdepth writes; ~$((budget >> 20)) MiB per measurement;"
   echo "    median of the repetitions, and the best one: bandwidth max, latency min)"
   printf "%8s %12s %12s %6s | %12s %12s %6s | %s\n" size "perftest" "plugin" ratio "best perftest" "best plugin" ratio "target: >= 1 MiB, ratio >= 0.95"
@@ -245,6 +267,22 @@ done
     printf " %28s" "$(num "$v") [$(range perftest bw "$size" default)]"
   done
   echo "   (ib_write_bw, 1 QP, -t $txdepth, same run)"
+  if [[ -n $other ]]; then
+    echo
+    echo "== the other plugin, measured right after this one at every size (median of $reps)"
+    echo "   this:  $lib_name"
+    echo "   other: $other_name"
+    printf "%8s %12s %12s %6s | %12s %12s %6s\n" size "this" "other" "o/t" "this" "other" "o/t"
+    printf "%8s %12s %12s %6s | %12s %12s %6s\n" "" "GB/s" "GB/s" "" "lat us" "lat us" ""
+    for size in "${size_list[@]}"; do
+      p=$(med plugin bw "$size" default)
+      q=$(med other bw "$size" default)
+      lp=$(med plugin lat "$size" default)
+      lq=$(med other lat "$size" default)
+      printf "%8s %12s %12s %6s | %12s %12s %6s\n" "$(human "$size")" "$(num "$p")" "$(num "$q")" "$(ratio "$q" "$p")" \
+        "$(num "$lp")" "$(num "$lq")" "$(ratio "$lq" "$lp")"
+    done
+  fi
   echo "perf-vm: $failures measurement(s) failed"
 } | tee "$out/summary.txt"
 [[ $failures -eq 0 ]]

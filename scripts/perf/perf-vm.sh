@@ -12,7 +12,13 @@
 # ratio, the latencies and their ratio, the QP table, and checks the targets (>= 1 MiB:
 # plugin >= 0.95 x ib_write_bw; 8 B: plugin latency <= 1.25 x ib_write_lat).
 #
-#   scripts/perf/perf-vm.sh
+#   scripts/perf/perf-vm.sh [--lib PATH] [--compare-lib PATH]
+#
+# --lib PATH measures that NCCL net plugin (any library exporting ncclNetPlugin_v6..v12)
+# instead of the built one; --compare-lib PATH measures another one too, right after it at
+# every size in the same VM boot, and adds a table of both with the ratio (other / this),
+# other.csv and its curve in the plot. Another plugin takes in the VM whatever its own
+# settings say (NCCL_IB_HCA==rxe0 and NCCL_SOCKET_IFNAME=lo are set).
 #
 # Output in $OUT (default target/perf/perf-vm): summary.txt, raw.csv (every measurement),
 # perftest.csv and plugin.csv (medians; nccl-net-bench's CSV format), qps.csv, and
@@ -33,6 +39,17 @@ source scripts/common.sh
 
 help_from_header "$@"
 start=$SECONDS
+lib_this='' lib_other=''
+while (($#)); do
+  case $1 in
+    --lib | --compare-lib)
+      [[ $# -ge 2 && -f $2 ]] || { echo "perf-vm: $1 needs an existing library, not '${2:-}'" >&2; exit 2; }
+      if [[ $1 == --lib ]]; then lib_this=$2; else lib_other=$2; fi
+      shift 2
+      ;;
+    *) echo "perf-vm: unknown argument '$1' (see --help)" >&2; exit 2 ;;
+  esac
+done
 
 # Sizes in bytes (K/M suffixes allowed), checked here rather than in the VM.
 to_bytes() { # LIST -> comma-separated bytes
@@ -84,15 +101,23 @@ vmlog=$out/vm.log
 cleanup() { rm -rf "$stage"; }
 trap cleanup EXIT
 cp "$rel/nccl-net-bench" "$stage/"
-cp "$rel/libnccl-net-erdma.so" "$stage/"
+lib_this=${lib_this:-$rel/libnccl-net-erdma.so}
+# Each library in a directory of its own: their names may be the same.
+mkdir -p "$stage/lib0" "$stage/lib1"
+cp "$lib_this" "$stage/lib0/"
+staged_this=./lib0/$(basename "$lib_this") staged_other=''
+if [[ -n $lib_other ]]; then
+  cp "$lib_other" "$stage/lib1/"
+  staged_other=./lib1/$(basename "$lib_other")
+fi
 cp scripts/perf/perf-vm-inner.sh "$stage/"
 
 # shellcheck disable=SC2016 # $? and $rc are the VM shell's
-printf -v inner 'bash perf-vm-inner.sh /tmp/perf %q %q %q %q %q %q %q; rc=$?
+printf -v inner 'bash perf-vm-inner.sh /tmp/perf %q %q %q %q %q %q %q %q %q; rc=$?
 echo "--- perf-vm archive begin"
-tar -C /tmp/perf -czf - raw.csv medians.csv perftest.csv plugin.csv qps.csv summary.txt 2>/dev/null | base64 -w 100
+tar -C /tmp/perf -czf - raw.csv medians.csv perftest.csv plugin.csv other.csv qps.csv summary.txt 2>/dev/null | base64 -w 100
 echo "--- perf-vm archive end"
-exit $rc' "$reps" "$sizes" "$budget" "$window" "$txdepth" "$qps" "$qp_sizes"
+exit $rc' "$reps" "$sizes" "$budget" "$window" "$txdepth" "$qps" "$qp_sizes" "$staged_this" "$staged_other"
 
 echo "== perf-vm: Soft-RoCE VM (scripts/vm/rxe-vm.sh): sizes $sizes, $reps repetitions, ~$((budget >> 20)) MiB per measurement"
 vmrc=0
@@ -110,8 +135,12 @@ sed -n '/^--- perf-vm archive begin/,/^--- perf-vm archive end/p' "$vmlog" | sed
 
 # The picture: the plugin's medians against perftest's, drawn by nccl-net-bench itself.
 if [[ -s $out/plugin.csv && -s $out/perftest.csv ]]; then
+  others=()
+  if [[ -n $lib_other && -s $out/other.csv ]]; then
+    others=(--compare "$out/other.csv=$(basename "$lib_other") (window $window)")
+  fi
   "$rel/nccl-net-bench" --plot "$out/plugin.csv" --compare "$out/perftest.csv=perftest (ib_write_bw -t $txdepth / ib_write_lat)" \
-    --label "erdma plugin, verbs (window $window)" --svg "$out/perf-vm.svg" --quiet \
+    "${others[@]}" --label "$(basename "$lib_this"), verbs (window $window)" --svg "$out/perf-vm.svg" --quiet \
     --title "Soft-RoCE rxe0 in a qemu VM: plugin vs perftest (median of $reps)" \
     --note "One VM boot, both tools interleaved per size; ~$((budget >> 20)) MiB per measurement; the plugin keeps $window receives in flight, ib_write_bw -t $txdepth." \
     --note "Bandwidth: plugin = payload / receiver time, perftest = BW average. Latency: plugin = median round trip / 2, perftest = t_typical."

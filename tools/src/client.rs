@@ -97,8 +97,8 @@ pub fn logged_lines() -> Vec<LoggedLine> {
     LOGGED.lock().map(|l| l.clone()).unwrap_or_default()
 }
 
-/// The logger handed to the plugin. Declared with the plugin's one variadic argument.
-extern "C" fn test_logger(
+/// Where the C logger (csrc/logger.c) sends each line it formatted.
+extern "C" fn logged(
     level: ncclDebugLogLevel,
     flags: c_ulong,
     _file: *const c_char,
@@ -110,7 +110,7 @@ extern "C" fn test_logger(
         if p.is_null() {
             String::new()
         } else {
-            // SAFETY: the plugin passes NUL-terminated strings alive for the call.
+            // SAFETY: the C logger passes NUL-terminated strings alive for the call.
             unsafe { CStr::from_ptr(p) }.to_string_lossy().into_owned()
         }
     };
@@ -126,6 +126,23 @@ extern "C" fn test_logger(
             text,
         });
     }
+}
+
+type LogSink =
+    extern "C" fn(ncclDebugLogLevel, c_ulong, *const c_char, c_int, *const c_char, *const c_char);
+
+extern "C" {
+    /// NCCL's logger, in C: formats the plugin's printf-style call and hands the line to the
+    /// sink.
+    fn nccl_net_tools_logger(
+        level: ncclDebugLogLevel,
+        flags: c_ulong,
+        file: *const c_char,
+        line: c_int,
+        fmt: *const c_char,
+        ...
+    );
+    fn nccl_net_tools_set_log_sink(sink: LogSink);
 }
 
 /// One call the plugin made to the recording profiler.
@@ -200,33 +217,12 @@ extern "C" fn test_profiler(
     ncclResult_t::ncclSuccess
 }
 
+/// The logger to hand to a plugin's `init`, its lines going to [`logged_lines`].
 fn logger() -> ncclDebugLogger_t {
-    type Fixed = extern "C" fn(
-        ncclDebugLogLevel,
-        c_ulong,
-        *const c_char,
-        c_int,
-        *const c_char,
-        *const c_char,
-    );
-    let f: Fixed = test_logger;
-    // SAFETY: on the SysV x86_64 and AAPCS64 (Linux) ABIs, a variadic call whose variadic
-    // arguments are all pointers passes them exactly like a fixed-argument call, so a
-    // function with one extra fixed `*const c_char` receives the plugin's single "%s"
-    // argument correctly. Stable Rust cannot define a C-variadic function itself.
-    Some(unsafe {
-        std::mem::transmute::<
-            Fixed,
-            unsafe extern "C" fn(
-                ncclDebugLogLevel,
-                c_ulong,
-                *const c_char,
-                c_int,
-                *const c_char,
-                ...
-            ),
-        >(f)
-    })
+    // SAFETY: sets a function pointer the C logger reads atomically; `logged` lives for the
+    // whole program.
+    unsafe { nccl_net_tools_set_log_sink(logged) };
+    Some(nccl_net_tools_logger)
 }
 
 #[derive(Clone, Copy)]
@@ -317,6 +313,22 @@ fn owned(p: *const c_char) -> Option<String> {
 }
 
 impl Net {
+    /// `dlopen`s `path` and resolves the highest `ncclNetPlugin_vN` it exports (6..12), as
+    /// NCCL looks for its own version first and then older ones.
+    pub fn open_highest(path: &Path) -> Result<Net, String> {
+        let mut last = String::new();
+        for &v in VERSIONS.iter().rev() {
+            match Net::open(path, v) {
+                Ok(net) => return Ok(net),
+                Err(e) if e.contains(" exports no ") => last = e,
+                Err(e) => return Err(e),
+            }
+        }
+        Err(format!(
+            "{last}, nor any of ncclNetPlugin_v6 .. v12: not an NCCL net plugin"
+        ))
+    }
+
     /// `dlopen`s `path` and resolves `ncclNetPlugin_v<version>`.
     pub fn open(path: &Path, version: u32) -> Result<Net, String> {
         let c = CString::new(path.as_os_str().as_encoded_bytes()).map_err(|e| e.to_string())?;
@@ -1009,5 +1021,48 @@ mod tests {
         assert_eq!(handle_from_hex(&handle_to_hex(&h)).unwrap(), h);
         assert!(handle_from_hex("00").is_err());
         assert!(handle_from_hex(&"zz".repeat(128)).is_err());
+    }
+
+    #[test]
+    fn the_logger_formats_printf_calls_of_any_plugin() {
+        logger();
+        let long = "y".repeat(5000);
+        let long = CString::new(long).unwrap();
+        // SAFETY: a call as a plugin makes it, the arguments matching the format.
+        unsafe {
+            nccl_net_tools_logger(
+                NCCL_LOG_INFO,
+                NCCL_NET as c_ulong,
+                c"toy.c".as_ptr(),
+                7,
+                c"client-test n=%d s=%s p=%p %5.2f%%".as_ptr(),
+                -42 as c_int,
+                c"abc".as_ptr(),
+                0x1234usize as *const c_void,
+                99.5f64,
+            );
+            nccl_net_tools_logger(
+                NCCL_LOG_WARN,
+                0,
+                std::ptr::null(),
+                0,
+                c"client-test long %s".as_ptr(),
+                long.as_ptr(),
+            );
+        }
+        let lines: Vec<_> = logged_lines()
+            .into_iter()
+            .filter(|l| l.text.starts_with("client-test"))
+            .collect();
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert_eq!(lines[0].text, "client-test n=-42 s=abc p=0x1234 99.50%");
+        assert_eq!(
+            (lines[0].level, lines[0].flags),
+            (NCCL_LOG_INFO, NCCL_NET as c_ulong)
+        );
+        assert_eq!(lines[0].fmt, "client-test n=%d s=%s p=%p %5.2f%%");
+        // Cut at the buffer, NUL-terminated.
+        assert_eq!(lines[1].text.len(), 4095);
+        assert!(lines[1].text.starts_with("client-test long yyy"));
     }
 }

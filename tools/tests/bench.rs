@@ -141,7 +141,7 @@ fn scripted_run_over_tcp_states_every_phase() {
     assert_eq!(code, 0);
     let lines: Vec<&str> = out.lines().collect();
     assert!(
-        lines[0].starts_with("script transport=tcp device=erdma-tcp-lo abi=11 size=8 window=2 idle=3 rounds=4 warmup=64 wait_us=0"),
+        lines[0].starts_with("script transport=tcp device=erdma-tcp-lo abi=12 size=8 window=2 idle=3 rounds=4 warmup=64 wait_us=0"),
         "{out}"
     );
     assert_eq!(lines[1], "script-warmup n=1 rounds=64 misses=0");
@@ -174,4 +174,120 @@ fn scripted_run_over_tcp_states_every_phase() {
     let (code, _, err) = bench(&["--script", "4", "--listen"]);
     assert_eq!(code, 2);
     assert!(err.contains("cannot be used with"), "{err}");
+}
+
+/// The toy plugin (tests/toy-plugin/toy_net.c: ncclNet_v8 over TCP on loopback, logging with
+/// printf formats), compiled for the test: a plugin that is not ours.
+fn toy_plugin(test: &str) -> PathBuf {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let out = temp(&format!("libtoy-{test}.so"));
+    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+    let status = Command::new(&cc)
+        .args([
+            "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-I",
+        ])
+        .arg(dir.join("../include"))
+        .arg(dir.join("tests/toy-plugin/toy_net.c"))
+        .arg("-o")
+        .arg(&out)
+        .status()
+        .unwrap_or_else(|e| panic!("running {cc}: {e}"));
+    assert!(status.success(), "{cc} failed on toy_net.c");
+    out
+}
+
+#[test]
+fn a_plugin_that_is_not_ours_runs_in_the_bench_and_the_scripted_run() {
+    let lib = toy_plugin("bench");
+    let (code, out, err) = bench(&["--lib", path(&lib), "--sizes", "8,4K,64K", "--iters", "10"]);
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    let named = format!(
+        "library:   {} (ncclNetPlugin_v8, plugin \"toy\")",
+        lib.display()
+    );
+    assert!(
+        lines.contains(&named.as_str()),
+        "the highest table it has: {out}"
+    );
+    assert!(
+        lines.contains(&"transport: toy (the plugin's own)"),
+        "{out}"
+    );
+    let head = lines
+        .iter()
+        .position(|l| *l == "      size        GB/s      lat us")
+        .expect("the table's head");
+    let rows = &lines[head + 1..][..3];
+    for (row, size) in rows
+        .iter()
+        .zip(["       8 B ", "     4 KiB ", "    64 KiB "])
+    {
+        assert!(row.starts_with(size), "{out}");
+    }
+    // Its printf-style WARN, formatted (%d, %p, %s), from each side's process.
+    let warns: Vec<&str> = err
+        .lines()
+        .filter_map(|l| l.strip_prefix("[plugin WARN] toy: a test plugin (pid "))
+        .collect();
+    assert_eq!(warns.len(), 2, "{err}");
+    for w in warns {
+        let (pid, rest) = w.split_once(", logger 0x").expect("pid and logger");
+        assert!(pid.parse::<u32>().is_ok(), "{w}");
+        assert!(
+            rest.ends_with("): not for production, loopback only"),
+            "{w}"
+        );
+    }
+    // The scripted run behind scripts/perf/cpu-cost.sh: every phase made its calls.
+    let (code, out, _) = bench(&[
+        "--lib",
+        path(&lib),
+        "--script",
+        "4",
+        "--window",
+        "2",
+        "--script-idle",
+        "3",
+        "--script-wait",
+        "200",
+    ]);
+    assert_eq!(code, 0, "{out}");
+    assert!(
+        out.starts_with("script transport=toy device=toy0 abi=8 "),
+        "{out}"
+    );
+    let kept = out
+        .lines()
+        .filter(|l| l.starts_with("script-phase ") && l.ends_with(" kept=yes"))
+        .count();
+    assert_eq!(kept, 6, "{out}");
+    assert!(out.contains("script-done messages=176"), "{out}");
+    // A table it does not have is named.
+    let (code, _, err) = bench(&["--lib", path(&lib), "--abi", "11"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("exports no ncclNetPlugin_v11"), "{err}");
+    let _ = std::fs::remove_file(lib);
+}
+
+#[test]
+fn the_client_formats_another_plugins_log_lines() {
+    use nccl_net_erdma_tools::client::{logged_lines, Net};
+    let lib = toy_plugin("client");
+    let mut net = Net::open_highest(&lib).unwrap();
+    assert_eq!((net.version(), net.name().as_str()), (8, "toy"));
+    net.init().unwrap();
+    let mut handle = [0u8; 128];
+    let listen = net.listen(0, &mut handle).unwrap();
+    let port = u16::from_be_bytes([handle[2], handle[3]]);
+    let line = logged_lines()
+        .into_iter()
+        .find(|l| l.text.starts_with("toy: listening on port "))
+        .expect("the listen line");
+    assert_eq!(line.fmt, "toy: listening on port %u (fd %d, comm %p)");
+    let want = format!("toy: listening on port {port} (fd ");
+    assert!(line.text.starts_with(&want), "{}", line.text);
+    assert!(line.text.contains(", comm 0x") && line.text.ends_with(')'));
+    net.close_listen(listen).unwrap();
+    let _ = std::fs::remove_file(lib);
 }

@@ -12,8 +12,6 @@ use nccl_net_erdma_tools::client;
 
 use crate::plan::{Phases, MAX_CONNS, MAX_GROUP, MAX_PROBE, MAX_SIZE, MAX_WINDOW};
 
-/// Default ABI version of the table to load.
-pub const DEFAULT_ABI: u32 = 11;
 /// Default requests in flight per connection.
 pub const DEFAULT_WINDOW: usize = 8;
 /// Default TCP port of `--listen` without a port (perftest's).
@@ -49,7 +47,8 @@ pub enum Role {
 #[derive(Debug, Clone)]
 pub struct Options {
     pub lib: PathBuf,
-    pub abi: u32,
+    /// The table to use; None: the highest the library exports.
+    pub abi: Option<u32>,
     pub sizes: Vec<usize>,
     pub iters: Option<usize>,
     pub window: usize,
@@ -107,7 +106,7 @@ struct Cli {
     #[arg(long, value_name = "PATH", verbatim_doc_comment)]
     lib: Option<PathBuf>,
 
-    /// ncclNetPlugin_vN table to use, 6..11 (default 11)
+    /// ncclNetPlugin_vN table to use, 6..12 (default: the highest the library exports)
     #[arg(long, value_name = "N", value_parser = abi, verbatim_doc_comment)]
     abi: Option<u32>,
 
@@ -294,7 +293,7 @@ impl From<Cli> for Options {
         };
         Options {
             lib: c.lib.unwrap_or_else(client::default_library),
-            abi: c.abi.unwrap_or(DEFAULT_ABI),
+            abi: c.abi,
             sizes: c.sizes.map_or_else(default_sizes, |s| s.0),
             iters: c.iters,
             window: c.window.unwrap_or(DEFAULT_WINDOW),
@@ -478,7 +477,7 @@ mod tests {
         assert!(s.windows(2).all(|w| w[0] < w[1]));
         let o = args("").unwrap();
         assert_eq!(o.sizes, s);
-        assert_eq!((o.abi, o.window, o.group, o.conns), (DEFAULT_ABI, 8, 1, 1));
+        assert_eq!((o.abi, o.window, o.group, o.conns), (None, 8, 1, 1));
         assert_eq!((o.role, o.phases, o.probe), (Role::Local, Phases::BOTH, 0));
         assert!(!o.run_options_given && !o.quiet && !o.stats);
         assert_eq!(o.lib, client::default_library());

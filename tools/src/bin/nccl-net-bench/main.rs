@@ -199,7 +199,7 @@ fn run_local(o: &Options) -> Res<Report> {
         .arg("--lib")
         .arg(&o.lib)
         .arg("--abi")
-        .arg(o.abi.to_string())
+        .arg(p.net.version().to_string())
         .arg("--quiet")
         .spawn()
         .map_err(|e| format!("starting {}: {e}", exe.display()))?;

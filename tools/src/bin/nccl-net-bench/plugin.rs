@@ -8,6 +8,9 @@ use crate::{args::Options, plan::Params, Res};
 
 pub const TRANSPORT_ENV: &str = "NCCL_ERDMA_TRANSPORT";
 
+/// Our plugin's name: another's has no transport setting.
+const OURS: &str = "erdma";
+
 /// Turns a plugin result code into a message naming the call.
 pub trait PluginResult<T> {
     fn call(self, what: impl FnOnce() -> String) -> Res<T>;
@@ -60,7 +63,13 @@ fn last_warning() -> String {
 /// device and the user did not choose one) and reads device 0. `want` is side A's transport,
 /// which side B adopts when its own environment does not choose.
 pub fn open_plugin(o: &Options, want: Option<&str>) -> Res<Plugin> {
-    let mut net = Net::open(&o.lib, o.abi)?;
+    let mut net = match o.abi {
+        Some(v) => Net::open(&o.lib, v)?,
+        None => Net::open_highest(&o.lib)?,
+    };
+    if net.name() != OURS {
+        return open_other(net);
+    }
     let mut note = None;
     match (std::env::var(TRANSPORT_ENV).ok(), want) {
         (Some(_), _) => net.init().call(|| format!("init ({})", last_warning()))?,
@@ -95,11 +104,7 @@ pub fn open_plugin(o: &Options, want: Option<&str>) -> Res<Plugin> {
             }
         }
     }
-    let n = net.devices().call(|| "devices".into())?;
-    if n < 1 {
-        return Err(format!("the plugin reports {n} devices"));
-    }
-    let props = net.properties(0).call(|| "getProperties(0)".into())?;
+    let props = first_device(&net)?;
     let env = std::env::var(TRANSPORT_ENV).unwrap_or_else(|_| "verbs".into());
     let transport = match env.as_str() {
         "tcp" | "verbs" => env,
@@ -112,6 +117,28 @@ pub fn open_plugin(o: &Options, want: Option<&str>) -> Res<Plugin> {
         props,
         transport,
         transport_note: note,
+    })
+}
+
+/// Device 0's properties, once `init` succeeded.
+fn first_device(net: &Net) -> Res<Properties> {
+    let n = net.devices().call(|| "devices".into())?;
+    if n < 1 {
+        return Err(format!("the plugin reports {n} devices"));
+    }
+    net.properties(0).call(|| "getProperties(0)".into())
+}
+
+/// Another plugin (not ours): `init` as NCCL would, no transport to choose; its
+/// "transport" is its name, which both sides must share.
+fn open_other(mut net: Net) -> Res<Plugin> {
+    net.init().call(|| format!("init ({})", last_warning()))?;
+    let props = first_device(&net)?;
+    Ok(Plugin {
+        transport: net.name().replace(char::is_whitespace, "_"),
+        transport_note: Some("the plugin's own".into()),
+        net,
+        props,
     })
 }
 

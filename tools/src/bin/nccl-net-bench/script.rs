@@ -438,10 +438,11 @@ pub fn run(o: &Options) -> Res<()> {
     }
     let mut p = open_plugin(o, None)?;
     let net = &p.net;
-    let wait_us = plan.wait_us.unwrap_or(if p.transport == "verbs" {
-        VERBS_WAIT_US
-    } else {
+    // Our tcp transport completes on loopback at once; anything else may be RDMA.
+    let wait_us = plan.wait_us.unwrap_or(if p.transport == "tcp" {
         0
+    } else {
+        VERBS_WAIT_US
     });
     let (send, recv) = connect_self(net)?;
     let layout = Layout::new(plan.size, plan.window, plan.window);
@@ -479,7 +480,7 @@ pub fn run(o: &Options) -> Res<()> {
          wait_us={wait_us}",
         p.transport,
         p.props.name.replace(char::is_whitespace, "_"),
-        o.abi,
+        p.net.version(),
         plan.size,
         plan.window,
         plan.idle,

@@ -299,7 +299,7 @@ pub fn run_a(o: &Options, p: &Plugin, ctl: &mut Control) -> Res<Report> {
     params.check_memory(if o.role == Role::Local { 2 } else { 1 })?;
     ctl.send(&format!(
         "{PROTOCOL} abi={} device={}",
-        o.abi,
+        p.net.version(),
         device_word(p)
     ))?;
     ctl.send(&params.encode())?;
@@ -334,7 +334,7 @@ pub fn run_b(o: &Options, ctl: &mut Control) -> Res<Report> {
         "hello transport={} device={} abi={}",
         p.transport,
         device_word(&p),
-        o.abi
+        p.net.version()
     ))?;
     if p.transport != params.transport {
         return Err(format!(
