@@ -94,6 +94,17 @@ plugin_run() { # LIB PHASE SIZE ITERS [ENV...]
   awk -F, -v c="$col" 'NR == 2 { print $c }' "$out/bench.csv"
 }
 
+# Measures and records one figure of a plugin (TOOL: plugin or other), or counts a failure.
+measure() { # TOOL LIB PHASE SIZE ITERS QPS REP [ENV...]
+  local tool=$1 which=$2 phase=$3 size=$4 iters=$5 qps=$6 rep=$7 v
+  shift 7
+  if v=$(plugin_run "$which" "$phase" "$size" "$iters" "$@"); then
+    record "$tool" "$phase" "$size" "$qps" "$rep" "$v"
+  else
+    failures=$((failures + 1))
+  fi
+}
+
 t_start=$(date +%s)
 for ((rep = 1; rep <= reps; rep++)); do
   echo "perf-vm: repetition $rep of $reps ($(($(date +%s) - t_start)) s)"
@@ -105,18 +116,8 @@ for ((rep = 1; rep <= reps; rep++)); do
     else
       failures=$((failures + 1))
     fi
-    if v=$(plugin_run "$lib" bw "$size" "$n"); then
-      record plugin bw "$size" default "$rep" "$v"
-    else
-      failures=$((failures + 1))
-    fi
-    if [[ -n $other ]]; then
-      if v=$(plugin_run "$other" bw "$size" "$n"); then
-        record other bw "$size" default "$rep" "$v"
-      else
-        failures=$((failures + 1))
-      fi
-    fi
+    measure plugin "$lib" bw "$size" "$n" default "$rep"
+    [[ -z $other ]] || measure other "$other" bw "$size" "$n" default "$rep"
   done
   for size in "${size_list[@]}"; do
     n=$(lat_iters "$size")
@@ -125,18 +126,8 @@ for ((rep = 1; rep <= reps; rep++)); do
     else
       failures=$((failures + 1))
     fi
-    if v=$(plugin_run "$lib" lat "$size" "$n"); then
-      record plugin lat "$size" default "$rep" "$v"
-    else
-      failures=$((failures + 1))
-    fi
-    if [[ -n $other ]]; then
-      if v=$(plugin_run "$other" lat "$size" "$n"); then
-        record other lat "$size" default "$rep" "$v"
-      else
-        failures=$((failures + 1))
-      fi
-    fi
+    measure plugin "$lib" lat "$size" "$n" default "$rep"
+    [[ -z $other ]] || measure other "$other" lat "$size" "$n" default "$rep"
     # The floor of a receiver that learns of arrival from a completion queue entry (as
     # NCCL's IB transport and this plugin do), where ib_write_lat polls memory instead.
     if ((size == 8)); then
@@ -149,11 +140,7 @@ for ((rep = 1; rep <= reps; rep++)); do
   done
   for q in "${qp_list[@]}"; do
     for size in ${qp_sizes//,/ }; do
-      if v=$(plugin_run "$lib" bw "$size" "$(bw_iters "$size")" NCCL_IB_QPS_PER_CONNECTION="$q"); then
-        record plugin bw "$size" "$q" "$rep" "$v"
-      else
-        failures=$((failures + 1))
-      fi
+      measure plugin "$lib" bw "$size" "$(bw_iters "$size")" "$q" "$rep" NCCL_IB_QPS_PER_CONNECTION="$q"
     done
   done
 done
