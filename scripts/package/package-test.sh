@@ -18,7 +18,10 @@
 #      NCCL_ERDMA_TRANSPORT=tcp NCCL_SOCKET_IFNAME=lo target/release/nccl-net-bench
 #        --lib <installed path> --sizes 8,64K --iters 20;
 #   h. the .deb: files, Depends (libc6 >= the glibc found), Recommends, the ldconfig trigger
-#      (installing it is the Soft-RoCE VM tier's step, scripts/tiers/vm-tier.sh).
+#      (installing it on Debian 12 is the Soft-RoCE VM tier's step, scripts/tiers/vm-tier.sh);
+#   i. both in an older userland (scripts/package/old-userland.sh: Debian 11, glibc 2.31, in a
+#      chroot in its own network namespace): the wheel into a venv, its commands, the bench
+#      over tcp through the installed library; the .deb with dpkg -i, its library by name.
 # Each step ends with `package-test: PASS|FAIL <step> (<s> s)`; exit status non-zero if any
 # step failed.
 set -uo pipefail
@@ -53,16 +56,18 @@ whl=$(ls "$dist"/nccl_net_erdma-"$version"-*.whl)
 deb=$dist/nccl-net-erdma_${version}_amd64.deb
 tag=${whl##*-}
 tag=${tag%.whl}
+# The first of the tags (manylinux_2_17_x86_64.manylinux2014_x86_64: one platform, two names).
+platform=${tag%%.*}
 
 echo "== package-test: auditwheel show $whl"
 t=$(now)
 python3 -m venv "$work/tools" && "$work/tools/bin/pip" install --quiet --disable-pip-version-check auditwheel &&
   "$work/tools/bin/auditwheel" show "$whl" >"$work/auditwheel.txt" 2>&1
 cat "$work/auditwheel.txt"
-if grep -qF "consistent with the following platform tag: \"$tag\"" <(tr '\n' ' ' <"$work/auditwheel.txt" | tr -s ' '); then
-  result PASS auditwheel "$t" "$tag"
+if grep -qF "consistent with the following platform tag: \"$platform\"" <(tr '\n' ' ' <"$work/auditwheel.txt" | tr -s ' '); then
+  result PASS auditwheel "$t" "$tag: $(grep -m1 -oE 'consistent with the following platform tag: "[^"]*"' <(tr '\n' ' ' <"$work/auditwheel.txt" | tr -s ' '))"
 else
-  result FAIL auditwheel "$t" "auditwheel does not confirm $tag"
+  result FAIL auditwheel "$t" "auditwheel does not confirm $platform"
 fi
 
 echo "== package-test: python3 -m venv; pip install --no-index $whl"
@@ -74,8 +79,10 @@ else
   result FAIL pip-install "$t" "pip install of the wheel failed"
   done_
 fi
-# The installed package, as a user meets it: from another directory, the venv on PATH.
-rel=$(cd "$(release_dir)" && pwd)
+# The installed package, as a user meets it: from another directory, the venv on PATH. The
+# benchmark is the one package.sh built with the packages (glibc 2.17).
+repo=$(pwd)
+rel=$(cd "${CARGO_TARGET_DIR:-target}/x86_64-unknown-linux-gnu/release" && pwd)
 cd "$work" || exit 1
 export PATH=$venv/bin:$PATH
 
@@ -169,7 +176,7 @@ files=$(dpkg-deb --contents "$deb" | awk '{print $NF}')
 depends=$(dpkg-deb --field "$deb" Depends)
 recommends=$(dpkg-deb --field "$deb" Recommends)
 dpkg-deb --ctrl-tarfile "$deb" | tar -xO ./triggers >"$work/triggers" 2>/dev/null
-glibc=${tag#manylinux_}
+glibc=${platform#manylinux_}
 glibc=${glibc%_x86_64}
 glibc=${glibc/_/.}
 problems=()
@@ -182,6 +189,14 @@ if [[ ${#problems[@]} -eq 0 ]]; then
   result PASS deb-contents "$t" "Depends: $depends; Recommends: $recommends"
 else
   result FAIL deb-contents "$t" "${problems[*]}"
+fi
+
+echo "== package-test: an older userland (scripts/package/old-userland.sh)"
+t=$(now)
+if bash "$repo/scripts/package/old-userland.sh" "$whl" "$deb" "$rel/nccl-net-bench"; then
+  result PASS old-userland "$t" "Debian 11 (glibc 2.31): the wheel, its commands, the bench over tcp; the .deb"
+else
+  result FAIL old-userland "$t" "see the old-userland lines above"
 fi
 
 done_

@@ -3,7 +3,7 @@
 #
 #   scripts/package/package.sh [--wheel-only | --deb-only]
 #
-#   target/dist/nccl_net_erdma-VERSION-py3-none-manylinux_2_NN_x86_64.whl
+#   target/dist/nccl_net_erdma-VERSION-py3-none-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
 #       the Python wheel (tools/python, hatchling + its build hook): libnccl-net-erdma.so and
 #       nccl-net-erdma-info inside the package; `python -m nccl_net_erdma [--env]`, the
 #       `nccl-net-erdma-info` command, nccl_net_erdma.library_path() / configure_env().
@@ -11,13 +11,18 @@
 #       the Debian package (cargo-deb, [package.metadata.deb] in tools/Cargo.toml):
 #       /usr/lib/x86_64-linux-gnu/libnccl-net-erdma.so and /usr/bin/nccl-net-erdma-info.
 #
-# VERSION is the root package's version in Cargo.toml. 2.NN is the newest GLIBC_2.* symbol
-# version the library and the info command require (objdump -p): the oldest glibc they run on;
-# the wheel's manylinux tag and the .deb's `libc6 (>=)` both say it, and this script fails if
-# they disagree with it. Builds the release library and binaries first (cargo build --release).
-# Installs what it needs: the build dependencies, dpkg-dev and python3-venv with apt-get (as
-# root, or with sudo), cargo-deb with `cargo install --locked` (CARGO_DEB_VERSION, 3.8.0),
-# and hatchling from PyPI into a build virtual environment (target/package/venv).
+# VERSION is the root package's version in Cargo.toml. The packaged library, info command and
+# benchmark are built for glibc 2.17 (manylinux2014: CentOS 7, Ubuntu 18.04, Debian 10 and
+# later) with cargo-zigbuild (`--target x86_64-unknown-linux-gnu.2.17`: zig links against
+# glibc 2.17's symbol versions, and no libgcc_s) into target/x86_64-unknown-linux-gnu/release/;
+# the development build (target/release) keeps the host toolchain. The newest GLIBC_2.* symbol
+# version the packaged files require (objdump -p) is the oldest glibc they run on: the wheel's
+# manylinux tag and the .deb's `libc6 (>=)` both say it, and this script fails if they disagree
+# with it or it is newer than 2.17. Installs what it needs: the build dependencies, dpkg-dev and
+# python3-venv with apt-get (as root, or with sudo), cargo-deb with `cargo install --locked`
+# (CARGO_DEB_VERSION, 3.8.0), and from PyPI into a build virtual environment
+# (target/package/venv) cargo-zigbuild and ziglang (CARGO_ZIGBUILD_VERSION 0.24.1,
+# ZIGLANG_VERSION 0.17.1); pip builds the wheel with hatchling.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # shellcheck source=scripts/common.sh
@@ -37,7 +42,6 @@ esac
 
 ensure_build_deps
 if [[ $deb == 1 ]]; then ensure_packages dpkg-dev; fi # dpkg-shlibdeps: the .deb's Depends
-if [[ $wheel == 1 ]]; then ensure_packages python3 python3-venv; fi
 
 # The root package's version, as cargo reads it (pkgid ends in `#VERSION` or `#name@VERSION`).
 version=$(cargo pkgid --quiet -p nccl-net-erdma)
@@ -47,9 +51,28 @@ version=${version##*[#@]}
   exit 1
 }
 
-echo "== package: build (release)"
-build_release
-rel=$(cd "$(release_dir)" && pwd)
+# The build virtual environment: zig and cargo-zigbuild (and pip, which builds the wheel).
+ensure_packages python3 python3-venv
+venv=target/package/venv
+if [[ ! -x $venv/bin/pip ]]; then
+  rm -rf "$venv"
+  python3 -m venv "$venv"
+fi
+zigbuild_version=${CARGO_ZIGBUILD_VERSION:-0.24.1} zig_version=${ZIGLANG_VERSION:-0.17.1}
+if ! "$venv/bin/cargo-zigbuild" --version 2>/dev/null | grep -qxF "cargo-zigbuild $zigbuild_version" ||
+  [[ $("$venv/bin/python" -m ziglang version 2>/dev/null) != "$zig_version" ]]; then
+  echo "installing cargo-zigbuild $zigbuild_version and ziglang $zig_version into $venv (PyPI)" >&2
+  "$venv/bin/pip" install --quiet --disable-pip-version-check \
+    "cargo-zigbuild==$zigbuild_version" "ziglang==$zig_version"
+fi
+
+# glibc 2.17: the oldest the wheel and the .deb promise.
+floor=2.17
+triple=x86_64-unknown-linux-gnu
+echo "== package: build (release, glibc $floor: cargo zigbuild --target $triple.$floor)"
+PATH=$(cd "$venv/bin" && pwd):$PATH cargo zigbuild --release --target "$triple.$floor" --workspace --lib --bins
+rel=$(cd "${CARGO_TARGET_DIR:-target}/$triple/release" && pwd)
+cp -f "$rel/libnccl_net_erdma.so" "$rel/libnccl-net-erdma.so"
 so=$rel/libnccl_net_erdma.so
 info=$rel/nccl-net-erdma-info
 glibc=$(objdump -p "$so" "$info" | grep -oE '\bGLIBC_2\.[0-9]+\b' | sort -uV | tail -1)
@@ -58,22 +81,24 @@ glibc=${glibc#GLIBC_}
   echo "package.sh: no GLIBC_2.* version references in $so and $info" >&2
   exit 1
 }
-echo "package: version $version; requires glibc >= $glibc (newest GLIBC_ symbol version used)"
+[[ $(printf '%s\n' "$glibc" "$floor" | sort -V | tail -1) == "$floor" ]] || {
+  echo "package.sh: $so and $info need glibc $glibc, newer than the $floor the packages promise" >&2
+  exit 1
+}
+echo "package: version $version; requires glibc >= $glibc (newest GLIBC_ symbol version used); built in $rel"
 dist=target/dist
 mkdir -p "$dist"
 
 if [[ $wheel == 1 ]]; then
   echo "== package: wheel (tools/python, hatchling)"
-  venv=target/package/venv
-  if [[ ! -x $venv/bin/pip ]]; then
-    rm -rf "$venv"
-    python3 -m venv "$venv"
-  fi
   rm -f "$dist"/nccl_net_erdma-*.whl
   # pip builds in an isolated environment with the backend pyproject.toml asks for (hatchling).
   NCCL_ERDMA_RELEASE_DIR=$rel PIP_DISABLE_PIP_VERSION_CHECK=1 \
     "$venv/bin/pip" wheel --quiet --no-deps --wheel-dir "$dist" tools/python
-  whl=$dist/nccl_net_erdma-$version-py3-none-manylinux_${glibc/./_}_x86_64.whl
+  # manylinux_2_17 is also manylinux2014, the name older pips know (pip < 20.3).
+  tag=manylinux_${glibc/./_}_x86_64
+  [[ $glibc != 2.17 ]] || tag+=.manylinux2014_x86_64
+  whl=$dist/nccl_net_erdma-$version-py3-none-$tag.whl
   [[ -f $whl ]] || {
     echo "package.sh: expected $whl, got: $(ls "$dist")" >&2
     exit 1
@@ -89,8 +114,9 @@ if [[ $deb == 1 ]]; then
     cargo install --quiet --locked cargo-deb --version "$cargo_deb_version"
   fi
   rm -f "$dist"/nccl-net-erdma_*.deb
-  # --no-build: package what build_release built (cargo-deb would build only the tools crate).
-  cargo deb --quiet -p nccl-net-erdma-tools --no-build --deb-version "$version" --output "$dist/"
+  # --no-build: package what cargo zigbuild built (cargo-deb would build only the tools crate);
+  # --target: the assets' target/release/ paths are read from target/$triple/release/.
+  cargo deb --quiet -p nccl-net-erdma-tools --no-build --target "$triple" --deb-version "$version" --output "$dist/"
   debfile=$dist/nccl-net-erdma_${version}_amd64.deb
   [[ -f $debfile ]] || {
     echo "package.sh: expected $debfile, got: $(ls "$dist")" >&2

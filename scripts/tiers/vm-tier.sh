@@ -88,6 +88,9 @@ so=$rel/libnccl_net_erdma.so
   exit 1
 }
 mkdir -p "$stage/deps"
+# The tools' tests drive a toy plugin in C, which they compile where there is a compiler; the
+# VM has none, so it comes built (NCCL_NET_TOY_PLUGIN).
+build_toy_plugin "$stage/libtoy.so"
 cp "$so" "$stage/libnccl_net_erdma.so"
 ln "$stage/libnccl_net_erdma.so" "$stage/libnccl-net-erdma.so"
 while read -r bin; do
@@ -167,7 +170,8 @@ for x in "${tests[@]}"; do
   name=${x#deps/}
   echo "== vm: $name (NCCL_ERDMA_TEST_DEVICE=rxe0 NCCL_ERDMA_TRANSPORT=$transport --test-threads=1 --include-ignored)"
   t=$(now)
-  NCCL_ERDMA_TRANSPORT=$transport timeout -k 5 "$test_timeout" "./$x" --test-threads=1 --include-ignored
+  NCCL_ERDMA_TRANSPORT=$transport NCCL_NET_TOY_PLUGIN=/opt/work/libtoy.so \
+    timeout -k 5 "$test_timeout" "./$x" --test-threads=1 --include-ignored
   rc=$?
   if [[ $rc -eq 0 ]]; then
     result PASS "test:$name" "$t"

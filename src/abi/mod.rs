@@ -212,3 +212,21 @@ impl SizeSink for NcclSizes {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_panic_in_an_export_is_an_internal_error_not_an_unwind_into_c() {
+        assert_eq!(
+            boundary("test", || panic!("planted")),
+            ncclResult_t::ncclInternalError
+        );
+        assert_eq!(
+            boundary("test", || Err(Error::remote("gone".into()))),
+            ncclResult_t::ncclRemoteError
+        );
+        assert_eq!(boundary("test", || Ok(())), ncclResult_t::ncclSuccess);
+    }
+}

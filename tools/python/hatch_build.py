@@ -3,7 +3,8 @@
 The files come from the release directory (``$NCCL_ERDMA_RELEASE_DIR``, else
 ``<repo>/target/release``); build them first (``scripts/package/package.sh`` does). The wheel is tagged
 ``py3-none-manylinux_2_NN_x86_64``, NN the newest glibc symbol version the two files require
-(read from their version references with ``objdump -p``): the oldest glibc they run on.
+(read from their version references with ``objdump -p``): the oldest glibc they run on; for
+2.17 also ``manylinux2014_x86_64``, its older name.
 """
 
 import os
@@ -46,7 +47,11 @@ class CustomBuildHook(BuildHookInterface):
             )
         major, minor = glibc_floor(sources)
         build_data["pure_python"] = False
-        build_data["tag"] = f"py3-none-manylinux_{major}_{minor}_x86_64"
+        tag = f"manylinux_{major}_{minor}_x86_64"
+        if (major, minor) == (2, 17):
+            # The same platform by its older name, which pip < 20.3 knows.
+            tag += ".manylinux2014_x86_64"
+        build_data["tag"] = f"py3-none-{tag}"
         for src, (_, dest) in zip(sources, ARTIFACTS):
             build_data["force_include"][str(src)] = dest
         self.app.display_info(f"wheel tag {build_data['tag']} (from the glibc versions of {release})")

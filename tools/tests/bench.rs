@@ -177,29 +177,55 @@ fn scripted_run_over_tcp_states_every_phase() {
 }
 
 /// The toy plugin (tests/toy-plugin/toy_net.c: ncclNet_v8 over TCP on loopback, logging with
-/// printf formats), compiled for the test: a plugin that is not ours.
-fn toy_plugin(test: &str) -> PathBuf {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let out = temp(&format!("libtoy-{test}.so"));
-    let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
-    let status = Command::new(&cc)
-        .args([
-            "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-I",
-        ])
-        .arg(dir.join("../include"))
-        .arg(dir.join("tests/toy-plugin/toy_net.c"))
-        .arg("-o")
-        .arg(&out)
-        .status()
-        .unwrap_or_else(|e| panic!("running {cc}: {e}"));
-    assert!(status.success(), "{cc} failed on toy_net.c");
-    out
+/// printf formats): a plugin that is not ours. Compiled for the test (and removed after it),
+/// or where there is no compiler (the Soft-RoCE VM) the one `NCCL_NET_TOY_PLUGIN` names.
+struct Toy {
+    path: PathBuf,
+    compiled: bool,
+}
+
+impl Toy {
+    fn get(test: &str) -> Toy {
+        if let Some(p) = std::env::var_os("NCCL_NET_TOY_PLUGIN") {
+            return Toy {
+                path: p.into(),
+                compiled: false,
+            };
+        }
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR"));
+        let path = temp(&format!("libtoy-{test}.so"));
+        let cc = std::env::var("CC").unwrap_or_else(|_| "cc".into());
+        let status = Command::new(&cc)
+            .args([
+                "-shared", "-fPIC", "-O2", "-Wall", "-Wextra", "-Werror", "-I",
+            ])
+            .arg(dir.join("../include"))
+            .arg(dir.join("tests/toy-plugin/toy_net.c"))
+            .arg("-o")
+            .arg(&path)
+            .status()
+            .unwrap_or_else(|e| panic!("running {cc}: {e}"));
+        assert!(status.success(), "{cc} failed on toy_net.c");
+        Toy {
+            path,
+            compiled: true,
+        }
+    }
+}
+
+impl Drop for Toy {
+    fn drop(&mut self) {
+        if self.compiled {
+            let _ = std::fs::remove_file(&self.path);
+        }
+    }
 }
 
 #[test]
 fn a_plugin_that_is_not_ours_runs_in_the_bench_and_the_scripted_run() {
-    let lib = toy_plugin("bench");
-    let (code, out, err) = bench(&["--lib", path(&lib), "--sizes", "8,4K,64K", "--iters", "10"]);
+    let toy = Toy::get("bench");
+    let lib = &toy.path;
+    let (code, out, err) = bench(&["--lib", path(lib), "--sizes", "8,4K,64K", "--iters", "10"]);
     assert_eq!(code, 0, "{err}");
     let lines: Vec<&str> = out.lines().collect();
     let named = format!(
@@ -242,7 +268,7 @@ fn a_plugin_that_is_not_ours_runs_in_the_bench_and_the_scripted_run() {
     // The scripted run behind scripts/perf/cpu-cost.sh: every phase made its calls.
     let (code, out, _) = bench(&[
         "--lib",
-        path(&lib),
+        path(lib),
         "--script",
         "4",
         "--window",
@@ -264,17 +290,17 @@ fn a_plugin_that_is_not_ours_runs_in_the_bench_and_the_scripted_run() {
     assert_eq!(kept, 6, "{out}");
     assert!(out.contains("script-done messages=176"), "{out}");
     // A table it does not have is named.
-    let (code, _, err) = bench(&["--lib", path(&lib), "--abi", "11"]);
+    let (code, _, err) = bench(&["--lib", path(lib), "--abi", "11"]);
     assert_ne!(code, 0);
     assert!(err.contains("exports no ncclNetPlugin_v11"), "{err}");
-    let _ = std::fs::remove_file(lib);
 }
 
 #[test]
 fn the_client_formats_another_plugins_log_lines() {
     use nccl_net_erdma_tools::client::{logged_lines, Net};
-    let lib = toy_plugin("client");
-    let mut net = Net::open_highest(&lib).unwrap();
+    let toy = Toy::get("client");
+    let lib = &toy.path;
+    let mut net = Net::open_highest(lib).unwrap();
     assert_eq!((net.version(), net.name().as_str()), (8, "toy"));
     net.init().unwrap();
     let mut handle = [0u8; 128];
@@ -289,5 +315,4 @@ fn the_client_formats_another_plugins_log_lines() {
     assert!(line.text.starts_with(&want), "{}", line.text);
     assert!(line.text.contains(", comm 0x") && line.text.ends_with(')'));
     net.close_listen(listen).unwrap();
-    let _ = std::fs::remove_file(lib);
 }
