@@ -20,9 +20,9 @@
 # manylinux tag and the .deb's `libc6 (>=)` both say it, and this script fails if they disagree
 # with it or it is newer than 2.17. Installs what it needs: the build dependencies, dpkg-dev and
 # python3-venv with apt-get (as root, or with sudo), cargo-deb with `cargo install --locked`
-# (CARGO_DEB_VERSION, 3.8.0), and from PyPI into a build virtual environment
-# (target/package/venv) cargo-zigbuild and ziglang (CARGO_ZIGBUILD_VERSION 0.24.1,
-# ZIGLANG_VERSION 0.17.1); pip builds the wheel with hatchling.
+# (CARGO_DEB_VERSION, 3.8.0), and from PyPI cargo-zigbuild and ziglang (CARGO_ZIGBUILD_VERSION
+# 0.24.1, ZIGLANG_VERSION 0.17.1) into a virtual environment under ~/.cache/nccl-net-erdma/;
+# pip (target/package/venv) builds the wheel with hatchling.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # shellcheck source=scripts/common.sh
@@ -41,7 +41,7 @@ case ${1:-} in
 esac
 
 ensure_build_deps
-if [[ $deb == 1 ]]; then ensure_packages dpkg-dev; fi # dpkg-shlibdeps: the .deb's Depends
+if [[ $deb == 1 ]]; then ensure_packages dpkg-dev; fi # dpkg-architecture and friends, for cargo-deb
 
 # The root package's version, as cargo reads it (pkgid ends in `#VERSION` or `#name@VERSION`).
 version=$(cargo pkgid --quiet -p nccl-net-erdma)
@@ -51,7 +51,10 @@ version=${version##*[#@]}
   exit 1
 }
 
-# The build virtual environment: zig and cargo-zigbuild (and pip, which builds the wheel).
+# The build virtual environment (pip, which builds the wheel), and zig with cargo-zigbuild in
+# one of their own outside the source tree: zig names its library directory relative to the
+# working directory when it lies below it, and build scripts, which run elsewhere, would not
+# find its C headers.
 ensure_packages python3 python3-venv
 venv=target/package/venv
 if [[ ! -x $venv/bin/pip ]]; then
@@ -59,10 +62,13 @@ if [[ ! -x $venv/bin/pip ]]; then
   python3 -m venv "$venv"
 fi
 zigbuild_version=${CARGO_ZIGBUILD_VERSION:-0.24.1} zig_version=${ZIGLANG_VERSION:-0.17.1}
-if ! "$venv/bin/cargo-zigbuild" --version 2>/dev/null | grep -qxF "cargo-zigbuild $zigbuild_version" ||
-  [[ $("$venv/bin/python" -m ziglang version 2>/dev/null) != "$zig_version" ]]; then
-  echo "installing cargo-zigbuild $zigbuild_version and ziglang $zig_version into $venv (PyPI)" >&2
-  "$venv/bin/pip" install --quiet --disable-pip-version-check \
+zig_venv=${XDG_CACHE_HOME:-$HOME/.cache}/nccl-net-erdma/zig-$zig_version-cargo-zigbuild-$zigbuild_version
+if ! "$zig_venv/bin/cargo-zigbuild" --version 2>/dev/null | grep -qxF "cargo-zigbuild $zigbuild_version" ||
+  [[ $("$zig_venv/bin/python" -m ziglang version 2>/dev/null) != "$zig_version" ]]; then
+  echo "installing cargo-zigbuild $zigbuild_version and ziglang $zig_version into $zig_venv (PyPI)" >&2
+  rm -rf "$zig_venv"
+  python3 -m venv "$zig_venv"
+  "$zig_venv/bin/pip" install --quiet --disable-pip-version-check \
     "cargo-zigbuild==$zigbuild_version" "ziglang==$zig_version"
 fi
 
@@ -70,7 +76,7 @@ fi
 floor=2.17
 triple=x86_64-unknown-linux-gnu
 echo "== package: build (release, glibc $floor: cargo zigbuild --target $triple.$floor)"
-PATH=$(cd "$venv/bin" && pwd):$PATH cargo zigbuild --release --target "$triple.$floor" --workspace --lib --bins
+PATH=$zig_venv/bin:$PATH cargo zigbuild --release --target "$triple.$floor" --workspace --lib --bins
 rel=$(cd "${CARGO_TARGET_DIR:-target}/$triple/release" && pwd)
 cp -f "$rel/libnccl_net_erdma.so" "$rel/libnccl-net-erdma.so"
 so=$rel/libnccl_net_erdma.so
