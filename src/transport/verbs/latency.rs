@@ -148,32 +148,25 @@ impl RailLatency {
         }
     }
 
-    fn qp(&mut self, qpn: u32) -> &mut QpLatency {
-        let i = match self.qps.iter().position(|q| q.qpn == qpn) {
-            Some(i) => i,
-            None => {
-                self.qps.push(QpLatency {
-                    qpn,
-                    ring: Box::new([(Instant::now(), 0); RING]),
-                    head: 0,
-                    len: 0,
-                    hist: Histogram::default(),
-                    warned: None,
-                });
-                self.qps.len() - 1
-            }
-        };
-        &mut self.qps[i]
-    }
-
     /// Tracks QP `qpn` from now on (made at setup, so that a post allocates nothing).
     pub(crate) fn track(&mut self, qpn: u32) {
-        self.qp(qpn);
+        if self.qps.iter().all(|q| q.qpn != qpn) {
+            self.qps.push(QpLatency {
+                qpn,
+                ring: Box::new([(Instant::now(), 0); RING]),
+                head: 0,
+                len: 0,
+                hist: Histogram::default(),
+                warned: None,
+            });
+        }
     }
 
-    /// A signaled request `wr_id` was posted on QP `qpn` at `now`.
+    /// A signaled request `wr_id` was posted on QP `qpn` (a tracked one) at `now`.
     pub(crate) fn posted(&mut self, qpn: u32, wr_id: u64, now: Instant) {
-        let q = self.qp(qpn);
+        let Some(q) = self.qps.iter_mut().find(|q| q.qpn == qpn) else {
+            return;
+        };
         if q.len < RING {
             let at = (q.head + q.len) % RING;
             q.ring[at] = (now, wr_id);
