@@ -316,3 +316,22 @@ fn the_client_formats_another_plugins_log_lines() {
     assert!(line.text.contains(", comm 0x") && line.text.ends_with(')'));
     net.close_listen(listen).unwrap();
 }
+
+#[test]
+fn scale_run_over_tcp_counts_what_each_pair_holds_and_leaves_nothing() {
+    let lib = nccl_net_erdma_tools::client::default_library();
+    let (code, out, err) = bench(&["--lib", path(&lib), "--scale", "4,8"]);
+    assert_eq!(code, 0, "{err}");
+    let lines: Vec<&str> = out.lines().collect();
+    assert!(lines[0].starts_with("scale: "), "{out}");
+    assert!(lines[1].trim_start().starts_with("pairs "), "{out}");
+    for (row, n) in lines[2..].iter().zip(["4", "8"]) {
+        let cols: Vec<&str> = row.split_whitespace().collect();
+        assert_eq!(cols.len(), 10, "{row}");
+        assert_eq!(cols[0], n);
+        // Over tcp each end of a pair is one socket, and closing gives them all back.
+        assert_eq!((cols[2], cols[9]), ("2.0", "0"), "{row}");
+        assert!(cols[7].parse::<f64>().unwrap() > 0.0, "{row}");
+    }
+    assert_eq!(lines.len(), 4, "{out}");
+}

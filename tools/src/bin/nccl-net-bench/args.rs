@@ -20,6 +20,9 @@ pub const DEFAULT_LISTEN_PORT: u16 = 18515;
 const MAX_ITERS: usize = 100_000_000;
 /// Most `--script` rounds per phase.
 const MAX_SCRIPT_ROUNDS: usize = 1_000_000;
+/// Most connection pairs `--scale` opens at once (each holds file descriptors: mind
+/// `ulimit -n`).
+const MAX_SCALE_PAIRS: usize = 16_384;
 
 const USAGE: &str = "\
 nccl-net-bench [options]                  both sides on this host (loopback)
@@ -77,6 +80,8 @@ pub struct Options {
     pub probe: usize,
     /// `--script`: rounds per phase of the scripted run (None: the normal run).
     pub script: Option<usize>,
+    /// `--scale`: the numbers of connection pairs to open.
+    pub scale: Option<Vec<usize>>,
     /// `--script-idle`: idle isends and idle tests per message of the scripted run.
     pub script_idle: usize,
     /// `--script-wait`: the scripted run's wait for the network (None: by transport).
@@ -87,6 +92,17 @@ pub struct Options {
 /// while this flag takes one comma-separated value.
 #[derive(Debug, Clone)]
 struct SizeList(Vec<usize>);
+
+/// `--scale`'s counts of pairs.
+#[derive(Debug, Clone)]
+struct ScaleList(Vec<usize>);
+
+fn scale_list(s: &str) -> Result<ScaleList, String> {
+    s.split(',')
+        .map(|v| count::<1, MAX_SCALE_PAIRS>(v.trim()))
+        .collect::<Result<Vec<_>, _>>()
+        .map(ScaleList)
+}
 
 /// The flags as clap sees them. Run options are `Option`s so that [`Options`] can tell which
 /// were given (side B ignores them, with a note). Each help text keeps its line breaks
@@ -217,6 +233,19 @@ struct Cli {
     )]
     script: Option<usize>,
 
+    /// what connections cost: for each N of LIST (e.g. 16,64,256), N
+    /// connection pairs opened in this process, one 64 KiB message
+    /// verified over each, and per pair the memory, file descriptors,
+    /// QPs, CQs, MRs and connect time it holds; prints a table
+    #[arg(
+        long,
+        value_name = "LIST",
+        value_parser = scale_list,
+        conflicts_with_all = ["listen", "connect", "plot", "probe", "csv", "svg", "script"],
+        verbatim_doc_comment
+    )]
+    scale: Option<ScaleList>,
+
     /// with --script: idle isends and idle tests per message, 0..64
     /// (default 1)
     #[arg(long = "script-idle", value_name = "K", value_parser = count::<0, 64>, requires = "script", verbatim_doc_comment)]
@@ -315,6 +344,7 @@ impl From<Cli> for Options {
             stats: c.stats,
             probe: c.probe.unwrap_or(0),
             script: c.script,
+            scale: c.scale.map(|l| l.0),
             script_idle: c.script_idle.unwrap_or(1),
             script_wait_us: c.script_wait.map(|v| v as u64),
         }

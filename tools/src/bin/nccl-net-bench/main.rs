@@ -23,7 +23,8 @@
 //! The results go to a table on stdout, `--csv` and `--svg` ([`report`], [`plot`]).
 //!
 //! `--script R` is another mode: the scripted single-process run whose instructions
-//! scripts/perf/cpu-cost.sh counts per kind of call ([`script`]).
+//! scripts/perf/cpu-cost.sh counts per kind of call ([`script`]); `--scale N,...` another:
+//! what N connections cost ([`scale`]).
 //!
 //! This file: the process roles (local, listening, connecting), `main`, and the functions
 //! of the bandwidth phase and the idle probe that callgrind can measure by name.
@@ -40,6 +41,7 @@ mod plot;
 mod plugin;
 mod poll;
 mod report;
+mod scale;
 mod script;
 mod session;
 
@@ -273,6 +275,15 @@ fn main() -> ExitCode {
         return ExitCode::from(2);
     }
     let o = Options::from_env();
+    if let Some(counts) = &o.scale {
+        return match scale::run(&o, counts) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("nccl-net-bench: error: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if o.script.is_some() {
         let r = match o.cpus {
             Some((a, _)) => pin_self(a),
