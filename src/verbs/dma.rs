@@ -223,6 +223,11 @@ impl SendChain {
         self.len == 0
     }
 
+    /// Work requests in the chain.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
     fn push(&mut self, opcode: ibv_wr_opcode::Type, local: (u64, u32, u32), remote: (u64, u32)) {
         assert!(self.len < MAX_CHAIN, "work request chain overflow");
         let i = self.len;

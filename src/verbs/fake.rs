@@ -439,6 +439,7 @@ pub(crate) struct FakeQp {
     world: Arc<Mutex<World>>,
     qpn: u32,
     max_inline: u32,
+    max_send_wr: u32,
 }
 
 /// A CQ of a [`FakeNic`].
@@ -462,6 +463,9 @@ impl QueuePair for FakeQp {
     }
     fn max_inline(&self) -> u32 {
         self.max_inline
+    }
+    fn max_send_wr(&self) -> u32 {
+        self.max_send_wr
     }
 }
 
@@ -537,6 +541,7 @@ unsafe impl Nic for FakeNic {
             world: Arc::clone(&self.world),
             qpn,
             max_inline,
+            max_send_wr: send,
         })
     }
 

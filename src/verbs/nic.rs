@@ -40,6 +40,8 @@ pub(crate) trait QueuePair {
     fn psn(&self) -> u32;
     /// Inline data limit actually granted.
     fn max_inline(&self) -> u32;
+    /// Send queue depth actually granted.
+    fn max_send_wr(&self) -> u32;
 }
 
 /// A memory registration as the transport sees it.
@@ -111,6 +113,9 @@ impl QueuePair for Qp {
     }
     fn max_inline(&self) -> u32 {
         self.max_inline
+    }
+    fn max_send_wr(&self) -> u32 {
+        self.max_send_wr
     }
 }
 

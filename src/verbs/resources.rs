@@ -591,6 +591,8 @@ pub(crate) struct Qp {
     pub(crate) psn: u32,
     /// Inline data limit actually granted.
     pub(crate) max_inline: u32,
+    /// Send queue depth actually granted (at least what was asked for).
+    pub(crate) max_send_wr: u32,
 }
 
 // SAFETY: QPs are libibverbs objects; posting is done by the one thread driving the comm
@@ -648,6 +650,7 @@ impl Qp {
                 _cq: Arc::clone(cq),
                 psn,
                 max_inline: attr.cap.max_inline_data.min(inline),
+                max_send_wr: attr.cap.max_send_wr.max(max_send_wr),
             });
         }
         Err(last.expect("at least one attempt"))

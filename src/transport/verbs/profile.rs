@@ -119,6 +119,7 @@ pub(crate) fn conn_params(
                 c.wqe_latency_report.value,
             )
         }),
+        send_depth: super::send::SENDER_SEND_DEPTH,
     }
 }
 

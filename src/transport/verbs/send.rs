@@ -35,6 +35,19 @@ use crate::verbs::nic::{Nic, QueuePair};
 /// Where in `sizes_local` a probe's byte lands (after the size records).
 pub(crate) const PROBE_AT: usize = SLOTS * MAX_RECVS;
 
+/// The send queue depth of a sender's QPs: room for a single-buffer send in every slot
+/// twice over (one write each), or for six sends of 8-buffer receives (9 writes each). A
+/// send the queue has no room for now is "not now" (NCCL tries it again), so the depth
+/// bounds memory, not what NCCL may have in flight.
+pub(crate) const SENDER_SEND_DEPTH: u32 = 2 * SLOTS as u32;
+
+/// Work requests the writes of a slot of `n` sends may take on one QP: one per send, and
+/// the write of the sizes of a grouped receive. A send queue shallower than this for
+/// `MAX_RECVS` could never post an 8-buffer receive's slot.
+const fn slot_wrs(n: usize) -> u32 {
+    (n + 1) as u32
+}
+
 /// The sends matched to one receive slot.
 #[derive(Debug, Clone, Copy)]
 struct SendSlot {
@@ -130,6 +143,9 @@ pub(crate) struct SendState<N: Nic> {
     single: WriteImm,
     /// Where NCCL's handles are looked up.
     keys: CommKeys,
+    /// Per connection QP: the work requests its send queue has room for (indexed by the
+    /// QP's byte of a send's work request id, so a completion needs no bounds check).
+    sq_room: [u32; 256],
     failure: Failure,
     traffic: Traffic,
     pub(crate) peer: String,
@@ -146,6 +162,12 @@ impl<N: Nic> SendState<N> {
         peer: String,
         keys: CommKeys,
     ) -> Self {
+        let mut sq_room = [0; 256];
+        for (q, room) in sq_room.iter_mut().enumerate().take(plan.nqps) {
+            let (r, i) = locate(q, plan.rails);
+            *room = rails[r].qps[i].max_send_wr();
+            debug_assert!(*room >= slot_wrs(MAX_RECVS));
+        }
         SendState {
             rails,
             fifo,
@@ -157,10 +179,29 @@ impl<N: Nic> SendState<N> {
             chain: SendChain::new(),
             single: WriteImm::default(),
             keys,
+            sq_room,
             failure: Failure::default(),
             traffic: Traffic::default(),
             peer,
         }
+    }
+
+    /// Whether `fits` holds once the CQs are drained: completions give send queue room back,
+    /// and a send refused for room is asked for again, maybe with no `test` in between.
+    #[cold]
+    fn room_after_drain(&mut self, fits: impl Fn(&Self) -> bool) -> Result<bool> {
+        let r = self.progress(false);
+        self.failure.record(r)?;
+        Ok(fits(self))
+    }
+
+    /// Whether every QP the writes of the slot of `n` sends take has room for them.
+    fn room_for_slot(&self, n: usize, room: usize) -> bool {
+        let (first_qp, used) = self.plan.qps(self.seq, room);
+        (0..used).all(|k| {
+            let q = self.plan.qp_of_piece(self.seq, first_qp, used, k);
+            self.sq_room[q] >= slot_wrs(n)
+        })
     }
 
     /// What the next slot's first clear-to-send entry holds once it has landed (its
@@ -239,6 +280,15 @@ impl<N: Nic> SendState<N> {
         let Some((e, room)) = found else {
             return Ok(None);
         };
+        let truncated = buf.len() as u64 > u64::from(room);
+        let (completes, slot_room) = (st.matched | 1 << e == st.all || truncated, st.room);
+        if completes
+            && !self.room_for_slot(n, slot_room)
+            && !self.room_after_drain(|s| s.room_for_slot(n, slot_room))?
+        {
+            // The send that completes the slot waits until the send queues have room.
+            return Ok(None);
+        }
         let mem = self.keys.keys(mhandle, buf)?;
         let st = &mut self.slots[slot];
         st.matched |= 1 << e;
@@ -248,7 +298,6 @@ impl<N: Nic> SendState<N> {
             st.lkeys[e][r] = mem.lkey(r);
         }
         st.device_mem |= u8::from(!mem.host) << e;
-        let truncated = buf.len() as u64 > u64::from(room);
         if truncated {
             // The receive fails as a whole: every buffer of it whose send has not come
             // yet is marked too, and the slot goes out now, so the receiver learns of it
@@ -284,6 +333,10 @@ impl<N: Nic> SendState<N> {
         buf: UserBuffer,
         mhandle: u64,
     ) -> Result<Option<usize>> {
+        if self.sq_room[qp] == 0 && !self.room_after_drain(|s| s.sq_room[qp] > 0)? {
+            // Its send queue is full: not now.
+            return Ok(None);
+        }
         let mem = self.keys.keys(mhandle, buf)?;
         let (r, i) = locate(qp, self.plan.rails);
         let rail = &mut self.rails[r];
@@ -292,16 +345,18 @@ impl<N: Nic> SendState<N> {
         // Inline data is copied by the CPU at post: never from GPU memory.
         let max_inline = if mem.host { qp_r.max_inline() } else { 0 };
         let qpn = qp_r.qpn();
+        let id = WrKind::send_id(slot, qp, 1);
         let post = self.single.post(
             &*rail.nic,
             qp_r,
             ((buf.addr() as u64, len, mem.lkey(r)), remote),
             len,
-            WrKind::Send.id(slot),
+            id,
             max_inline,
         );
         self.failure.record(post)?;
-        rail.signaled(qpn, WrKind::Send.id(slot));
+        self.sq_room[qp] -= 1;
+        rail.signaled(qpn, id);
         rail.stats.bytes += u64::from(len);
         rail.stats.messages += 1;
         let st = &mut self.slots[slot];
@@ -385,12 +440,14 @@ impl<N: Nic> SendState<N> {
     /// Hands what rail `r`'s poll put in `wc` to the slots and probes it completes.
     #[inline(always)]
     fn drain_rail(&mut self, r: usize, wc: &mut WcBatch, waiting: bool) -> Result<()> {
-        let slots = &mut self.slots;
+        let (slots, sq_room) = (&mut self.slots, &mut self.sq_room);
         let probe =
             self.rails[r].drain(wc, &self.peer, waiting, |c| match WrKind::of(c.wr_id()) {
                 Some(WrKind::Send) => {
                     let st = &mut slots[WrKind::slot(c.wr_id())];
                     st.cqe_pending = st.cqe_pending.saturating_sub(1);
+                    let (q, wrs) = WrKind::send_retires(c.wr_id());
+                    sq_room[usize::from(q)] += wrs;
                     true
                 }
                 _ => false,
@@ -491,9 +548,11 @@ impl<N: Nic> SendState<N> {
                 );
             }
             let qp = &rail.qps[qi];
-            chain.finish(WrKind::Send.id(slot), st.max_inline(qp.max_inline()));
+            let id = WrKind::send_id(slot, q, chain.len());
+            chain.finish(id, st.max_inline(qp.max_inline()));
             chain.post(&*rail.nic, qp)?;
-            rail.signaled(qp.qpn(), WrKind::Send.id(slot));
+            self.sq_room[q] -= chain.len() as u32;
+            rail.signaled(qp.qpn(), id);
             rail.stats.bytes += bytes;
             rail.stats.messages += u64::from(bytes > 0);
         }

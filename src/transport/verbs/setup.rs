@@ -49,6 +49,10 @@ pub(crate) struct ConnParams {
     pub(crate) work_timeout: Option<Duration>,
     /// `NCCL_IB_WQE_LATENCY_THRESHOLD_NS` (None: 0, off) and `NCCL_IB_WQE_LATENCY_REPORT`.
     pub(crate) wqe_latency: Option<(Duration, bool)>,
+    /// The send queue depth of a sender's QPs ([`super::send::SENDER_SEND_DEPTH`]; tests make it
+    /// small):
+    /// a send that does not fit waits for room ("not now").
+    pub(crate) send_depth: u32,
 }
 
 /// A DMA buffer of `len` elements registered on every NIC of `nics`.
@@ -361,8 +365,9 @@ impl<N: Nic> VerbsConnector<N> {
         keys: CommKeys,
     ) -> Result<Self> {
         let nqps = (params.qps_per_connection as usize * nics.len()).clamp(nics.len(), MAX_QPS);
-        // Per QP: data writes (and probes), one signaled per slot.
-        let sizing = ((SLOTS * (MAX_RECVS + 2)) as u32, 1, SLOTS * 2);
+        // Per QP: the data writes the send queue has room for (a send waits for more), one
+        // signaled per slot.
+        let sizing = (params.send_depth, 1, SLOTS * 2);
         let rails = make_rails(nics, nqps, sizing, false, &params)?;
         let fifo = dma::<CtsEntry, N>(nics, SLOTS * MAX_RECVS)?;
         let sizes_local = dma::<u32, N>(nics, PROBE_AT + 2)?;

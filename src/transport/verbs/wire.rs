@@ -74,7 +74,9 @@ pub(crate) fn cts_index(slot: usize, i: usize) -> usize {
     slot * MAX_RECVS + i
 }
 
-/// What a work request is, in the high 32 bits of its id (the low bits carry the slot).
+/// What a work request is, in the high 32 bits of its id; the low byte carries the slot, and
+/// a send's last write on a QP also the connection QP (bits 8..16) and the work requests it
+/// retires there (bits 16..32: see [`WrKind::send_id`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u64)]
 pub(crate) enum WrKind {
@@ -110,10 +112,24 @@ impl WrKind {
         })
     }
 
+    /// The id of the last (signaled) write of send slot `slot` on connection QP `qp`, whose
+    /// completion retires the `wrs` work requests posted there for it: they go back to the
+    /// QP's send queue.
+    #[inline]
+    pub(crate) const fn send_id(slot: usize, qp: usize, wrs: usize) -> u64 {
+        WrKind::Send.id(slot | qp << 8 | wrs << 16)
+    }
+
+    /// The connection QP and the work requests a send's completion `wr_id` retires.
+    #[inline]
+    pub(crate) fn send_retires(wr_id: u64) -> (u8, u32) {
+        ((wr_id >> 8) as u8, (wr_id >> 16 & 0xffff) as u32)
+    }
+
     /// The slot of request `wr_id`.
     #[inline]
     pub(crate) fn slot(wr_id: u64) -> usize {
-        (wr_id & 0xffff_ffff) as usize % SLOTS
+        (wr_id & 0xff) as usize % SLOTS
     }
 
     /// What the request was, for messages.

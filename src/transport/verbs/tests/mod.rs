@@ -13,7 +13,7 @@ use std::{
 };
 
 use super::recv::{VerbsReceiver, FLUSH_ID_BASE};
-use super::send::VerbsSender;
+use super::send::{VerbsSender, SENDER_SEND_DEPTH};
 use super::setup::{ConnParams, VerbsConnector, VerbsListener};
 use super::wire::{SLOTS, SPLIT_ALIGN};
 use crate::buffer::{TestMem, UserBuffer};
@@ -49,6 +49,7 @@ fn params() -> ConnParams {
         cts_batch: 1,
         work_timeout: None,
         wqe_latency: None,
+        send_depth: SENDER_SEND_DEPTH,
     }
 }
 

@@ -477,3 +477,96 @@ fn testing_a_request_that_is_not_in_flight_is_misuse() {
     one_message(&c, 8, 1);
     assert!(c.test_recv(0).is_err());
 }
+
+#[test]
+fn a_full_send_queue_makes_isend_wait_and_every_message_still_arrives_in_order() {
+    // The shallowest send queue an 8-buffer receive's writes fit (9): each single send
+    // takes one write, so with the writes held back the tenth send has to wait.
+    let depth = 9;
+    let c = connect(ConnParams {
+        send_depth: depth,
+        ..params()
+    });
+    let n = depth as usize + 3;
+    let mut dsts: Vec<Buf> = (0..n).map(|_| c.buf(false, 300, 0)).collect();
+    let rids: Vec<usize> = dsts
+        .iter_mut()
+        .enumerate()
+        .map(|(i, d)| c.irecv(&mut [d], &[i as i32]))
+        .collect();
+    let mut srcs: Vec<Buf> = (0..n)
+        .map(|i| c.buf(true, 200 + i, 70 + i as u64))
+        .collect();
+    c.fabric.hold(true);
+    let mut sids = Vec::new();
+    for (i, src) in srcs.iter_mut().enumerate().take(depth as usize) {
+        sids.push(c.isend(src.whole(), src.mh, i as i32).unwrap());
+    }
+    // Full: "not now", however often asked, while nothing completes.
+    let tenth = depth as usize;
+    for _ in 0..100 {
+        let next = &mut srcs[tenth];
+        let got = c.send.isend(next.whole(), tenth as i32, next.mh).unwrap();
+        assert_eq!(got, None, "a send posted into a full send queue");
+    }
+    c.fabric.hold(false);
+    for (i, src) in srcs.iter_mut().enumerate().skip(tenth) {
+        sids.push(c.isend(src.whole(), src.mh, i as i32).unwrap());
+    }
+    for (i, (s, r)) in sids.iter().zip(&rids).enumerate() {
+        assert_eq!(
+            wait(|| c.test_send(*s)).unwrap(),
+            Completion::single(200 + i)
+        );
+        assert_eq!(
+            wait(|| c.test_recv(*r)).unwrap(),
+            Completion::single(200 + i)
+        );
+        assert_eq!(
+            dsts[i].mem.bytes()[..200 + i],
+            TestMem::pattern(200 + i, 70 + i as u64)[..],
+            "message {i}"
+        );
+    }
+    // An 8-buffer receive needs the whole queue: it waits for the single send before it.
+    let mut one = c.buf(false, 64, 0);
+    let r1 = c.irecv(&mut [&mut one], &[1]);
+    let mut group: Vec<Buf> = (0..MAX_RECVS).map(|_| c.buf(false, 64, 0)).collect();
+    let mut refs: Vec<&mut Buf> = group.iter_mut().collect();
+    let rg = c.irecv(&mut refs, &[2; MAX_RECVS]);
+    c.fabric.hold(true);
+    let mut first = c.buf(true, 10, 1);
+    let s1 = c.send_buf(&mut first, 1);
+    let mut parts: Vec<Buf> = (0..MAX_RECVS)
+        .map(|i| c.buf(true, 20 + i, 90 + i as u64))
+        .collect();
+    let mut part_ids = Vec::new();
+    for p in parts.iter_mut().take(MAX_RECVS - 1) {
+        part_ids.push(c.isend(p.whole(), p.mh, 2).unwrap());
+    }
+    let last = &mut parts[MAX_RECVS - 1];
+    assert_eq!(
+        c.send.isend(last.whole(), 2, last.mh).unwrap(),
+        None,
+        "the slot's writes do not fit beside the one in flight"
+    );
+    c.fabric.hold(false);
+    part_ids.push(c.isend(last.whole(), last.mh, 2).unwrap());
+    assert_eq!(wait(|| c.test_send(s1)).unwrap(), Completion::single(10));
+    assert_eq!(wait(|| c.test_recv(r1)).unwrap(), Completion::single(10));
+    for (i, id) in part_ids.into_iter().enumerate() {
+        assert_eq!(
+            wait(|| c.test_send(id)).unwrap(),
+            Completion::single(20 + i)
+        );
+    }
+    let done = wait(|| c.test_recv(rg)).unwrap();
+    assert_eq!(done.n, MAX_RECVS);
+    for (i, d) in group.iter().enumerate() {
+        assert_eq!(done.sizes[i] as usize, 20 + i);
+        assert_eq!(
+            d.mem.bytes()[..20 + i],
+            TestMem::pattern(20 + i, 90 + i as u64)[..]
+        );
+    }
+}
