@@ -31,7 +31,7 @@ use parking_lot::Mutex;
 use rdma_sys::*;
 
 use super::nic::{LocalPort, MemoryRegion, Nic, QueuePair};
-use super::resources::{QpPath, RemoteQp};
+use super::qp::{QpPath, RemoteQp};
 use crate::error::{Error, Result};
 
 /// `IBV_WC_REM_ACCESS_ERR`.

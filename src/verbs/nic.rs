@@ -10,7 +10,8 @@ use rdma_sys::{ibv_send_wr, ibv_wc};
 
 use super::device::VerbsDevice;
 use super::dma::ACCESS_RDMA;
-use super::resources::{Cq, Mr, Qp, QpPath, RemoteQp};
+use super::qp::{Qp, QpPath, RemoteQp};
+use super::resources::{Cq, Mr};
 use crate::error::Result;
 
 /// What a connection needs to know about the local port it runs on.

@@ -21,7 +21,7 @@ use crate::transport::{CommKeys, Connector, Listener, MAX_RAILS, MAX_RECVS};
 use crate::verbs::device::{mtu_bytes, VerbsDevice, LINK_LAYER_ETHERNET};
 use crate::verbs::dma::DmaBuffer;
 use crate::verbs::nic::{LocalPort, MemoryRegion, Nic, QueuePair};
-use crate::verbs::resources::{QpPath, RemoteQp};
+use crate::verbs::qp::{QpPath, RemoteQp};
 
 /// What a connection is set up with (settings, resolved per device).
 #[derive(Debug, Clone, Copy)]
