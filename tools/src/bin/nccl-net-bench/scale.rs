@@ -20,6 +20,7 @@ use crate::{
     data::{check_pattern, fill},
     plugin::{open_plugin, set_env, PluginResult},
     poll::Watchdog,
+    script::connect_self,
     Res,
 };
 
@@ -94,30 +95,6 @@ struct Pair {
 struct Buffers {
     tx: Vec<u8>,
     rx: Vec<u8>,
-}
-
-/// Connects one pair (the connect and accept steps interleaved, as NCCL's proxy makes them).
-fn connect_pair(net: &Net) -> Res<(Opaque, Opaque)> {
-    let mut h = [0u8; 128];
-    let l = net.listen(0, &mut h).call(|| "listen".into())?;
-    let (mut send, mut recv) = (Opaque::NULL, Opaque::NULL);
-    let mut dog = Watchdog::new();
-    while send.is_null() || recv.is_null() {
-        let before = (send, recv);
-        if send.is_null() {
-            send = net.connect(0, &mut h).call(|| "connect".into())?;
-        }
-        if recv.is_null() {
-            recv = net.accept(l).call(|| "accept".into())?;
-        }
-        if (send, recv) != before {
-            dog.progressed();
-        } else {
-            dog.idle(|| "connect/accept to this process did not complete".into())?;
-        }
-    }
-    net.close_listen(l).call(|| "closeListen".into())?;
-    Ok((send, recv))
 }
 
 /// Moves one message over `p`, its buffers registered for the call, and checks it.
@@ -224,7 +201,7 @@ pub fn run(o: &Options, counts: &[usize]) -> Res<()> {
         let (mut first, mut last) = (Duration::ZERO, Duration::ZERO);
         for i in 0..n {
             let t = Instant::now();
-            let (send, recv) = connect_pair(net)?;
+            let (send, recv) = connect_self(net)?;
             let took = t.elapsed();
             if i < quarter {
                 first += took;

@@ -400,7 +400,7 @@ impl Script<'_> {
 }
 
 /// Listens, connects to itself and accepts, polling both as NCCL's service thread does.
-fn connect_self(net: &Net) -> Res<(Opaque, Opaque)> {
+pub fn connect_self(net: &Net) -> Res<(Opaque, Opaque)> {
     let mut h = [0u8; 128];
     let l = net.listen(0, &mut h).call(|| "listen".into())?;
     let (mut send, mut recv) = (Opaque::NULL, Opaque::NULL);
