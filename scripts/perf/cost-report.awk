@@ -133,7 +133,8 @@ END {
   if (bad) exit 1
   printf "\n== %s: instructions per call, scripted run\n", name
   printf "  %s-byte messages, %s per round, %s idle isend(s) and %s idle test(s) per message, %s rounds per\n", hdr["size"], hdr["window"], hdr["idle"], hdr["idle"], hdr["rounds"]
-  printf "  phase, one phase per kind of call, waits for the network %s us. Each figure: the phase's Ir\n", hdr["wait_us"] + 0
+  printf "  phase, one phase per kind of call, waits for the network %s us, %d idle connection pair(s)\n", hdr["wait_us"] + 0, hdr["idle_comms"] + 0
+  printf "  open beside the measured one. Each figure: the phase's Ir\n"
   printf "  (callgrind, user space) or function entries / the calls it counted, all with the outcome named.\n"
   printf "  %-40s %5s %4s %7s %6s %6s %6s %6s %5s\n", "kind of call", "calls", "miss", "plugin", "libc", "verbs", "driver", "allocs", "locks"
   for (i = 1; i <= nbins; i++) {

@@ -16,7 +16,8 @@
 # message, WAIT_US the wait for the network outside the plugin (default: the bench's, by
 # transport). The transport comes from the environment (NCCL_ERDMA_TRANSPORT, NCCL_IB_HCA,
 # ...). $VALGRIND overrides the valgrind command (a staged copy in the VM);
-# $COST_RUN_TIMEOUT bounds the run (seconds, 900).
+# $COST_RUN_TIMEOUT bounds the run (seconds, 900); $CPU_COST_COMMS idle connection pairs are
+# held open beside the measured one (--script-comms; default 0).
 set -euo pipefail
 
 if [[ $# -lt 6 || $# -gt 8 ]]; then
@@ -28,11 +29,14 @@ read -r -a vg <<<"${VALGRIND:-valgrind}"
 limit=${COST_RUN_TIMEOUT:-900}
 extra=()
 [[ -z $wait_us ]] || extra+=(--script-wait "$wait_us")
+[[ -z ${CPU_COST_COMMS:-} ]] || extra+=(--script-comms "$CPU_COST_COMMS")
 
 rm -rf "$out"
 mkdir -p "$out"
 t0=$SECONDS
 rc=0
+# Two descriptors per idle pair (the out-of-band sockets).
+ulimit -n "$(ulimit -Hn)" 2>/dev/null || true
 # Uncompressed names and positions: each profile is read on its own. Instruction-level
 # positions: the executions of a function's first instruction are its calls while collecting.
 timeout -k 10 "$limit" "${vg[@]}" --tool=callgrind -q \

@@ -54,7 +54,8 @@
 # work_per_message row with the sums of the four) and the raw callgrind profiles, one per
 # phase (callgrind_annotate can read them). Environment: CPU_COST_ROUNDS (a multiple of 256 keeps the plugin's
 # every-n-th-call work in every phase alike), CPU_COST_WINDOW (1..32), CPU_COST_IDLE,
-# CPU_COST_WAIT_US, OUT, CPU_COST_REPORT_ONLY=1 (no runs: report again from the profiles
+# CPU_COST_WAIT_US, CPU_COST_COMMS (idle connection pairs held open beside the measured one,
+# 0..4096: many open connections must not make a message dearer), OUT, CPU_COST_REPORT_ONLY=1 (no runs: report again from the profiles
 # already in $OUT), NCCL_ERDMA_CTS_BATCH (passed into the VM: 1 measures the hardware
 # default; unset, Soft-RoCE's 8), NCCL_IB_WQE_LATENCY_THRESHOLD_NS (passed in: what timing
 # the work costs), and rxe-vm.sh's RXE_VM_*. scripts/perf/cost-annotate.py breaks one profile
@@ -102,6 +103,7 @@ check_number CPU_COST_ROUNDS "$rounds" 1 1000000
 check_number CPU_COST_WINDOW "$window" 1 32
 check_number CPU_COST_IDLE "$idle" 0 64
 [[ -z $wait_us ]] || check_number CPU_COST_WAIT_US "$wait_us" 0 1000000
+[[ -z ${CPU_COST_COMMS:-} ]] || check_number CPU_COST_COMMS "$CPU_COST_COMMS" 0 4096
 (( rounds % 256 == 0 )) ||
   echo "cpu-cost: note: CPU_COST_ROUNDS=$rounds is not a multiple of 256: work the plugin does every n-th call may fall unevenly into the phases" >&2
 out=${OUT:-$root/target/perf/cpu-cost}
@@ -232,7 +234,7 @@ for t in "${transports[@]}"; do
       done
       # The inner command: the same runs as on the host, then the profiles back as base64.
       # NCCL_ERDMA_CTS_BATCH goes along when set (1: the hardware default; unset: rxe's 8).
-      inner="export VALGRIND_LIB=/opt/work/vg/lib VALGRIND=/opt/work/vg/valgrind NCCL_ERDMA_TRANSPORT=verbs NCCL_IB_HCA==rxe0 COST_RUN_TIMEOUT=${COST_RUN_TIMEOUT:-900}${NCCL_ERDMA_CTS_BATCH:+ NCCL_ERDMA_CTS_BATCH=$NCCL_ERDMA_CTS_BATCH}${NCCL_IB_WQE_LATENCY_THRESHOLD_NS:+ NCCL_IB_WQE_LATENCY_THRESHOLD_NS=$NCCL_IB_WQE_LATENCY_THRESHOLD_NS}
+      inner="export VALGRIND_LIB=/opt/work/vg/lib VALGRIND=/opt/work/vg/valgrind NCCL_ERDMA_TRANSPORT=verbs NCCL_IB_HCA==rxe0 COST_RUN_TIMEOUT=${COST_RUN_TIMEOUT:-900}${CPU_COST_COMMS:+ CPU_COST_COMMS=$CPU_COST_COMMS}${NCCL_ERDMA_CTS_BATCH:+ NCCL_ERDMA_CTS_BATCH=$NCCL_ERDMA_CTS_BATCH}${NCCL_IB_WQE_LATENCY_THRESHOLD_NS:+ NCCL_IB_WQE_LATENCY_THRESHOLD_NS=$NCCL_IB_WQE_LATENCY_THRESHOLD_NS}
 ${runs}echo '--- cost-runs archive begin'
 tar -C /tmp/cost -czf - . | base64 -w 100
 echo '--- cost-runs archive end'"

@@ -65,14 +65,37 @@ pub struct Port {
     pub pci_path: Option<String>,
     /// NUMA node of the PCI device.
     pub numa_node: Option<i32>,
-    /// `max_qp`.
-    pub max_qp: i32,
+    /// The device's resource limits.
+    pub limits: DeviceLimits,
+    /// What one connection takes of it.
+    pub connection: ConnectionCost,
     /// QPs per connection in effect.
     pub qps_per_connection: Sourced<u32>,
     /// Clear-to-send batch in effect.
     pub cts_batch: Sourced<u32>,
     /// Whether the plugin uses this port; if not, why.
     pub used: Result<(), String>,
+}
+
+pub use crate::verbs::limits::DeviceLimits;
+
+/// What one connection takes of a device at each end (sending, receiving), with the settings
+/// in effect; a rank of an all-to-all holds both ends of every pair.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConnectionCost {
+    /// QPs: the data QPs and a probe QP (at a GPUDirect receiver also a flush QP).
+    pub qps: (u32, u32),
+    /// Completion queues, and the completions each holds.
+    pub cqs: (u32, u32),
+    pub cqes: (u32, u32),
+    /// Memory registrations.
+    pub mrs: (u32, u32),
+    /// Send queue depth of a sender's data QP; receive queue depth of a receiver's.
+    pub send_wr: u32,
+    pub recv_wr: u32,
+    /// Connection pairs (both ends) the device's `max_qp`, `max_cq` and `max_mr` leave room
+    /// for in one process.
+    pub pairs: u32,
 }
 
 /// GPUDirect RDMA readiness.

@@ -7,6 +7,7 @@ use std::{net::IpAddr, sync::Arc};
 
 use rdma_sys::*;
 
+use super::limits::DeviceLimits;
 use super::nic::LocalPort;
 use super::resources::{Context, Pd};
 use super::VerbsLib;
@@ -56,8 +57,8 @@ pub(crate) struct VerbsDevice {
     pub(crate) speed_mbps: i32,
     /// Speed the port itself reports.
     pub(crate) port_speed_mbps: i32,
-    /// `max_qp`.
-    pub(crate) max_qp: i32,
+    /// The device's resource limits.
+    pub(crate) limits: DeviceLimits,
     /// PCI vendor id.
     pub(crate) vendor_id: u32,
     /// Peer memory (nvidia_peermem) present: CUDA pointers can be registered.
@@ -408,7 +409,7 @@ pub(crate) fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<Verb
                 guid: u64::from_be(dev_attr.sys_image_guid),
                 speed_mbps: speed,
                 port_speed_mbps: port_speed,
-                max_qp: dev_attr.max_qp,
+                limits: DeviceLimits::from_attr(&dev_attr),
                 vendor_id: dev_attr.vendor_id,
                 peermem,
                 dmabuf,

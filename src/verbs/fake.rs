@@ -30,6 +30,7 @@ use std::{
 use parking_lot::Mutex;
 use rdma_sys::*;
 
+use super::limits::{DeviceLimits, Held, Resource, Usage};
 use super::nic::{LocalPort, MemoryRegion, Nic, QueuePair};
 use super::qp::{QpPath, RemoteQp};
 use crate::error::{Error, Result};
@@ -326,6 +327,16 @@ impl Fabric {
 
     /// A new NIC with link layer `link_layer` (IB or Ethernet).
     pub(crate) fn nic_with_link_layer(&self, name: &str, link_layer: u8) -> Arc<FakeNic> {
+        self.make_nic(name, link_layer, DeviceLimits::UNLIMITED)
+    }
+
+    /// A new RoCE NIC whose QPs, CQs and registrations stop at `limits` (creating one more
+    /// fails with ENOMEM, as a device does).
+    pub(crate) fn nic_with_limits(&self, name: &str, limits: DeviceLimits) -> Arc<FakeNic> {
+        self.make_nic(name, super::device::LINK_LAYER_ETHERNET, limits)
+    }
+
+    fn make_nic(&self, name: &str, link_layer: u8, limits: DeviceLimits) -> Arc<FakeNic> {
         let mut w = self.world.lock();
         let index = w.nics.len();
         let mut gid = [0u8; 16];
@@ -336,6 +347,8 @@ impl Fabric {
         Arc::new(FakeNic {
             world: Arc::clone(&self.world),
             index,
+            limits,
+            usage: Arc::default(),
             local: LocalPort {
                 name: name.to_string(),
                 port: 1,
@@ -432,11 +445,33 @@ pub(crate) struct FakeNic {
     world: Arc<Mutex<World>>,
     index: usize,
     local: LocalPort,
+    limits: DeviceLimits,
+    usage: Arc<Usage>,
+}
+
+impl FakeNic {
+    /// Counts one more `r`, or fails as a device out of them does.
+    fn take(&self, r: Resource, what: &str) -> Result<Arc<Usage>> {
+        let (held, limit) = match r {
+            Resource::Qp => (self.usage.held().qps, self.limits.max_qp),
+            Resource::Cq => (self.usage.held().cqs, self.limits.max_cq),
+            Resource::Mr => (self.usage.held().mrs, self.limits.max_mr),
+        };
+        if held >= limit {
+            return Err(Error::io(
+                format!("fake {what}({})", self.local.name),
+                std::io::Error::from_raw_os_error(libc::ENOMEM),
+            ));
+        }
+        self.usage.add(r);
+        Ok(Arc::clone(&self.usage))
+    }
 }
 
 /// A QP of a [`FakeNic`]; destroyed on drop.
 pub(crate) struct FakeQp {
     world: Arc<Mutex<World>>,
+    usage: Arc<Usage>,
     qpn: u32,
     max_inline: u32,
     max_send_wr: u32,
@@ -445,12 +480,14 @@ pub(crate) struct FakeQp {
 /// A CQ of a [`FakeNic`].
 pub(crate) struct FakeCq {
     world: Arc<Mutex<World>>,
+    usage: Arc<Usage>,
     id: u32,
 }
 
 /// A registration on a [`FakeNic`]; deregistered on drop.
 pub(crate) struct FakeMr {
     world: Arc<Mutex<World>>,
+    usage: Arc<Usage>,
     key: u32,
 }
 
@@ -480,6 +517,7 @@ impl MemoryRegion for FakeMr {
 
 impl Drop for FakeQp {
     fn drop(&mut self) {
+        self.usage.remove(Resource::Qp);
         let mut w = self.world.lock();
         w.qps.remove(&self.qpn);
         let qpn = self.qpn;
@@ -489,12 +527,14 @@ impl Drop for FakeQp {
 
 impl Drop for FakeCq {
     fn drop(&mut self) {
+        self.usage.remove(Resource::Cq);
         self.world.lock().cqs.remove(&self.id);
     }
 }
 
 impl Drop for FakeMr {
     fn drop(&mut self) {
+        self.usage.remove(Resource::Mr);
         self.world.lock().mrs.remove(&self.key);
     }
 }
@@ -509,17 +549,43 @@ unsafe impl Nic for FakeNic {
         &self.local
     }
 
-    fn create_cq(&self, _entries: usize) -> Result<Arc<FakeCq>> {
+    fn limits(&self) -> DeviceLimits {
+        self.limits
+    }
+
+    fn held(&self) -> Held {
+        self.usage.held()
+    }
+
+    fn create_cq(&self, entries: usize) -> Result<Arc<FakeCq>> {
+        if entries > self.limits.max_cqe as usize {
+            return Err(Error::io(
+                format!("fake ibv_create_cq({}, {entries})", self.local.name),
+                std::io::Error::from_raw_os_error(libc::EINVAL),
+            ));
+        }
+        let usage = self.take(Resource::Cq, "ibv_create_cq")?;
         let mut w = self.world.lock();
         let id = w.id();
         w.cqs.insert(id, VecDeque::new());
         Ok(Arc::new(FakeCq {
             world: Arc::clone(&self.world),
+            usage,
             id,
         }))
     }
 
     fn create_qp(&self, cq: &Arc<FakeCq>, send: u32, recv: u32, max_inline: u32) -> Result<FakeQp> {
+        if send.max(recv) > self.limits.max_qp_wr {
+            return Err(Error::io(
+                format!(
+                    "fake ibv_create_qp({}, send {send} recv {recv})",
+                    self.local.name
+                ),
+                std::io::Error::from_raw_os_error(libc::EINVAL),
+            ));
+        }
+        let usage = self.take(Resource::Qp, "ibv_create_qp")?;
         let mut w = self.world.lock();
         let qpn = w.id();
         w.qps.insert(
@@ -539,6 +605,7 @@ unsafe impl Nic for FakeNic {
         );
         Ok(FakeQp {
             world: Arc::clone(&self.world),
+            usage,
             qpn,
             max_inline,
             max_send_wr: send,
@@ -562,6 +629,7 @@ unsafe impl Nic for FakeNic {
     }
 
     fn register(&self, addr: usize, len: usize) -> Result<FakeMr> {
+        let usage = self.take(Resource::Mr, "ibv_reg_mr")?;
         let mut w = self.world.lock();
         let key = w.id();
         w.mrs.insert(
@@ -574,6 +642,7 @@ unsafe impl Nic for FakeNic {
         );
         Ok(FakeMr {
             world: Arc::clone(&self.world),
+            usage,
             key,
         })
     }

@@ -11,6 +11,7 @@ pub(crate) mod device;
 pub(crate) mod dma;
 #[cfg(test)]
 pub(crate) mod fake;
+pub(crate) mod limits;
 pub(crate) mod nic;
 pub(crate) mod qp;
 pub(crate) mod resources;

@@ -10,6 +10,7 @@ use rdma_sys::{ibv_send_wr, ibv_wc};
 
 use super::device::VerbsDevice;
 use super::dma::ACCESS_RDMA;
+use super::limits::{DeviceLimits, Held};
 use super::qp::{Qp, QpPath, RemoteQp};
 use super::resources::{Cq, Mr};
 use crate::error::Result;
@@ -68,6 +69,10 @@ pub(crate) unsafe trait Nic: Send + Sync + 'static {
 
     /// The port connections run on.
     fn local(&self) -> &LocalPort;
+    /// The device's resource limits.
+    fn limits(&self) -> DeviceLimits;
+    /// What this process holds on the device now.
+    fn held(&self) -> Held;
     /// A CQ with room for `entries` completions.
     fn create_cq(&self, entries: usize) -> Result<Self::Cq>;
     /// An RC QP on `cq`, in the INIT state with remote read and write allowed.
@@ -137,6 +142,14 @@ unsafe impl Nic for VerbsDevice {
 
     fn local(&self) -> &LocalPort {
         &self.local
+    }
+
+    fn limits(&self) -> DeviceLimits {
+        self.limits
+    }
+
+    fn held(&self) -> Held {
+        self.ctx.usage.held()
     }
 
     fn create_cq(&self, entries: usize) -> Result<Self::Cq> {

@@ -9,6 +9,7 @@ use std::sync::{
 
 use rdma_sys::*;
 
+use super::limits::Resource;
 use super::resources::{errno_rc, no_op, verbs_error, Cq, Pd};
 use crate::error::{Error, Result};
 
@@ -116,6 +117,7 @@ impl Qp {
             let psn = (NEXT_PSN.fetch_add(0x9e37, Ordering::Relaxed) as u32
                 ^ crate::random::random_u64() as u32)
                 & 0xff_ffff;
+            pd.ctx.usage.add(Resource::Qp);
             return Ok(Qp {
                 raw,
                 post_send_fn,
@@ -268,6 +270,7 @@ impl Drop for Qp {
     fn drop(&mut self) {
         // SAFETY: raw is live and destroyed once; in-flight WRs are flushed by the device.
         let rc = unsafe { (self.pd.ctx.lib.destroy_qp)(self.raw) };
+        self.pd.ctx.usage.remove(Resource::Qp);
         if rc != 0 {
             tracing::warn!("ibv_destroy_qp({}) failed: {rc}", self.pd.ctx.name);
         }

@@ -13,6 +13,7 @@ use std::{
 
 use rdma_sys::*;
 
+use super::limits::{Resource, Usage};
 use super::VerbsLib;
 use crate::error::{Error, Result};
 
@@ -25,6 +26,8 @@ pub(crate) struct Context {
     fatal: parking_lot::Mutex<FatalEvents>,
     /// How many there are: read without the lock, so pollers see news cheaply.
     fatal_epoch: AtomicU64,
+    /// The QPs, CQs and registrations this process holds on the device.
+    pub(crate) usage: Usage,
 }
 
 // SAFETY: libibverbs contexts may be used from any thread; all mutation goes through
@@ -52,6 +55,7 @@ impl Context {
             name,
             fatal: parking_lot::Mutex::new(FatalEvents::default()),
             fatal_epoch: AtomicU64::new(0),
+            usage: Usage::default(),
         }
     }
 
@@ -334,10 +338,7 @@ impl Pd {
                 self.ctx.name
             )));
         }
-        Ok(Mr {
-            pd: Arc::clone(self),
-            raw,
-        })
+        Ok(Mr::new(self, raw))
     }
 
     /// `ibv_reg_dmabuf_mr`; `Unsupported`-style error when the library lacks it.
@@ -360,10 +361,7 @@ impl Pd {
                 self.ctx.name
             )));
         }
-        Ok(Mr {
-            pd: Arc::clone(self),
-            raw,
-        })
+        Ok(Mr::new(self, raw))
     }
 
     /// Whether DMA-BUF registration works on this device: NCCL's probe, an
@@ -406,6 +404,14 @@ unsafe impl Send for Mr {}
 unsafe impl Sync for Mr {}
 
 impl Mr {
+    fn new(pd: &Arc<Pd>, raw: *mut ibv_mr) -> Self {
+        pd.ctx.usage.add(Resource::Mr);
+        Mr {
+            pd: Arc::clone(pd),
+            raw,
+        }
+    }
+
     /// Local key.
     pub(crate) fn lkey(&self) -> u32 {
         // SAFETY: raw is live for self's lifetime.
@@ -422,6 +428,7 @@ impl Drop for Mr {
     fn drop(&mut self) {
         // SAFETY: raw is live and deregistered exactly once.
         let rc = unsafe { (self.pd.ctx.lib.dereg_mr)(self.raw) };
+        self.pd.ctx.usage.remove(Resource::Mr);
         if rc != 0 {
             tracing::warn!("ibv_dereg_mr({}) failed: {rc}", self.pd.ctx.name);
         }
@@ -472,6 +479,7 @@ impl Cq {
             unsafe { (ctx.lib.destroy_cq)(raw) };
             return Err(no_op("poll_cq"));
         };
+        ctx.usage.add(Resource::Cq);
         Ok(Arc::new(Cq {
             ctx: Arc::clone(ctx),
             raw,
@@ -533,6 +541,7 @@ impl Drop for Cq {
     fn drop(&mut self) {
         // SAFETY: raw is live, destroyed once; QPs using it hold an Arc to us.
         let rc = unsafe { (self.ctx.lib.destroy_cq)(self.raw) };
+        self.ctx.usage.remove(Resource::Cq);
         if rc != 0 {
             tracing::warn!("ibv_destroy_cq({}) failed: {rc}", self.ctx.name);
         }

@@ -15,6 +15,7 @@
 //! (`tests`) run the whole protocol on the in-memory fabric of `verbs::fake`. eRDMA limits are
 //! honoured: RC only, no SRQ, one SGE, inline <= 96 bytes, legacy verbs.
 
+mod budget;
 mod cq;
 pub(crate) mod fusion;
 mod gate;
@@ -101,7 +102,7 @@ fn nic_info(d: &VerbsDevice) -> fusion::NicInfo {
         numa_node: d.numa_node,
         guid: d.guid,
         port: d.local.port,
-        max_comms: d.max_qp.max(1),
+        max_comms: d.limits.max_qp.clamp(1, i32::MAX as u32) as i32,
     }
 }
 

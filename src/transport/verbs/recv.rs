@@ -44,12 +44,14 @@ pub(crate) const CTS_HOLD_MIN: u64 = 2;
 /// Every this many clear-to-send writes one is signaled, which retires the unsignaled ones
 /// before it; errors complete regardless. Each signaled one costs a completion to poll and
 /// hand out, in whichever `test` comes next.
-const CTS_SIGNAL_EVERY: u32 = SLOTS as u32;
+const CTS_SIGNAL_EVERY: u32 = SLOTS as u32 / 2;
 const _: () = assert!(CTS_SIGNAL_EVERY.is_power_of_two());
-/// Send queue depth of a receiver's QPs: up to `SLOTS` receives announced and not finished,
-/// each by its own write at worst, plus the unsignaled writes since the last signaled one,
-/// plus a probe, with room to spare.
-pub(crate) const RECEIVER_SEND_DEPTH: u32 = SLOTS as u32 + 2 * CTS_SIGNAL_EVERY;
+/// Send queue depth of a receiver's first QP, the one its clear-to-sends go out on: up to
+/// `SLOTS` receives announced and not finished, each by its own write at worst, plus the
+/// unsignaled writes since the last signaled one, with room to spare. One below a power of two
+/// (see [`super::send::SENDER_SEND_DEPTH`]). Its other QPs send nothing.
+pub(crate) const RECEIVER_SEND_DEPTH: u32 = 2 * SLOTS as u32 - 1;
+const _: () = assert!(RECEIVER_SEND_DEPTH >= SLOTS as u32 + CTS_SIGNAL_EVERY + 8);
 /// Request ids of flushes start here (receives are 0..32).
 pub(crate) const FLUSH_ID_BASE: usize = SLOTS;
 

@@ -35,11 +35,15 @@ use crate::verbs::nic::{Nic, QueuePair};
 /// Where in `sizes_local` a probe's byte lands (after the size records).
 pub(crate) const PROBE_AT: usize = SLOTS * MAX_RECVS;
 
-/// The send queue depth of a sender's QPs: room for a single-buffer send in every slot
-/// twice over (one write each), or for six sends of 8-buffer receives (9 writes each). A
+/// The send queue depth of a sender's QPs: room for a single-buffer send in nearly every slot
+/// twice over (one write each), or for seven sends of 8-buffer receives (9 writes each). A
 /// send the queue has no room for now is "not now" (NCCL tries it again), so the depth
-/// bounds memory, not what NCCL may have in flight.
-pub(crate) const SENDER_SEND_DEPTH: u32 = 2 * SLOTS as u32;
+/// bounds memory, not what NCCL may have in flight. One below a power of two: providers make
+/// a queue's ring a power of two, rxe after adding one, so 64 would take a ring of 128.
+pub(crate) const SENDER_SEND_DEPTH: u32 = 2 * SLOTS as u32 - 1;
+
+/// The shallowest send queue a sender can use: one slot of an 8-buffer receive's sends.
+pub(crate) const MIN_SEND_DEPTH: u32 = slot_wrs(MAX_RECVS);
 
 /// Work requests the writes of a slot of `n` sends may take on one QP: one per send, and
 /// the write of the sizes of a grouped receive. A send queue shallower than this for

@@ -8,9 +8,10 @@
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
+use super::budget::{self, EndCost};
 use super::cq::CqPoller;
 use super::rail::{locate, Rail};
-use super::recv::{RecvState, VerbsReceiver, RECEIVER_SEND_DEPTH};
+use super::recv::{RecvState, VerbsReceiver};
 use super::send::{SendState, VerbsSender, PROBE_AT};
 use super::wire::{
     decode_qps, encode_qps, paths, ConnInfo, CtsEntry, QpPlan, RailInfo, MAX_INLINE, MAX_QPS, SLOTS,
@@ -171,7 +172,9 @@ fn connect_qps<N: Nic>(
     tc: u8,
     sl: u8,
 ) -> Result<()> {
-    for (q, (qpn, psn)) in remote.qps.iter().enumerate() {
+    // A listener short of QPs makes fewer than the connector offered: its first ones.
+    let ours: usize = rails.iter().map(|r| r.qps.len()).sum();
+    for (q, (qpn, psn)) in remote.qps.iter().take(ours).enumerate() {
         let (r, i) = locate(q, rails.len());
         let rail = &rails[r];
         let theirs = &remote.rails[q % remote.rails.len()];
@@ -187,25 +190,24 @@ fn connect_qps<N: Nic>(
     Ok(())
 }
 
-/// The rails of a connection of `nqps` QPs over `nics`: per rail a CQ with room for
-/// `cqes_per_qp` completions per QP (plus the flush QP's), its QPs, and a loopback flush QP
-/// when `flush`.
-fn make_rails<N: Nic>(
-    nics: &[Arc<N>],
-    nqps: usize,
-    (send_wr, recv_wr, cqes_per_qp): (u32, u32, usize),
-    flush: bool,
-    p: &ConnParams,
-) -> Result<Vec<Rail<N>>> {
+/// The rails of a connection's end over `nics` as `cost` describes it: per rail a CQ, its
+/// data QPs and a loopback flush QP where `cost.flush` (probe QPs come later, per path).
+fn make_rails<N: Nic>(nics: &[Arc<N>], cost: &EndCost, p: &ConnParams) -> Result<Vec<Rail<N>>> {
     nics.iter()
         .enumerate()
         .map(|(r, nic)| {
-            let mine = (0..nqps).filter(|q| q % nics.len() == r).count();
-            let cq = nic.create_cq(cqes_per_qp * (mine + 1) + 16)?;
-            let qps = (0..mine)
-                .map(|_| nic.create_qp(&cq, send_wr, recv_wr, MAX_INLINE))
+            let cq = nic.create_cq(cost.cqes_on(r))?;
+            let qps = (0..cost.qps_on(r))
+                .map(|i| {
+                    let send_wr = if r == 0 && i == 0 {
+                        cost.first_send_wr
+                    } else {
+                        cost.send_wr
+                    };
+                    nic.create_qp(&cq, send_wr, cost.recv_wr, MAX_INLINE)
+                })
                 .collect::<Result<Vec<_>>>()?;
-            let flush_qp = if flush {
+            let flush_qp = if cost.flush {
                 let qp = nic.create_qp(&cq, SLOTS as u32, 1, MAX_INLINE)?;
                 let l = nic.local();
                 let own = RemoteQp {
@@ -228,6 +230,23 @@ fn make_rails<N: Nic>(
             ))
         })
         .collect()
+}
+
+/// What the sending end of a connection of `qps` data QPs over `nics` makes, its send
+/// queues as deep as `p` asks where the devices allow.
+fn sender_cost<N: Nic>(nics: &[Arc<N>], qps: usize, p: &ConnParams) -> EndCost {
+    let max_wr = nics
+        .iter()
+        .map(|n| n.limits().max_qp_wr)
+        .min()
+        .unwrap_or(u32::MAX);
+    EndCost::sender(qps, nics.len(), p.send_depth.min(max_wr))
+}
+
+/// What the receiving end of the connection `remote` offers makes over (a prefix of) `nics`.
+fn receiver_cost<N: Nic>(nics: &[Arc<N>], remote: &ConnInfo, p: &ConnParams) -> EndCost {
+    let qps = remote.qps.len();
+    EndCost::receiver(qps, nics.len().min(qps), remote.rails.len(), p.flush)
 }
 
 /// QP numbers and initial PSNs, one per QP.
@@ -364,11 +383,11 @@ impl<N: Nic> VerbsConnector<N> {
         params: ConnParams,
         keys: CommKeys,
     ) -> Result<Self> {
-        let nqps = (params.qps_per_connection as usize * nics.len()).clamp(nics.len(), MAX_QPS);
-        // Per QP: the data writes the send queue has room for (a send waits for more), one
-        // signaled per slot.
-        let sizing = (params.send_depth, 1, SLOTS * 2);
-        let rails = make_rails(nics, nqps, sizing, false, &params)?;
+        let want = (params.qps_per_connection as usize * nics.len()).clamp(nics.len(), MAX_QPS);
+        let mut cost = sender_cost(nics, want, &params);
+        // The peer's rails are not known yet: as many as ours, as NCCL pairs like devices.
+        cost.qps = budget::fit_to(nics, &cost, nics.len(), &handle.addr.to_string())?;
+        let rails = make_rails(nics, &cost, &params)?;
         let fifo = dma::<CtsEntry, N>(nics, SLOTS * MAX_RECVS)?;
         let sizes_local = dma::<u32, N>(nics, PROBE_AT + 2)?;
         let info = local_info(&rails, fifo.addr(0), |r| fifo.rkey(r), &params);
@@ -440,12 +459,18 @@ impl<N: Nic> VerbsConnector<N> {
             Error::misuse(format!("connect to {peer} polled again after it failed"))
         })?;
         check_links(&made.rails, &remote, peer)?;
-        let nqps: usize = made.rails.iter().map(|r| r.qps.len()).sum();
-        if remote.qps.len() != nqps {
+        let offered: usize = made.rails.iter().map(|r| r.qps.len()).sum();
+        let nqps = remote.qps.len();
+        // The listener may take fewer (its device's limits), never fewer than our rails.
+        if nqps > offered || nqps < made.rails.len() {
             return Err(Error::remote(format!(
-                "{peer} answered with {} QPs for our {nqps}",
-                remote.qps.len(),
+                "{peer} answered with {nqps} QPs for our {offered}",
             )));
+        }
+        let rails = made.rails.len();
+        for (r, rail) in made.rails.iter_mut().enumerate() {
+            rail.qps
+                .truncate((0..nqps).filter(|&q| locate(q, rails).0 == r).count());
         }
         if remote.split != self.params.split_data {
             tracing::info!(
@@ -622,12 +647,16 @@ impl<N: Nic> VerbsListener<N> {
         remote: &ConnInfo,
         peer: SocketAddr,
     ) -> Result<(RecvState<N>, Paths)> {
-        let nqps = remote.qps.len();
+        let mut cost = receiver_cost(&self.nics, remote, &self.params);
+        // Fewer QPs where the device is short (the connector then uses as many), never fewer
+        // than the connector's rails.
+        let least = remote.rails.len();
+        cost.qps = budget::fit_to(&self.nics, &cost, least, &peer.to_string())?;
+        cost.rails = self.nics.len().min(cost.qps);
+        let nqps = cost.qps;
         // Every rail used carries at least one QP.
-        let nics = &self.nics[..self.nics.len().min(nqps)];
-        // Per QP: a receive per slot; and the signaled clear-to-sends, flushes and probes.
-        let sizing = (RECEIVER_SEND_DEPTH, SLOTS as u32 + 1, SLOTS + 2);
-        let rails = make_rails(nics, nqps, sizing, self.params.flush, &self.params)?;
+        let nics = &self.nics[..cost.rails];
+        let rails = make_rails(nics, &cost, &self.params)?;
         check_links(&rails, remote, peer)?;
         let paths = paths(nqps, remote.rails.len(), rails.len());
         // The receiver uses the sender's traffic class and service level, as NCCL does.

@@ -7,7 +7,7 @@ use crate::config::{AddrFamily, Config};
 use crate::transport::facts::{GpuDirect, Port, Sourced, Warning};
 use crate::verbs::device::{self, VerbsDevice};
 
-use super::profile;
+use super::{budget, profile};
 
 fn port_state(state: u32) -> &'static str {
     match state {
@@ -73,7 +73,8 @@ pub(crate) fn port(d: &VerbsDevice, config: &Config) -> Port {
         port_speed_mbps: d.port_speed_mbps,
         pci_path: d.pci_path.clone(),
         numa_node: d.numa_node,
-        max_qp: d.max_qp,
+        limits: d.limits,
+        connection: budget::connection_cost(&d.limits, tuning.qps_per_connection.value),
         qps_per_connection: sourced(tuning.qps_per_connection),
         cts_batch: sourced(tuning.cts_batch),
         used,

@@ -46,11 +46,15 @@ fn describe_port(p: &Port) -> String {
     } else {
         "?"
     });
+    let (l, c) = (&p.limits, &p.connection);
     format!(
         "{} port {}: {} {}, driver {driver}, vendor {:#06x}\n    \
          active MTU {} ({netdev}), GID index {} {} ({}), speed {speed}\n    \
-         PCI {}, NUMA node {}, max QPs {}, QPs per connection {} ({}), clear-to-send batch \
-         {} ({}), {}",
+         PCI {}, NUMA node {}, QPs per connection {} ({}), clear-to-send batch {} ({}), {}\n    \
+         limits: max_qp {}, max_cq {}, max_mr {}, max_qp_wr {}, max_cqe {}\n    \
+         a connection (sending end / receiving end): {} / {} QPs, {} / {} CQs of {} / {} \
+         entries, {} / {} registrations, send queue {}, receive queue {}; room for {} pairs \
+         in one process",
         p.device,
         p.port,
         p.state,
@@ -62,7 +66,6 @@ fn describe_port(p: &Port) -> String {
         p.gid_source,
         p.pci_path.as_deref().unwrap_or("none"),
         p.numa_node.map_or("?".to_string(), |n| n.to_string()),
-        p.max_qp,
         p.qps_per_connection.value,
         p.qps_per_connection.source,
         p.cts_batch.value,
@@ -70,7 +73,23 @@ fn describe_port(p: &Port) -> String {
         match &p.used {
             Ok(()) => "used by the plugin",
             Err(why) => why,
-        }
+        },
+        l.max_qp,
+        l.max_cq,
+        l.max_mr,
+        l.max_qp_wr,
+        l.max_cqe,
+        c.qps.0,
+        c.qps.1,
+        c.cqs.0,
+        c.cqs.1,
+        c.cqes.0,
+        c.cqes.1,
+        c.mrs.0,
+        c.mrs.1,
+        c.send_wr,
+        c.recv_wr,
+        c.pairs,
     )
 }
 
@@ -202,7 +221,22 @@ fn to_json(r: &Report) -> Value {
                 "port_speed_mbps": p.port_speed_mbps,
                 "pci_path": p.pci_path,
                 "numa_node": p.numa_node,
-                "max_qp": p.max_qp,
+                "limits": {
+                    "max_qp": p.limits.max_qp,
+                    "max_cq": p.limits.max_cq,
+                    "max_mr": p.limits.max_mr,
+                    "max_qp_wr": p.limits.max_qp_wr,
+                    "max_cqe": p.limits.max_cqe,
+                },
+                "connection": {
+                    "qps": [p.connection.qps.0, p.connection.qps.1],
+                    "cqs": [p.connection.cqs.0, p.connection.cqs.1],
+                    "cqes": [p.connection.cqes.0, p.connection.cqes.1],
+                    "mrs": [p.connection.mrs.0, p.connection.mrs.1],
+                    "send_wr": p.connection.send_wr,
+                    "recv_wr": p.connection.recv_wr,
+                    "pairs": p.connection.pairs,
+                },
                 "qps_per_connection": {"value": p.qps_per_connection.value, "source": p.qps_per_connection.source},
                 "cts_batch": {"value": p.cts_batch.value, "source": p.cts_batch.source},
                 "used": p.used.is_ok(),

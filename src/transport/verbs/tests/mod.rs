@@ -4,6 +4,7 @@
 //! sequence number crossing 2^32, a link that never answers, a failed work request).
 
 mod faults;
+mod limits;
 mod rails;
 mod traffic;
 

@@ -86,6 +86,8 @@ pub struct Options {
     pub script_idle: usize,
     /// `--script-wait`: the scripted run's wait for the network (None: by transport).
     pub script_wait_us: Option<u64>,
+    /// `--script-comms`: idle connection pairs the scripted run holds open besides its own.
+    pub script_comms: usize,
 }
 
 /// `--sizes`: a newtype, because clap reads a bare `Vec` as "the flag takes many values"
@@ -257,6 +259,12 @@ struct Cli {
     #[arg(long = "script-wait", value_name = "US", value_parser = count::<0, 1_000_000>, requires = "script", verbatim_doc_comment)]
     script_wait: Option<usize>,
 
+    /// with --script: connection pairs to open and leave idle beside
+    /// the measured one, 0..4096 (default 0): does holding many
+    /// connections make a message dearer?
+    #[arg(long = "script-comms", value_name = "N", value_parser = count::<0, 4096>, requires = "script", verbatim_doc_comment)]
+    script_comms: Option<usize>,
+
     /// be side A on control port PORT (default 18515; 0 = any, printed)
     #[arg(long, value_name = "PORT", value_parser = port, overrides_with = "connect", verbatim_doc_comment)]
     listen: Option<Option<u16>>,
@@ -347,6 +355,7 @@ impl From<Cli> for Options {
             scale: c.scale.map(|l| l.0),
             script_idle: c.script_idle.unwrap_or(1),
             script_wait_us: c.script_wait.map(|v| v as u64),
+            script_comms: c.script_comms.unwrap_or(0),
         }
     }
 }
@@ -520,10 +529,10 @@ mod tests {
             (o.script, o.script_idle, o.script_wait_us),
             (Some(256), 1, None)
         );
-        let o = args("--script 4 --script-idle 0 --script-wait 500").unwrap();
+        let o = args("--script 4 --script-idle 0 --script-wait 500 --script-comms 1024").unwrap();
         assert_eq!(
-            (o.script, o.script_idle, o.script_wait_us),
-            (Some(4), 0, Some(500))
+            (o.script, o.script_idle, o.script_wait_us, o.script_comms),
+            (Some(4), 0, Some(500), 1024)
         );
         assert_eq!(args("").unwrap().script, None);
         assert!(error("--script 0").contains("must be in 1..=1000000"));

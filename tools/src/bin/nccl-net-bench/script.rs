@@ -444,6 +444,10 @@ pub fn run(o: &Options) -> Res<()> {
     } else {
         VERBS_WAIT_US
     });
+    // Idle pairs held open for the whole run, made first: the measured pair is the newest.
+    let idle_pairs = (0..o.script_comms)
+        .map(|_| connect_self(net))
+        .collect::<Res<Vec<_>>>()?;
     let (send, recv) = connect_self(net)?;
     let layout = Layout::new(plan.size, plan.window, plan.window);
     let len = plan.window * layout.stride;
@@ -477,7 +481,7 @@ pub fn run(o: &Options) -> Res<()> {
     };
     say(&format!(
         "script transport={} device={} abi={} size={} window={} idle={} rounds={} warmup={} \
-         wait_us={wait_us}",
+         wait_us={wait_us} idle_comms={}",
         p.transport,
         p.props.name.replace(char::is_whitespace, "_"),
         p.net.version(),
@@ -485,7 +489,8 @@ pub fn run(o: &Options) -> Res<()> {
         plan.window,
         plan.idle,
         plan.rounds,
-        WARMUP_ROUNDS
+        WARMUP_ROUNDS,
+        idle_pairs.len()
     ));
     for _ in 0..WARMUP_ROUNDS {
         s.round()?;
@@ -536,6 +541,12 @@ pub fn run(o: &Options) -> Res<()> {
         .call(|| "deregMr (receive comm)".into())?;
     net.close_send(send).call(|| "closeSend".into())?;
     net.close_recv(recv).call(|| "closeRecv".into())?;
+    for (send, recv) in idle_pairs {
+        net.close_send(send)
+            .call(|| "closeSend (idle pair)".into())?;
+        net.close_recv(recv)
+            .call(|| "closeRecv (idle pair)".into())?;
+    }
     say(&format!("script-done messages={}", s.sent));
     p.finalize()
 }
