@@ -307,6 +307,23 @@ settings! {
             _ => Err(Error::config(var, raw, "0, 1 or force")),
         }
     };
+    /// Move a connection whose NIC or path fails to another NIC of the same link layer (a
+    /// fused device's other NICs, else the host's others) instead of failing it: unset or
+    /// auto is on wherever such a NIC exists, 1 the same, 0 off.
+    failover: Option<bool> = None, "NCCL_ERDMA_FAILOVER", |var, raw| {
+        match raw.trim().to_ascii_lowercase().as_str() {
+            "auto" => Ok(None),
+            "1" | "on" | "yes" => Ok(Some(true)),
+            "0" | "off" | "no" => Ok(Some(false)),
+            _ => Err(Error::config(var, raw, "auto, 1 or 0")),
+        }
+    }, unset = "auto";
+    /// With failover: milliseconds a path's liveness probe may go unanswered, while work
+    /// waits on it, before the connection moves (at least two retransmission timers of
+    /// NCCL_IB_TIMEOUT, so a lost probe is sent again first).
+    failover_after_ms: u64 = 2_000, "NCCL_ERDMA_FAILOVER_AFTER_MS", |var, raw| {
+        int_in(var, raw, 10, 3_600_000)
+    };
     /// Whether NCCL's NIC fusion (makeVDevice) may fuse devices (1), as for NCCL IB.
     merge_nics: bool = true, "NCCL_IB_MERGE_NICS", flag;
     /// Clear-to-send entries a receiver may hold back and post in one RDMA write (1..16;

@@ -81,7 +81,7 @@ pub fn peer_timeout_hint(e: &Error) -> &'static str {
 /// Bytes in a message header.
 pub const MSG_HEADER: usize = 16;
 /// Largest payload a handshake message may carry.
-pub const MAX_PAYLOAD: usize = 16 * 1024;
+pub const MAX_PAYLOAD: usize = 64 * 1024;
 const MSG_MAGIC: u32 = 0x4552_4d41; // "ERMA"
 /// At most this many not-yet-identified connections wait on one listener.
 const MAX_PENDING: usize = 16;
@@ -98,6 +98,8 @@ pub enum MsgKind {
     Reject = 3,
     /// Connector -> listener: connector-side setup finished (verbs).
     Ready = 4,
+    /// Either way, after setup: a connection moving off a failed NIC (verbs).
+    Failover = 5,
 }
 
 impl MsgKind {
@@ -107,6 +109,7 @@ impl MsgKind {
             2 => MsgKind::Accept,
             3 => MsgKind::Reject,
             4 => MsgKind::Ready,
+            5 => MsgKind::Failover,
             _ => return None,
         })
     }
@@ -302,6 +305,18 @@ impl Channel {
         if !self.poll_connected()? {
             return Ok(None);
         }
+        self.recv_io().map_err(|e| match e.kind() {
+            io::ErrorKind::UnexpectedEof => self.closed(),
+            io::ErrorKind::InvalidData => Error::remote(format!("{}: {e}", self.peer)),
+            _ => Error::io(format!("receiving from {}", self.peer), e),
+        })
+    }
+
+    /// [`Self::poll_recv`] on a connected stream, with the socket's own error: the peer
+    /// closing is `UnexpectedEof`, a bad header `InvalidData` (for the watch of a connected
+    /// peer, which tells a closed socket from a silent host).
+    pub fn recv_io(&mut self) -> io::Result<Option<Message>> {
+        let eof = || io::Error::from(io::ErrorKind::UnexpectedEof);
         loop {
             let (buf, filled) = match self.want {
                 None => (&mut self.hdr[self.hdr_len..], &mut self.hdr_len),
@@ -314,33 +329,33 @@ impl Channel {
                     }
                     self.payload.resize(len, 0);
                     let n = match self.stream.read(&mut self.payload[have..]) {
-                        Ok(0) => return Err(self.closed()),
+                        Ok(0) => return Err(eof()),
                         Ok(n) => n,
                         Err(e) if would_block(&e) => {
                             self.payload.truncate(have);
                             return Ok(None);
                         }
-                        Err(e) => {
-                            return Err(Error::io(format!("receiving from {}", self.peer), e))
-                        }
+                        Err(e) => return Err(e),
                     };
                     self.payload.truncate(have + n);
                     continue;
                 }
             };
             match self.stream.read(buf) {
-                Ok(0) => return Err(self.closed()),
+                Ok(0) => return Err(eof()),
                 Ok(n) => {
                     *filled += n;
                     if self.hdr_len == MSG_HEADER {
                         self.hdr_len = 0;
-                        let (kind, len) = decode_header(&self.hdr)?;
+                        let (kind, len) = decode_header(&self.hdr).map_err(|e| {
+                            io::Error::new(io::ErrorKind::InvalidData, e.to_string())
+                        })?;
                         self.want = Some((kind, len));
                         self.payload.clear();
                     }
                 }
                 Err(e) if would_block(&e) => return Ok(None),
-                Err(e) => return Err(Error::io(format!("receiving from {}", self.peer), e)),
+                Err(e) => return Err(e),
             }
         }
     }
@@ -353,6 +368,12 @@ impl Channel {
     /// Another handle on the stream (the setup state keeps this one until it is dropped).
     pub fn try_clone_stream(&self) -> Option<TcpStream> {
         self.stream.try_clone().ok()
+    }
+
+    /// A connected channel over `stream`, a clone of one whose framing stood between
+    /// messages (the connector keeps its bootstrap connection this way).
+    pub fn from_stream(stream: TcpStream, peer: SocketAddr) -> Self {
+        Channel::new(stream, peer, true)
     }
 
     /// Gives up the framing and returns the stream for the data path.

@@ -59,6 +59,17 @@ impl MemKeys {
     }
 }
 
+/// Each rail's keys those of the NIC of its own index.
+const KEYS_IN_ORDER: [u8; MAX_RAILS] = {
+    let mut order = [0; MAX_RAILS];
+    let mut r = 0;
+    while r < MAX_RAILS {
+        order[r] = r as u8;
+        r += 1;
+    }
+    order
+};
+
 /// The last registration handle one comm looked up, and what it found. Filled by
 /// [`Registry::keys`], which alone knows when a handle stops standing; the comm only keeps it
 /// (under its lock, in its [`CommKeys`]).
@@ -71,6 +82,9 @@ pub(crate) struct KeyCache {
     /// (start, end, device) of the registration.
     reg: (usize, usize, usize),
     keys: MemKeys,
+    /// The comm's rail `r` uses the registration's keys of NIC `order[r]` (the identity
+    /// until a connection moves to another NIC, see [`CommKeys::reorder`]).
+    order: [u8; MAX_RAILS],
 }
 
 impl Default for KeyCache {
@@ -80,6 +94,7 @@ impl Default for KeyCache {
             releases: u64::MAX,
             reg: (0, 0, 0),
             keys: MemKeys::default(),
+            order: KEYS_IN_ORDER,
         }
     }
 }
@@ -108,6 +123,23 @@ impl CommKeys {
     pub(crate) fn keys(&mut self, handle: u64, buf: UserBuffer) -> Result<&MemKeys> {
         self.registry
             .keys(&mut self.cache, handle, (buf.addr(), buf.len()), self.dev)
+    }
+
+    /// [`Self::keys`] of `addr..addr+len`, a buffer named by its address (a request being
+    /// sent again after its connection moved).
+    pub(crate) fn keys_at(&mut self, handle: u64, addr: u64, len: usize) -> Result<MemKeys> {
+        let at = (addr as usize, len);
+        self.registry
+            .keys(&mut self.cache, handle, at, self.dev)
+            .copied()
+    }
+
+    /// From now on the comm's rail `r` uses the keys a registration holds for NIC
+    /// `order[r]` (its device's NICs, then the spares it was registered on): after a
+    /// connection moved. Lookups pay for it only when they read a registration afresh.
+    pub(crate) fn reorder(&mut self, order: [u8; MAX_RAILS]) {
+        self.cache.order = order;
+        self.cache.releases = u64::MAX;
     }
 
     /// Checks that each handle of `handles` covers its buffer of `bufs` (a transport that
@@ -202,15 +234,16 @@ impl Slot {
         (self.kind.load(Ordering::Relaxed) >> 32) as usize
     }
 
-    /// Writes the keys into `out` (fresh): as many rails as were registered.
+    /// Writes the keys into `out` (fresh): rail `r` gets those of NIC `order[r]`, for as
+    /// many rails as were registered.
     #[inline(always)]
-    fn keys_into(&self, out: &mut MemKeys) {
+    fn keys_into(&self, out: &mut MemKeys, order: &[u8; MAX_RAILS]) {
         let kind = self.kind.load(Ordering::Relaxed);
         let rails = ((kind >> 8) as u8).min(MAX_RAILS as u8);
         out.rails = rails;
         out.host = kind & 1 != 0;
-        for (r, from) in self.keys[..usize::from(rails)].iter().enumerate() {
-            let k = from.load(Ordering::Relaxed);
+        for (r, &from) in order[..usize::from(rails)].iter().enumerate() {
+            let k = self.keys[usize::from(from) % MAX_RAILS].load(Ordering::Relaxed);
             out.set(r, (k as u32, (k >> 32) as u32));
         }
     }
@@ -332,7 +365,7 @@ impl Registry {
             dev: slot.device(),
             keys: {
                 let mut keys = MemKeys::default();
-                slot.keys_into(&mut keys);
+                slot.keys_into(&mut keys, &KEYS_IN_ORDER);
                 keys
             },
         })
@@ -373,7 +406,7 @@ impl Registry {
         cache.releases = u64::MAX;
         let mut keys = MemKeys::default();
         cache.reg = self.read(handle, |slot| {
-            slot.keys_into(&mut keys);
+            slot.keys_into(&mut keys, &cache.order);
             let start = slot.addr.load(Ordering::Relaxed) as usize;
             let len = slot.len.load(Ordering::Relaxed) as usize;
             (start, start.saturating_add(len), slot.device())

@@ -102,6 +102,31 @@ impl<T: Copy, R> DmaBuffer<T, R> {
         Ok(buf)
     }
 
+    /// Registers the buffer's pages `regs` more times with `register(i, addr, bytes)`, without
+    /// keeping the registrations: for a connection moving to other NICs, which
+    /// [`Self::adopt`] them (or keeps them itself, for a buffer it shares).
+    pub(crate) fn register_again(
+        &self,
+        regs: usize,
+        mut register: impl FnMut(usize, usize, usize) -> Result<(R, u32, u32)>,
+    ) -> Result<Vec<(R, u32, u32)>> {
+        (0..regs)
+            .map(|i| register(i, self.ptr as usize, self.layout.size()))
+            .collect()
+    }
+
+    /// Uses `regs` (from [`Self::register_again`]) from now on; returns the registrations
+    /// they replace, to be dropped once no work request names them.
+    pub(crate) fn adopt(&mut self, regs: Vec<(R, u32, u32)>) -> Vec<R> {
+        assert!((1..=MAX_REGISTRATIONS).contains(&regs.len()));
+        let mut fresh = Vec::with_capacity(regs.len());
+        for (i, (mr, lkey, rkey)) in regs.into_iter().enumerate() {
+            fresh.push(mr);
+            self.keys[i] = (lkey, rkey);
+        }
+        std::mem::replace(&mut self.regs, fresh)
+    }
+
     /// Bytes allocated (whole pages).
     #[cfg(test)]
     fn allocated(&self) -> usize {

@@ -628,6 +628,25 @@ unsafe impl Nic for FakeNic {
         Ok(())
     }
 
+    fn fail_qp(&self, qp: &FakeQp) -> Result<()> {
+        let mut w = self.world.lock();
+        let q = w.qps.get_mut(&qp.qpn).expect("live QP");
+        q.error = true;
+        let (cq, recvs) = (q.cq, std::mem::take(&mut q.recvs));
+        for wr_id in recvs {
+            let wc = World::wc(wr_id, FLUSHED, ibv_wc_opcode::IBV_WC_RECV, qp.qpn);
+            w.complete(cq, wc, None);
+        }
+        // Its queued work is flushed now, even on a silent link.
+        let qpn = qp.qpn;
+        let queued: Vec<Op> = w.queue.iter().filter(|op| op.qpn == qpn).cloned().collect();
+        w.queue.retain(|op| op.qpn != qpn);
+        for op in queued {
+            w.fail(&op, FLUSHED);
+        }
+        Ok(())
+    }
+
     fn register(&self, addr: usize, len: usize) -> Result<FakeMr> {
         let usage = self.take(Resource::Mr, "ibv_reg_mr")?;
         let mut w = self.world.lock();

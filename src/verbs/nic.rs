@@ -85,6 +85,9 @@ pub(crate) unsafe trait Nic: Send + Sync + 'static {
     ) -> Result<Self::Qp>;
     /// INIT -> RTR -> RTS towards `remote`.
     fn connect_qp(&self, qp: &Self::Qp, path: &QpPath, remote: &RemoteQp) -> Result<()>;
+    /// Moves `qp` to the error state: nothing more is sent or placed through it, and its
+    /// outstanding work requests complete as flushed.
+    fn fail_qp(&self, qp: &Self::Qp) -> Result<()>;
     /// Registers `addr..addr+len` for local and remote read and write.
     fn register(&self, addr: usize, len: usize) -> Result<Self::Mr>;
     /// Posts a chain of send work requests (built by `SendChain`).
@@ -171,6 +174,10 @@ unsafe impl Nic for VerbsDevice {
     fn connect_qp(&self, qp: &Self::Qp, path: &QpPath, remote: &RemoteQp) -> Result<()> {
         qp.to_rtr(path, remote)?;
         qp.to_rts(path)
+    }
+
+    fn fail_qp(&self, qp: &Self::Qp) -> Result<()> {
+        qp.to_error()
     }
 
     fn register(&self, addr: usize, len: usize) -> Result<Self::Mr> {

@@ -227,6 +227,15 @@ impl Qp {
         self.modify(&mut a, mask, "RTS")
     }
 
+    /// Any state -> ERROR: the QP stops sending and receiving, and its outstanding work
+    /// requests complete as flushed (a connection moving off a failed path).
+    pub(crate) fn to_error(&self) -> Result<()> {
+        // SAFETY: all-zero is a valid attr.
+        let mut a: ibv_qp_attr = unsafe { std::mem::zeroed() };
+        a.qp_state = ibv_qp_state::IBV_QPS_ERR;
+        self.modify(&mut a, ibv_qp_attr_mask::IBV_QP_STATE, "ERROR")
+    }
+
     /// Posts a chain of send work requests.
     #[inline(always)]
     pub(crate) fn post_send(&self, wr: &mut ibv_send_wr) -> Result<()> {

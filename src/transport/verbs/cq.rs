@@ -17,16 +17,12 @@
 //!   a WARN says so, with the device's counters, and the comm waits on; only work that makes no
 //!   progress for [`SLOW_CEILING`] times the timeout fails it (the bound that still holds).
 
-use std::{
-    io::Read,
-    net::TcpStream,
-    time::{Duration, Instant},
-};
+use std::time::{Duration, Instant};
 
 use super::latency::RailLatency;
 use super::wire::WrKind;
 use crate::error::{Error, Result};
-use crate::oob;
+use crate::oob::{self, Channel, Message};
 use crate::verbs::dma::{Completion, WcBatch, WC_SUCCESS};
 use crate::verbs::nic::{Nic, QueuePair};
 
@@ -98,8 +94,12 @@ impl PairProbe {
 pub(crate) struct Watchdog {
     limit: Option<Duration>,
     /// How long a probe may go unanswered: the limit, and at least several of the device's
-    /// retransmission timers (a probe lost on a lossy link is sent again only after one).
+    /// retransmission timers (a probe lost on a lossy link is sent again only after one);
+    /// with failover, the time after which a path is suspected and the connection moves.
     probe_limit: Duration,
+    /// How long after an answer the next probe goes out: a quarter of the limit, half the
+    /// suspect time with failover.
+    probe_every: Duration,
     /// Completions counted at the last check.
     progress: u64,
     /// Since when checks have seen no completion while the rail had work posted.
@@ -115,10 +115,21 @@ impl Watchdog {
         Watchdog {
             limit,
             probe_limit: limit.map_or(probe_limit, |l| probe_limit.max(l)),
+            probe_every: limit.map_or(probe_limit, |l| l / 4),
             progress: 0,
             idle_since: None,
             said_slow: false,
         }
+    }
+
+    /// The watchdog of a connection that moves off a path whose probe goes unanswered for
+    /// `after` (failover), probing every half of it while the comm is active.
+    pub(crate) fn suspecting(mut self, after: Option<Duration>) -> Self {
+        if let Some(after) = after {
+            self.probe_limit = after;
+            self.probe_every = after / 2;
+        }
+        self
     }
 
     /// One check at `now`: `completions` seen on the rail so far, whether it has posted work
@@ -154,7 +165,7 @@ impl Watchdog {
         for (i, p) in pairs.iter_mut().enumerate() {
             if std::mem::take(&mut p.answered) {
                 p.posted = None;
-                p.next = Some(now + limit / 4);
+                p.next = Some(now + self.probe_every);
             }
             if let Some(posted) = p.posted {
                 let age = now.saturating_duration_since(posted);
@@ -167,9 +178,9 @@ impl Watchdog {
                 p.next = None;
                 continue;
             }
-            // Active: a probe a quarter of the limit after the comm became so, or after the
-            // last answer; each gets the whole limit to come back.
-            let next = *p.next.get_or_insert(now + limit / 4);
+            // Active: a probe a quarter of the limit (half the suspect time) after the comm
+            // became so, or after the last answer; each gets the probe limit to come back.
+            let next = *p.next.get_or_insert(now + self.probe_every);
             if now >= next {
                 p.posted = Some(now);
                 probe |= 1 << i;
@@ -193,7 +204,10 @@ pub(crate) struct CqPoller<N: Nic> {
     pub(crate) cq: N::Cq,
     epoch: u64,
     calls: u32,
-    oob: Option<TcpStream>,
+    /// The bootstrap connection, as the peer watch and the way a move's messages come.
+    oob: Option<Channel>,
+    /// A message the peer sent (it moves the connection), for the comm to act on.
+    pub(crate) mail: Option<Message>,
     pub(crate) peer_gone: bool,
     /// The peer's host stopped answering keepalive probes (rather than closing).
     peer_silent: bool,
@@ -207,47 +221,57 @@ pub(crate) struct CqPoller<N: Nic> {
 
 impl<N: Nic> CqPoller<N> {
     /// A poller of `cq`, judging work by `work_timeout` (None: never) and probes by
-    /// `probe_timeout` (at least the work timeout).
-    pub(crate) fn new(cq: N::Cq, work_timeout: Option<Duration>, probe_timeout: Duration) -> Self {
+    /// `probe_timeout` (at least the work timeout), or by `failover` where set.
+    pub(crate) fn new(
+        cq: N::Cq,
+        work_timeout: Option<Duration>,
+        probe_timeout: Duration,
+        failover: Option<Duration>,
+    ) -> Self {
         CqPoller {
             cq,
             epoch: 0,
             calls: 0,
             oob: None,
+            mail: None,
             peer_gone: false,
             peer_silent: false,
             completions: 0,
-            watchdog: Watchdog::new(work_timeout, probe_timeout),
+            watchdog: Watchdog::new(work_timeout, probe_timeout).suspecting(failover),
             latency: None,
         }
     }
 
-    /// Keeps the (non-blocking) bootstrap socket to watch for the peer's exit.
-    pub(crate) fn watch(&mut self, stream: TcpStream) {
-        self.oob = Some(stream);
+    /// Keeps the (non-blocking) bootstrap connection to watch for the peer's exit and its
+    /// messages.
+    pub(crate) fn watch(&mut self, chan: Channel) {
+        self.oob = Some(chan);
     }
 
-    /// Whether the peer's bootstrap socket has closed (its process exited or closed the comm).
-    fn check_peer(&mut self) -> bool {
-        if !self.peer_gone {
-            if let Some(s) = &mut self.oob {
-                let mut b = [0u8; 16];
-                self.peer_gone = match s.read(&mut b) {
-                    Ok(0) => true,
-                    Ok(_) => false,
-                    Err(e) => {
-                        // ETIMEDOUT: the keepalive probes (NCCL_ERDMA_PEER_TIMEOUT_S) found
-                        // no one there.
-                        self.peer_silent = e.kind() == std::io::ErrorKind::TimedOut;
-                        !matches!(
-                            e.kind(),
-                            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::Interrupted
-                        )
-                    }
-                };
+    /// Gives the bootstrap connection up (to a move, which watches it meanwhile).
+    pub(crate) fn unwatch(&mut self) -> Option<Channel> {
+        self.oob.take()
+    }
+
+    /// Reads what the peer's bootstrap connection has: a message (kept in `mail`), or its
+    /// close (the peer's process exited or closed the comm).
+    fn check_peer(&mut self) {
+        if self.peer_gone || self.mail.is_some() {
+            return;
+        }
+        let Some(chan) = &mut self.oob else {
+            return;
+        };
+        match chan.recv_io() {
+            Ok(Some(m)) => self.mail = Some(m),
+            Ok(None) => {}
+            Err(e) => {
+                // ETIMEDOUT: the keepalive probes (NCCL_ERDMA_PEER_TIMEOUT_S) found no one
+                // there.
+                self.peer_silent = e.kind() == std::io::ErrorKind::TimedOut;
+                self.peer_gone = true;
             }
         }
-        self.peer_gone
     }
 
     /// The error for work that can no longer complete because the peer is gone.
@@ -345,6 +369,10 @@ impl<N: Nic> CqPoller<N> {
         waiting: bool,
     ) -> Result<u8> {
         self.check_peer();
+        if self.mail.is_some() {
+            // The comm reads it (the peer moves the connection).
+            return Err(Error::remote(format!("peer {peer} sent a message")));
+        }
         if let Some(l) = &mut self.latency {
             l.warn_stalls();
         }

@@ -9,6 +9,7 @@
 //! - [`cq`]: completions, the peer watch and the work watchdog;
 //! - [`profile`]: the settings a device changes, and each connection's parameters;
 //! - [`rail`]: the NICs of a connection; [`fusion`]: devices over several NICs;
+//! - [`failover`]: a connection moving off a failed NIC to another of the same link layer;
 //! - [`survey`]: what the ports tell, used or not.
 //!
 //! Everything below `setup` works on any [`Nic`](crate::verbs::nic::Nic), so the unit tests
@@ -17,6 +18,7 @@
 
 mod budget;
 mod cq;
+mod failover;
 pub(crate) mod fusion;
 mod gate;
 mod latency;
@@ -63,6 +65,9 @@ struct OpenPort {
 struct Device {
     /// Indexes into `VerbsTransport::ports`: the rails of its connections.
     members: Vec<usize>,
+    /// The other ports its connections may move to when one of theirs fails (failover): of
+    /// the same link layer and memory support; registrations are made there too.
+    spares: Vec<usize>,
     props: Arc<DeviceProps>,
     /// What it is, for the info command: its own NIC, fused and why, or made by NCCL.
     why: String,
@@ -104,6 +109,23 @@ fn nic_info(d: &VerbsDevice) -> fusion::NicInfo {
         port: d.local.port,
         max_comms: d.limits.max_qp.clamp(1, i32::MAX as u32) as i32,
     }
+}
+
+/// The ports a device over `members` may move its connections to (see [`Device::spares`]):
+/// none with `NCCL_ERDMA_FAILOVER=0`; a registration holds keys for the members and these,
+/// so at most `MAX_RAILS` in all.
+fn spares(config: &Config, infos: &[fusion::NicInfo], members: &[usize]) -> Vec<usize> {
+    if config.failover.value == Some(false) {
+        return Vec::new();
+    }
+    let first = &infos[members[0]];
+    (0..infos.len())
+        .filter(|i| !members.contains(i))
+        .filter(|&i| {
+            infos[i].link_layer == first.link_layer && infos[i].ptr_support == first.ptr_support
+        })
+        .take(crate::transport::MAX_RAILS.saturating_sub(members.len()))
+        .collect()
 }
 
 /// What the verbs transport would see on this host: for a report of why it cannot open.
@@ -186,6 +208,7 @@ impl VerbsTransport {
                     vec![index as i32],
                     force_flush,
                 )),
+                spares: spares(config, &infos, &d.members),
                 members: d.members,
                 why: d.why,
             })
@@ -206,18 +229,39 @@ impl VerbsTransport {
         CommKeys::new(Arc::clone(&self.registry), dev)
     }
 
-    /// The ports of device `dev` (checked).
+    /// The ports of device `dev` (checked), then its spares: the NICs its registrations
+    /// are made on.
     fn members(&self, dev: usize) -> Result<Vec<usize>> {
-        Ok(device(&self.devices.read(), dev)?.members.clone())
+        let devices = self.devices.read();
+        let d = device(&devices, dev)?;
+        Ok(d.members.iter().chain(&d.spares).copied().collect())
     }
 
-    /// The verbs devices behind device `dev`: its rails.
-    fn rails(&self, dev: usize) -> Result<Vec<Arc<VerbsDevice>>> {
-        Ok(self
-            .members(dev)?
-            .iter()
-            .map(|&i| Arc::clone(&self.ports[i].verbs))
-            .collect())
+    /// The verbs devices behind device `dev`: its rails, and the spares they may move to.
+    fn rails(&self, dev: usize) -> Result<(Vec<Arc<VerbsDevice>>, Vec<Arc<VerbsDevice>>)> {
+        let devices = self.devices.read();
+        let d = device(&devices, dev)?;
+        let verbs = |i: &usize| Arc::clone(&self.ports[*i].verbs);
+        Ok((
+            d.members.iter().map(verbs).collect(),
+            d.spares.iter().map(verbs).collect(),
+        ))
+    }
+
+    /// The parameters of a connection on device `dev` (rails `rails`, spares `spares`):
+    /// failover where a spare or a second rail can carry it.
+    fn params(
+        &self,
+        rails: &[Arc<VerbsDevice>],
+        spares: &[Arc<VerbsDevice>],
+        traffic_class: Option<i32>,
+    ) -> setup::ConnParams {
+        let mut p = profile::conn_params(&self.config, &rails[0], traffic_class);
+        let others = rails.len() + spares.len() > 1;
+        if others && self.config.failover.value != Some(false) {
+            p.failover = Some(profile::failover_after(&self.config));
+        }
+        p
     }
 }
 
@@ -281,6 +325,7 @@ impl Transport for VerbsTransport {
             props.speed_mbps
         );
         devices.push(Device {
+            spares: spares(&self.config, &self.infos, &picked),
             members: picked,
             props: Arc::new(props),
             why: format!("made by NCCL (makeVDevice of devices {devs:?})"),
@@ -293,9 +338,9 @@ impl Transport for VerbsTransport {
     }
 
     fn listen(&self, dev: usize, ip: IpAddr) -> Result<VerbsListener> {
-        let rails = self.rails(dev)?;
-        let params = profile::conn_params(&self.config, &rails[0], None);
-        VerbsListener::bind(ip, &rails, params, self.keys(dev))
+        let (rails, spares) = self.rails(dev)?;
+        let params = self.params(&rails, &spares, None);
+        VerbsListener::bind(ip, (&rails, &spares), params, self.keys(dev))
     }
 
     fn connect(
@@ -304,9 +349,9 @@ impl Transport for VerbsTransport {
         handle: &Handle,
         traffic_class: Option<i32>,
     ) -> Result<VerbsConnector> {
-        let rails = self.rails(dev)?;
-        let params = profile::conn_params(&self.config, &rails[0], traffic_class);
-        VerbsConnector::start(&rails, handle, params, self.keys(dev))
+        let (rails, spares) = self.rails(dev)?;
+        let params = self.params(&rails, &spares, traffic_class);
+        VerbsConnector::start((&rails, &spares), handle, params, self.keys(dev))
     }
 
     fn register(
@@ -349,7 +394,8 @@ impl Transport for VerbsTransport {
         offset: u64,
         fd: i32,
     ) -> Result<(MemKeys, Hold)> {
-        let rails = self.rails(dev)?;
+        let (mut rails, spares) = self.rails(dev)?;
+        rails.extend(spares);
         let mut keys = MemKeys {
             rails: rails.len() as u8,
             host: false,

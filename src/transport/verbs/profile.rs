@@ -120,7 +120,17 @@ pub(crate) fn conn_params(
             )
         }),
         send_depth: super::send::SENDER_SEND_DEPTH,
+        // Set by the transport where another NIC can carry the connection.
+        failover: None,
     }
+}
+
+/// How long a path's probe may go unanswered, with failover, before the connection moves:
+/// `NCCL_ERDMA_FAILOVER_AFTER_MS`, and at least two of the device's retransmission timers
+/// (`4.096 us * 2^NCCL_IB_TIMEOUT`), so that a probe lost once is sent again in time.
+pub(crate) fn failover_after(config: &Config) -> Duration {
+    let per_try = 4.096e-6 * 2f64.powi(config.ib_timeout.value as i32);
+    Duration::from_millis(config.failover_after_ms.value).max(Duration::from_secs_f64(2.0 * per_try))
 }
 
 #[cfg(test)]

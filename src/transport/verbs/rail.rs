@@ -10,7 +10,7 @@ use super::cq::{self, CqPoller, PairProbe};
 use super::latency::RailLatency;
 use super::wire::WrKind;
 use crate::error::Result;
-use crate::verbs::dma::{Completion, WcBatch};
+use crate::verbs::dma::{Completion, WcBatch, WC_SUCCESS};
 use crate::verbs::nic::{Nic, QueuePair};
 
 /// What one rail carried.
@@ -41,6 +41,8 @@ pub(crate) struct Rail<N: Nic> {
     pub(crate) stats: RailStats,
     /// The paths its QPs take to the peer's rails, each probed by the watchdog.
     pub(crate) pairs: Vec<PairProbe>,
+    /// The status of the failed completion that broke the rail, if one did.
+    pub(crate) failed_status: Option<u32>,
 }
 
 impl<N: Nic> Rail<N> {
@@ -59,6 +61,7 @@ impl<N: Nic> Rail<N> {
             in_flight: 0,
             stats: RailStats::default(),
             pairs: Vec::new(),
+            failed_status: None,
         }
     }
 
@@ -143,7 +146,10 @@ impl<N: Nic> Rail<N> {
         self.in_flight -= done;
         if !matches!(handed, Ok(true)) {
             // Stopped at a failed completion (Ok(false)) or poll.
-            let e = handed.and_then(|_| Err(cq::failed_completion(&*self.nic, peer, wc)));
+            let e = handed.and_then(|_| {
+                self.failed_status = wc.iter().map(|c| c.status()).find(|&s| s != WC_SUCCESS);
+                Err(cq::failed_completion(&*self.nic, peer, wc))
+            });
             return self.count_error(e);
         }
         if !self.cq.checks_due() {

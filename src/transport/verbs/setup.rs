@@ -10,6 +10,7 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use super::budget::{self, EndCost};
 use super::cq::CqPoller;
+use super::failover::Mobility;
 use super::rail::{locate, Rail};
 use super::recv::{RecvState, VerbsReceiver};
 use super::send::{SendState, VerbsSender, PROBE_AT};
@@ -54,10 +55,13 @@ pub(crate) struct ConnParams {
     /// small):
     /// a send that does not fit waits for room ("not now").
     pub(crate) send_depth: u32,
+    /// `NCCL_ERDMA_FAILOVER` in effect for this connection (another NIC can carry it): how
+    /// long a path's probe may go unanswered before the connection moves; None: off.
+    pub(crate) failover: Option<Duration>,
 }
 
 /// A DMA buffer of `len` elements registered on every NIC of `nics`.
-fn dma<T: Copy, N: Nic>(nics: &[Arc<N>], len: usize) -> Result<DmaBuffer<T, N::Mr>> {
+pub(super) fn dma<T: Copy, N: Nic>(nics: &[Arc<N>], len: usize) -> Result<DmaBuffer<T, N::Mr>> {
     DmaBuffer::new(len, nics.len(), |i, addr, bytes| {
         let mr = nics[i].register(addr, bytes)?;
         let (lkey, rkey) = (mr.lkey(), mr.rkey());
@@ -80,7 +84,7 @@ fn rail_info(port: &LocalPort, rkey: u32) -> RailInfo {
 }
 
 /// This end of a connection as the other end needs it: `addr` and its key on each rail.
-fn local_info<N: Nic>(
+pub(super) fn local_info<N: Nic>(
     rails: &[Rail<N>],
     addr: u64,
     rkey: impl Fn(usize) -> u32,
@@ -128,7 +132,11 @@ fn path<N: Nic>(nic: &N, remote: &RailInfo, p: &ConnParams, tc: u8, sl: u8) -> Q
 
 /// Checks that every rail pair the QPs join can talk: same link layer; a differing MTU is
 /// fine (the smaller is used) and said once.
-fn check_links<N: Nic>(rails: &[Rail<N>], remote: &ConnInfo, peer: SocketAddr) -> Result<()> {
+pub(super) fn check_links<N: Nic>(
+    rails: &[Rail<N>],
+    remote: &ConnInfo,
+    peer: impl std::fmt::Display,
+) -> Result<()> {
     let name = |layer: u8| {
         if layer == LINK_LAYER_ETHERNET {
             "Ethernet (RoCE)"
@@ -165,7 +173,7 @@ fn check_links<N: Nic>(rails: &[Rail<N>], remote: &ConnInfo, peer: SocketAddr) -
 }
 
 /// Brings every QP of `rails` up against `remote` (QP `q` to the peer's QP `q`).
-fn connect_qps<N: Nic>(
+pub(super) fn connect_qps<N: Nic>(
     rails: &[Rail<N>],
     remote: &ConnInfo,
     p: &ConnParams,
@@ -192,7 +200,7 @@ fn connect_qps<N: Nic>(
 
 /// The rails of a connection's end over `nics` as `cost` describes it: per rail a CQ, its
 /// data QPs and a loopback flush QP where `cost.flush` (probe QPs come later, per path).
-fn make_rails<N: Nic>(nics: &[Arc<N>], cost: &EndCost, p: &ConnParams) -> Result<Vec<Rail<N>>> {
+pub(super) fn make_rails<N: Nic>(nics: &[Arc<N>], cost: &EndCost, p: &ConnParams) -> Result<Vec<Rail<N>>> {
     nics.iter()
         .enumerate()
         .map(|(r, nic)| {
@@ -224,7 +232,7 @@ fn make_rails<N: Nic>(nics: &[Arc<N>], cost: &EndCost, p: &ConnParams) -> Result
             };
             Ok(Rail::new(
                 Arc::clone(nic),
-                CqPoller::new(cq, p.work_timeout, probe_timeout(p.timeout)),
+                CqPoller::new(cq, p.work_timeout, probe_timeout(p.timeout), p.failover),
                 qps,
                 flush_qp,
             ))
@@ -257,7 +265,7 @@ type Paths = Vec<(usize, usize)>;
 
 /// Which end of a connection this is, to read a path (connector rail, listener rail).
 #[derive(Clone, Copy, PartialEq, Eq)]
-enum End {
+pub(super) enum End {
     Connector,
     Listener,
 }
@@ -275,7 +283,7 @@ impl End {
 /// Makes this end's probe QP of each of `paths` on its rail of the path, and tells the rail
 /// the path (the peer's rail, named as `remote` names it). Returns, per path, (rail, the
 /// path's index among the rail's), to connect them by.
-fn make_probes<N: Nic>(
+pub(super) fn make_probes<N: Nic>(
     rails: &mut [Rail<N>],
     paths: &[(usize, usize)],
     end: End,
@@ -296,7 +304,7 @@ fn make_probes<N: Nic>(
 
 /// Times the signaled work of every QP of `rails` where `p` asks for it (once every QP,
 /// probe QPs too, is made).
-fn time_work<N: Nic>(rails: &mut [Rail<N>], p: &ConnParams, peer: &str) {
+pub(super) fn time_work<N: Nic>(rails: &mut [Rail<N>], p: &ConnParams, peer: &str) {
     if let Some((threshold, report)) = p.wqe_latency {
         for rail in rails {
             rail.time_work(threshold, report, peer);
@@ -305,7 +313,7 @@ fn time_work<N: Nic>(rails: &mut [Rail<N>], p: &ConnParams, peer: &str) {
 }
 
 /// This end's probe QPs (`made`, per path), as the other end needs them.
-fn probe_qps<N: Nic>(rails: &[Rail<N>], made: &[(usize, usize)]) -> Vec<(u32, u32)> {
+pub(super) fn probe_qps<N: Nic>(rails: &[Rail<N>], made: &[(usize, usize)]) -> Vec<(u32, u32)> {
     made.iter()
         .map(|&(r, i)| {
             let qp = &rails[r].probe_qps[i];
@@ -316,7 +324,7 @@ fn probe_qps<N: Nic>(rails: &[Rail<N>], made: &[(usize, usize)]) -> Vec<(u32, u3
 
 /// Brings this end's probe QPs (`made`, per path) up against the peer's (`theirs`, per path).
 #[allow(clippy::too_many_arguments)] // each QP's two ends, and the path's parameters
-fn connect_probes<N: Nic>(
+pub(super) fn connect_probes<N: Nic>(
     rails: &[Rail<N>],
     made: &[(usize, usize)],
     paths: &[(usize, usize)],
@@ -350,7 +358,7 @@ fn probe_timeout(ib_timeout: u8) -> Duration {
 }
 
 /// The remote keys of a `ConnInfo`'s memory, by rail.
-fn rkeys(info: &ConnInfo) -> [u32; MAX_RAILS] {
+pub(super) fn rkeys(info: &ConnInfo) -> [u32; MAX_RAILS] {
     let mut keys = [0; MAX_RAILS];
     for (k, r) in keys.iter_mut().zip(&info.rails) {
         *k = r.rkey;
@@ -361,6 +369,9 @@ fn rkeys(info: &ConnInfo) -> [u32; MAX_RAILS] {
 /// What the connector made before the listener answered.
 struct Unconnected<N: Nic> {
     rails: Vec<Rail<N>>,
+    /// What the rails were made as, and every NIC they may move to.
+    cost: EndCost,
+    nics: Vec<Arc<N>>,
     fifo: DmaBuffer<CtsEntry, N::Mr>,
     sizes_local: DmaBuffer<u32, N::Mr>,
     keys: CommKeys,
@@ -375,10 +386,10 @@ pub(crate) struct VerbsConnector<N: Nic = VerbsDevice> {
 }
 
 impl<N: Nic> VerbsConnector<N> {
-    /// Creates the sender's QPs (over the rails `nics`) and FIFO and starts the handshake
-    /// with the listener.
+    /// Creates the sender's QPs (over the rails `nics`, which may move to `spares`) and FIFO
+    /// and starts the handshake with the listener.
     pub(crate) fn start(
-        nics: &[Arc<N>],
+        (nics, spares): (&[Arc<N>], &[Arc<N>]),
         handle: &Handle,
         params: ConnParams,
         keys: CommKeys,
@@ -402,6 +413,8 @@ impl<N: Nic> VerbsConnector<N> {
             chan,
             made: Some(Unconnected {
                 rails,
+                cost,
+                nics: nics.iter().chain(spares).cloned().collect(),
                 fifo,
                 sizes_local,
                 keys,
@@ -431,7 +444,7 @@ impl<N: Nic> VerbsConnector<N> {
             return Ok(None);
         };
         if let Some(stream) = self.chan.try_clone_stream() {
-            s.rails[0].cq.watch(stream);
+            s.rails[0].cq.watch(Channel::from_stream(stream, self.chan.peer()));
         }
         Ok(Some(VerbsSender::new(s)))
     }
@@ -510,6 +523,12 @@ impl<N: Nic> VerbsConnector<N> {
             rails: made.rails.len(),
             split: remote.split,
         };
+        let cost = EndCost {
+            qps: nqps,
+            peer_rails: remote.rails.len(),
+            ..made.cost
+        };
+        let mobility = Mobility::new(made.nics, cost, *p);
         let state = SendState::new(
             made.rails,
             Arc::new(made.fifo),
@@ -518,6 +537,7 @@ impl<N: Nic> VerbsConnector<N> {
             plan,
             peer,
             made.keys,
+            mobility,
         );
         Ok((state, ours))
     }
@@ -535,6 +555,8 @@ impl<N: Nic> Connector for VerbsConnector<N> {
 pub(crate) struct VerbsListener<N: Nic = VerbsDevice> {
     listener: oob::Listener,
     nics: Vec<Arc<N>>,
+    /// The NICs its connections may move to besides `nics`.
+    spares: Vec<Arc<N>>,
     params: ConnParams,
     /// For the receiving end, once a peer connects.
     keys: Option<CommKeys>,
@@ -552,16 +574,18 @@ struct Accepting<N: Nic> {
 }
 
 impl<N: Nic> VerbsListener<N> {
-    /// Binds the bootstrap listener for a device over the rails `nics`.
+    /// Binds the bootstrap listener for a device over the rails `nics` (which may move to
+    /// `spares`).
     pub(crate) fn bind(
         ip: std::net::IpAddr,
-        nics: &[Arc<N>],
+        (nics, spares): (&[Arc<N>], &[Arc<N>]),
         params: ConnParams,
         keys: CommKeys,
     ) -> Result<Self> {
         Ok(VerbsListener {
             listener: oob::Listener::bind(ip, TransportKind::Verbs, params.timeouts)?,
             nics: nics.to_vec(),
+            spares: spares.to_vec(),
             params,
             keys: Some(keys),
             accepting: None,
@@ -630,7 +654,7 @@ impl<N: Nic> VerbsListener<N> {
                     &self.params,
                     tc_sl,
                 )?;
-                a.state.rails[0].cq.watch(a.chan.into_stream());
+                a.state.rails[0].cq.watch(a.chan);
                 Ok(Some(VerbsReceiver::new(a.state)))
             }
             Some(m) => Err(Error::remote(format!(
@@ -674,6 +698,8 @@ impl<N: Nic> VerbsListener<N> {
             rails: remote.rails.len(),
             split: self.params.split_data,
         };
+        let nics_all = self.nics.iter().chain(&self.spares).cloned().collect();
+        let mobility = Mobility::new(nics_all, cost, self.params);
         let state = RecvState::new(
             rails,
             dma(nics, SLOTS * MAX_RECVS)?,
@@ -686,6 +712,7 @@ impl<N: Nic> VerbsListener<N> {
             self.keys.take().ok_or_else(|| {
                 Error::misuse("accept polled again after it made its connection".into())
             })?,
+            mobility,
         );
         Ok((state, paths))
     }

@@ -68,6 +68,37 @@ impl CtsEntry {
     }
 }
 
+impl CtsEntry {
+    /// The entry as a failover answer carries it (little-endian fields, in order).
+    pub(crate) fn to_bytes(&self) -> [u8; CTS_BYTES] {
+        let mut b = [0u8; CTS_BYTES];
+        b[..8].copy_from_slice(&self.addr.to_le_bytes());
+        b[8..12].copy_from_slice(&self.tag.to_le_bytes());
+        b[12..16].copy_from_slice(&self.size.to_le_bytes());
+        b[16..20].copy_from_slice(&self.nreqs.to_le_bytes());
+        for (r, k) in self.rkeys.iter().enumerate() {
+            b[24 + 4 * r..28 + 4 * r].copy_from_slice(&k.to_le_bytes());
+        }
+        b[56..].copy_from_slice(&self.seq.to_le_bytes());
+        b
+    }
+
+    /// [`Self::to_bytes`] back, from `CTS_BYTES` bytes.
+    pub(crate) fn from_bytes(b: &[u8]) -> Self {
+        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
+        let u64_at = |o: usize| u64::from(u32_at(o)) | u64::from(u32_at(o + 4)) << 32;
+        CtsEntry {
+            addr: u64_at(0),
+            tag: u32_at(8) as i32,
+            size: u32_at(12),
+            nreqs: u32_at(16),
+            _reserved: 0,
+            rkeys: std::array::from_fn(|r| u32_at(24 + 4 * r)),
+            seq: u64_at(56),
+        }
+    }
+}
+
 /// Entry `i` of `slot` in a FIFO of `SLOTS * MAX_RECVS` entries.
 #[inline]
 pub(crate) fn cts_index(slot: usize, i: usize) -> usize {

@@ -34,7 +34,7 @@ type Sizes = [u32; MAX_RECVS];
 /// out as it is posted; the peer and watchdog checks run every 256 polls).
 const POLLS: usize = 100_000;
 
-fn params() -> ConnParams {
+pub(super) fn params() -> ConnParams {
     ConnParams {
         qps_per_connection: 1,
         split_data: false,
@@ -51,6 +51,7 @@ fn params() -> ConnParams {
         work_timeout: None,
         wqe_latency: None,
         send_depth: SENDER_SEND_DEPTH,
+        failover: None,
     }
 }
 
@@ -70,6 +71,18 @@ struct Conn {
 fn try_connect(
     tx: &[Arc<FakeNic>],
     rx: &[Arc<FakeNic>],
+    params: (ConnParams, ConnParams),
+    registry: &Arc<Registry>,
+) -> Result<(VerbsSender<FakeNic>, VerbsReceiver<FakeNic>)> {
+    try_connect_mobile((tx, &[]), (rx, &[]), params, registry)
+}
+
+/// [`try_connect`] of ends that may move to spare NICs: (rails, spares) of each.
+type Nics<'a> = (&'a [Arc<FakeNic>], &'a [Arc<FakeNic>]);
+
+fn try_connect_mobile(
+    tx: Nics<'_>,
+    rx: Nics<'_>,
     (tx_params, rx_params): (ConnParams, ConnParams),
     registry: &Arc<Registry>,
 ) -> Result<(VerbsSender<FakeNic>, VerbsReceiver<FakeNic>)> {

@@ -14,9 +14,15 @@
 //!
 //! `iflush` (GPUDirect): on each rail, a 1-byte RDMA READ through a QP connected to itself,
 //! which completes only after the NIC's earlier writes to GPU memory are visible.
+//!
+//! A connection that loses a NIC moves (`moving`, see `failover`): the receiver's completions
+//! decide what the sender sends again, and the gate leaves its CQs to the locked calls.
+
+mod moving;
 
 use parking_lot::Mutex;
 
+use super::failover::Mobility;
 use super::gate::{GatePoll, RecvGate};
 use super::rail::{self, locate, Rail};
 use super::wire::{
@@ -65,8 +71,10 @@ struct RecvSlot {
     imm_pending: u32,
     /// The size of a single receive, from its immediate.
     size0: u32,
-    /// The QPs it uses (for the rails' counters).
+    /// The QPs it uses (for the rails' counters, and to post it again after a move).
     span: QpSpan,
+    /// Each buffer's registration handle: its keys are looked up again after a move.
+    mhandles: [u64; MAX_RECVS],
 }
 
 impl RecvSlot {
@@ -76,6 +84,7 @@ impl RecvSlot {
         imm_pending: 0,
         size0: 0,
         span: (0, 0, 0),
+        mhandles: [0; MAX_RECVS],
     };
 }
 
@@ -131,6 +140,15 @@ pub(crate) struct RecvState<N: Nic> {
     failure: Failure,
     traffic: Traffic,
     pub(crate) peer: String,
+    /// Where the connection may move, and the move under way.
+    mobility: Mobility<N>,
+    /// A move is under way or was made: the gate's CQs are the first rails', so it answers
+    /// no test any more.
+    gate_off: bool,
+    /// Each flush's buffer (address, handle), to post it again after a move.
+    flush_of: [(u64, u64); SLOTS],
+    /// A move's probe QPs, paths and the sender's rails, until the sender resumes.
+    moving_probes: Option<moving::Answered>,
 }
 
 impl<N: Nic> RecvState<N> {
@@ -146,6 +164,7 @@ impl<N: Nic> RecvState<N> {
         cts_batch: u32,
         peer: String,
         keys: CommKeys,
+        mobility: Mobility<N>,
     ) -> Self {
         let cts_write = FixedWrite::new(cts_local.lkey(0), remote_fifo.1[0]);
         RecvState {
@@ -172,13 +191,17 @@ impl<N: Nic> RecvState<N> {
             failure: Failure::default(),
             traffic: Traffic::default(),
             peer,
+            mobility,
+            gate_off: false,
+            flush_of: [(0, 0); SLOTS],
+            moving_probes: None,
         }
     }
 
     /// Whether the comm has work only a locked call does: a clear-to-send held back, or a
     /// failure (its own, or the peer gone) to report. The gate answers no test then.
     fn needs_lock(&self) -> bool {
-        self.cts_posted != self.seq || self.lost()
+        self.cts_posted != self.seq || self.lost() || self.gate_off
     }
 
     /// Whether the comm has failed or its peer is gone: a receive still waiting never ends.
@@ -202,6 +225,9 @@ impl<N: Nic> RecvState<N> {
             if self.rails[0].cq.peer_gone {
                 let e = self.rails[0].cq.gone_error(&self.peer);
                 return Err(self.failure.fail(e));
+            }
+            if self.mobility.moving() {
+                return Ok(None);
             }
         }
         let slot = (self.seq % SLOTS as u64) as usize;
@@ -241,6 +267,7 @@ impl<N: Nic> RecvState<N> {
             let (addr, len) = (bufs[i].addr() as u64, bufs[i].len());
             let entry = CtsEntry::new(addr, len, mem.rkeys, tags[i], n, self.seq);
             self.cts_local.set(cts_index(slot, i), entry);
+            self.slots[slot].mhandles[i] = mhandles[i];
         }
         Ok(())
     }
@@ -258,13 +285,12 @@ impl<N: Nic> RecvState<N> {
             let rail = &self.rails[r];
             rail.nic.post_recv(&rail.qps[i], wr_id)?;
         }
-        self.slots[slot] = RecvSlot {
-            busy: true,
-            n: bufs.len(),
-            imm_pending: used as u32,
-            size0: 0,
-            span: (first_qp, used, self.seq),
-        };
+        let st = &mut self.slots[slot];
+        st.busy = true;
+        st.n = bufs.len();
+        st.imm_pending = used as u32;
+        st.size0 = 0;
+        st.span = (first_qp, used, self.seq);
         gate.posted(slot);
         self.seq += 1;
         // Held back while the sender holds enough to work on and the caller polls its
@@ -304,7 +330,10 @@ impl<N: Nic> RecvState<N> {
         // Drained whatever becomes of the request: the completions are off the CQ.
         let drained = found.map(|(rail, wc)| {
             self.rails[rail].cq.polled_unlocked(wc);
-            self.drain_rail(gate, rail, wc)
+            match self.drain_rail(gate, rail, wc) {
+                Err(e) => self.rail_failed(gate, rail, e),
+                ok => ok,
+            }
         });
         if !self.slots.get(id).is_some_and(|st| st.busy) {
             if let Some(r) = drained {
@@ -431,6 +460,10 @@ impl<N: Nic> RecvState<N> {
         if self.rails[0].flush_qp.is_none() {
             return Ok(None);
         }
+        if self.mobility.moving() {
+            // NULL would mean no flush is needed: a request that completes once it is over.
+            return self.flush_after_move(bufs, mhandles);
+        }
         let Some(last) = (0..bufs.len()).rev().find(|&i| !bufs[i].is_empty()) else {
             return Ok(None);
         };
@@ -463,6 +496,7 @@ impl<N: Nic> RecvState<N> {
             rail.signaled(qpn, WrKind::Flush.id(fslot));
         }
         self.flush_slots[fslot] = FlushSlot::Pending(self.rails.len() as u32);
+        self.flush_of[fslot] = (bufs[last].addr() as u64, mhandles[last]);
         self.flush_next = (fslot + 1) % SLOTS;
         Ok(Some(FLUSH_ID_BASE + fslot))
     }
@@ -545,14 +579,28 @@ impl<N: Nic> RecvState<N> {
         Ok(())
     }
 
-    /// Polls every rail's CQ once and hands out what arrived.
+    /// Polls every rail's CQ once and hands out what arrived. A rail that fails moves the
+    /// connection where it can.
     #[inline(always)]
     fn progress(&mut self, gate: &RecvGate<N>) -> Result<()> {
+        if self.gate_off && self.step_move(gate)? {
+            // Moving: the QPs are stopped.
+            return Ok(());
+        }
         let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
-            if self.rails[r].poll(&mut wc)? {
-                self.drain_rail(gate, r, &mut wc)?;
+            if let Err(e) = self.poll_rail(gate, r, &mut wc) {
+                return self.rail_failed(gate, r, e);
             }
+        }
+        Ok(())
+    }
+
+    /// Polls rail `r`'s CQ once and hands out what arrived.
+    #[inline(always)]
+    fn poll_rail(&mut self, gate: &RecvGate<N>, r: usize, wc: &mut WcBatch) -> Result<()> {
+        if self.rails[r].poll(wc)? {
+            self.drain_rail(gate, r, wc)?;
         }
         Ok(())
     }
@@ -568,16 +616,7 @@ impl<N: Nic> RecvState<N> {
             if c.opcode() == WC_RECV_RDMA_WITH_IMM {
                 // A sender's write landed, consuming one of our receives (the only requests
                 // that complete so). Not counted in flight: the sender's work completes them.
-                let st = &mut slots[slot];
-                if st.n == 1 {
-                    st.size0 = c.write_imm();
-                }
-                if st.imm_pending > 1 {
-                    st.imm_pending -= 1;
-                } else {
-                    st.imm_pending = 0;
-                    gate.arrived(slot);
-                }
+                landed(&mut slots[slot], gate, slot, c.write_imm());
                 return false;
             }
             match WrKind::of(c.wr_id()) {
@@ -619,6 +658,20 @@ impl<N: Nic> RecvState<N> {
             rail.signaled(qpn, WrKind::Probe.id(p));
         }
         Ok(())
+    }
+}
+
+/// A sender's WRITE_WITH_IMM (immediate `imm`) landed in receive `slot`, `st`.
+#[inline(always)]
+fn landed<N: Nic>(st: &mut RecvSlot, gate: &RecvGate<N>, slot: usize, imm: u32) {
+    if st.n == 1 {
+        st.size0 = imm;
+    }
+    if st.imm_pending > 1 {
+        st.imm_pending -= 1;
+    } else {
+        st.imm_pending = 0;
+        gate.arrived(slot);
     }
 }
 

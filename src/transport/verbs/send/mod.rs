@@ -10,6 +10,11 @@
 //! than its buffer is not sent: its size is marked `TRUNCATED` (and so are the sends of the
 //! slot that never came, so the receiver learns of it whichever send was too large), the
 //! slot is posted at once and the comm fails from then on.
+//!
+//! A connection that loses a NIC moves (`moving`, see `failover`): meanwhile nothing is
+//! sent, and afterwards the slots the receiver still waits for are sent again.
+
+mod moving;
 
 use std::sync::{
     atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed},
@@ -19,6 +24,7 @@ use std::sync::{
 use parking_lot::Mutex;
 
 use super::cq::IDLE_LOOK_EVERY;
+use super::failover::Mobility;
 use super::rail::{self, locate, Rail};
 use super::wire::{
     cts_index, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_SEQ_OFFSET, SLOTS, TRUNCATED,
@@ -64,6 +70,8 @@ struct SendSlot {
     posted: bool,
     sizes: [usize; MAX_RECVS],
     addrs: [u64; MAX_RECVS],
+    /// Each send's registration handle: its keys are looked up again after a move.
+    mhandles: [u64; MAX_RECVS],
     /// Each send's local key on each rail of the connection.
     lkeys: [[u32; MAX_RAILS]; MAX_RECVS],
     /// Bytes the receive's first buffer holds, which decides striping (both ends know it
@@ -84,6 +92,7 @@ impl SendSlot {
         posted: false,
         sizes: [0; MAX_RECVS],
         addrs: [0; MAX_RECVS],
+        mhandles: [0; MAX_RECVS],
         lkeys: [[0; MAX_RAILS]; MAX_RECVS],
         room: 0,
         trunc: 0,
@@ -153,6 +162,16 @@ pub(crate) struct SendState<N: Nic> {
     failure: Failure,
     traffic: Traffic,
     pub(crate) peer: String,
+    /// Where the connection may move, and the move under way.
+    mobility: Mobility<N>,
+    /// A move is under way or slots wait to be sent again: `progress` steps it first.
+    mobile_work: bool,
+    /// Slots (bits) to send again on the new QPs, oldest first.
+    replay: u32,
+    /// The rails and registrations a move has made, until the receiver answers.
+    moving_to: Option<moving::NewPath<N>>,
+    /// The FIFO's registrations on the NICs a move took (its own are on the first ones).
+    fifo_regs: Vec<N::Mr>,
 }
 
 impl<N: Nic> SendState<N> {
@@ -165,6 +184,7 @@ impl<N: Nic> SendState<N> {
         plan: QpPlan,
         peer: String,
         keys: CommKeys,
+        mobility: Mobility<N>,
     ) -> Self {
         let mut sq_room = [0; 256];
         for (q, room) in sq_room.iter_mut().enumerate().take(plan.nqps) {
@@ -187,6 +207,11 @@ impl<N: Nic> SendState<N> {
             failure: Failure::default(),
             traffic: Traffic::default(),
             peer,
+            mobility,
+            mobile_work: false,
+            replay: 0,
+            moving_to: None,
+            fifo_regs: Vec::new(),
         }
     }
 
@@ -196,14 +221,20 @@ impl<N: Nic> SendState<N> {
     fn room_after_drain(&mut self, fits: impl Fn(&Self) -> bool) -> Result<bool> {
         let r = self.progress(false);
         self.failure.record(r)?;
-        Ok(fits(self))
+        // A move begun by the drain stopped the QPs: nothing is posted until it is over.
+        Ok(!self.mobility.moving() && fits(self))
     }
 
     /// Whether every QP the writes of the slot of `n` sends take has room for them.
     fn room_for_slot(&self, n: usize, room: usize) -> bool {
-        let (first_qp, used) = self.plan.qps(self.seq, room);
+        self.room_for_slot_of(self.seq, n, room)
+    }
+
+    /// [`Self::room_for_slot`] for the slot of receive `seq`.
+    fn room_for_slot_of(&self, seq: u64, n: usize, room: usize) -> bool {
+        let (first_qp, used) = self.plan.qps(seq, room);
         (0..used).all(|k| {
-            let q = self.plan.qp_of_piece(self.seq, first_qp, used, k);
+            let q = self.plan.qp_of_piece(seq, first_qp, used, k);
             self.sq_room[q] >= slot_wrs(n)
         })
     }
@@ -298,6 +329,7 @@ impl<N: Nic> SendState<N> {
         st.matched |= 1 << e;
         st.sizes[e] = buf.len();
         st.addrs[e] = buf.addr() as u64;
+        st.mhandles[e] = mhandle;
         for r in 0..self.plan.rails {
             st.lkeys[e][r] = mem.lkey(r);
         }
@@ -368,6 +400,9 @@ impl<N: Nic> SendState<N> {
         st.room = room as usize;
         st.matched = 1;
         st.sizes[0] = buf.len();
+        // What a move needs to send it again.
+        st.addrs[0] = buf.addr() as u64;
+        st.mhandles[0] = mhandle;
         self.posted(slot, 1)?;
         Ok(Some(cts_index(slot, 0)))
     }
@@ -429,14 +464,27 @@ impl<N: Nic> SendState<N> {
     }
 
     /// Polls every rail's CQ once and hands out what arrived; `waiting`: a send waits for
-    /// its clear-to-send.
+    /// its clear-to-send. A rail that fails moves the connection where it can.
     #[inline(always)]
     fn progress(&mut self, waiting: bool) -> Result<()> {
+        if self.mobile_work && self.step_move()? {
+            // Moving: the QPs are stopped.
+            return Ok(());
+        }
         let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
-            if self.rails[r].poll(&mut wc)? {
-                self.drain_rail(r, &mut wc, waiting)?;
+            if let Err(e) = self.poll_rail(r, &mut wc, waiting) {
+                return self.rail_failed(r, e);
             }
+        }
+        Ok(())
+    }
+
+    /// Polls rail `r`'s CQ once and hands out what arrived.
+    #[inline(always)]
+    fn poll_rail(&mut self, r: usize, wc: &mut WcBatch, waiting: bool) -> Result<()> {
+        if self.rails[r].poll(wc)? {
+            self.drain_rail(r, wc, waiting)?;
         }
         Ok(())
     }
@@ -488,8 +536,15 @@ impl<N: Nic> SendState<N> {
 
     /// Posts the writes of a fully matched slot of `n` messages.
     fn post_slot(&mut self, slot: usize, n: usize) -> Result<()> {
+        let used = self.write_slot(slot, n, self.seq)?;
+        self.posted(slot, used)
+    }
+
+    /// Posts the writes of fully matched `slot` of `n` messages, for the receive numbered
+    /// `seq`; returns how many are signaled.
+    fn write_slot(&mut self, slot: usize, n: usize, seq: u64) -> Result<usize> {
         let plan = self.plan;
-        let (first_qp, used) = plan.qps(self.seq, self.slots[slot].room);
+        let (first_qp, used) = plan.qps(seq, self.slots[slot].room);
         let base = cts_index(slot, 0);
         let st = &self.slots[slot];
         let remote_rails = self.remote_sizes.2;
@@ -504,7 +559,7 @@ impl<N: Nic> SendState<N> {
             }
         }
         for k in 0..used {
-            let q = plan.qp_of_piece(self.seq, first_qp, used, k);
+            let q = plan.qp_of_piece(seq, first_qp, used, k);
             let (r, qi) = locate(q, plan.rails);
             let remote_rail = modulo(q, remote_rails);
             let rail = &mut self.rails[r];
@@ -560,7 +615,7 @@ impl<N: Nic> SendState<N> {
             rail.stats.bytes += bytes;
             rail.stats.messages += u64::from(bytes > 0);
         }
-        self.posted(slot, used)
+        Ok(used)
     }
 
     /// Records that `slot`'s writes are posted, `cqes` of them signaled.
@@ -629,10 +684,17 @@ impl<R> SendGate<R> {
         n % IDLE_LOOK_EVERY == 0 || self.failed.load(Relaxed)
     }
 
-    /// Records what a locked call left.
+    /// Records what a locked call left. While the connection moves no clear-to-send is
+    /// awaited, and every `isend` looks around (which steps the move).
     fn publish<N: Nic<Mr = R>>(&self, s: &SendState<N>) {
-        self.awaited.store(s.awaited(), Relaxed);
-        self.failed.store(s.failure.is_set(), Relaxed);
+        let awaited = if s.mobile_work && s.mobility.moving() {
+            NOT_AWAITED
+        } else {
+            s.awaited()
+        };
+        self.awaited.store(awaited, Relaxed);
+        self.failed
+            .store(s.failure.is_set() || s.mobile_work, Relaxed);
     }
 }
 
