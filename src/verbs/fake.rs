@@ -98,6 +98,9 @@ struct MrEntry {
 struct NicEntry {
     gid: [u8; 16],
     cut: Option<Cut>,
+    /// Work it sends is carried out but never completes: acknowledgements lost on the way
+    /// back (the peer placed the data, the sender never learns it).
+    lose_acks: bool,
 }
 
 /// A completion queued on a CQ, with the send request it retires once polled: (QP, place
@@ -250,7 +253,7 @@ impl World {
             wc.byte_len = len as u32;
             self.complete(rcq, wc, None);
         }
-        if op.signaled {
+        if op.signaled && !self.nics[nic].lose_acks {
             let wc = Self::wc(op.wr_id, 0, wc_opcode(op.opcode), op.qpn);
             self.complete(cq, wc, Some(op));
         }
@@ -343,7 +346,11 @@ impl Fabric {
         gid[10] = 0xff;
         gid[11] = 0xff;
         gid[12..].copy_from_slice(&[198, 18, index as u8 + 1, 1]);
-        w.nics.push(NicEntry { gid, cut: None });
+        w.nics.push(NicEntry {
+            gid,
+            cut: None,
+            lose_acks: false,
+        });
         Arc::new(FakeNic {
             world: Arc::clone(&self.world),
             index,
@@ -400,6 +407,12 @@ impl Fabric {
         if how.is_none() && !w.hold {
             w.deliver(usize::MAX);
         }
+    }
+
+    /// Makes the work `nic` sends from now on take effect at the peer without ever completing
+    /// here (its acknowledgements lost).
+    pub(crate) fn lose_acks(&self, nic: &FakeNic) {
+        self.world.lock().nics[nic.index].lose_acks = true;
     }
 
     /// Makes the work of QP `qpn` wait (`true`), as a link that loses its packets over and over

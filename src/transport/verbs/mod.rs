@@ -55,6 +55,9 @@ pub(crate) use recv::VerbsReceiver;
 pub(crate) use send::VerbsSender;
 pub(crate) use setup::{VerbsConnector, VerbsListener};
 
+/// NICs of a device, as its connections take them.
+type Nics = Vec<Arc<VerbsDevice>>;
+
 /// One port the transport uses, with its registration cache.
 struct OpenPort {
     verbs: Arc<VerbsDevice>,
@@ -238,7 +241,7 @@ impl VerbsTransport {
     }
 
     /// The verbs devices behind device `dev`: its rails, and the spares they may move to.
-    fn rails(&self, dev: usize) -> Result<(Vec<Arc<VerbsDevice>>, Vec<Arc<VerbsDevice>>)> {
+    fn rails(&self, dev: usize) -> Result<(Nics, Nics)> {
         let devices = self.devices.read();
         let d = device(&devices, dev)?;
         let verbs = |i: &usize| Arc::clone(&self.ports[*i].verbs);

@@ -130,7 +130,8 @@ pub(crate) fn conn_params(
 /// (`4.096 us * 2^NCCL_IB_TIMEOUT`), so that a probe lost once is sent again in time.
 pub(crate) fn failover_after(config: &Config) -> Duration {
     let per_try = 4.096e-6 * 2f64.powi(config.ib_timeout.value as i32);
-    Duration::from_millis(config.failover_after_ms.value).max(Duration::from_secs_f64(2.0 * per_try))
+    Duration::from_millis(config.failover_after_ms.value)
+        .max(Duration::from_secs_f64(2.0 * per_try))
 }
 
 #[cfg(test)]

@@ -200,7 +200,11 @@ pub(super) fn connect_qps<N: Nic>(
 
 /// The rails of a connection's end over `nics` as `cost` describes it: per rail a CQ, its
 /// data QPs and a loopback flush QP where `cost.flush` (probe QPs come later, per path).
-pub(super) fn make_rails<N: Nic>(nics: &[Arc<N>], cost: &EndCost, p: &ConnParams) -> Result<Vec<Rail<N>>> {
+pub(super) fn make_rails<N: Nic>(
+    nics: &[Arc<N>],
+    cost: &EndCost,
+    p: &ConnParams,
+) -> Result<Vec<Rail<N>>> {
     nics.iter()
         .enumerate()
         .map(|(r, nic)| {
@@ -444,7 +448,9 @@ impl<N: Nic> VerbsConnector<N> {
             return Ok(None);
         };
         if let Some(stream) = self.chan.try_clone_stream() {
-            s.rails[0].cq.watch(Channel::from_stream(stream, self.chan.peer()));
+            s.rails[0]
+                .cq
+                .watch(Channel::from_stream(stream, self.chan.peer()));
         }
         Ok(Some(VerbsSender::new(s)))
     }

@@ -70,7 +70,7 @@ impl CtsEntry {
 
 impl CtsEntry {
     /// The entry as a failover answer carries it (little-endian fields, in order).
-    pub(crate) fn to_bytes(&self) -> [u8; CTS_BYTES] {
+    pub(crate) fn to_bytes(self) -> [u8; CTS_BYTES] {
         let mut b = [0u8; CTS_BYTES];
         b[..8].copy_from_slice(&self.addr.to_le_bytes());
         b[8..12].copy_from_slice(&self.tag.to_le_bytes());

@@ -6,18 +6,16 @@
 use std::time::{Duration, Instant};
 
 use super::{FlushSlot, RecvGate, RecvState, SLOTS};
+use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::verbs::failover::{self, encode_answer, MoveMsg, Phase, Step, Waiting};
 use crate::transport::verbs::rail::locate;
+use crate::transport::verbs::recv::FLUSH_ID_BASE;
 use crate::transport::verbs::setup::{
     check_links, connect_probes, connect_qps, local_info, make_probes, make_rails, probe_qps,
     rkeys, time_work, End,
 };
-use crate::transport::verbs::wire::{
-    cts_index, decode_qps, paths, ConnInfo, CtsEntry, WrKind,
-};
-use crate::buffer::UserBuffer;
-use crate::transport::verbs::recv::FLUSH_ID_BASE;
+use crate::transport::verbs::wire::{cts_index, decode_qps, paths, ConnInfo, CtsEntry, WrKind};
 use crate::verbs::dma::{FixedWrite, WcBatch, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS};
 use crate::verbs::nic::{MemoryRegion, Nic};
 
@@ -129,7 +127,10 @@ impl<N: Nic> RecvState<N> {
     /// them, the receives still waiting posted on them, and the answer sent.
     fn accept_offer(&mut self, gate: &RecvGate<N>, m: &MoveMsg) -> Result<()> {
         let remote = ConnInfo::decode(&m.body)?;
-        let lost = [self.mobility.lost[0] | m.lost[0], self.mobility.lost[1] | m.lost[1]];
+        let lost = [
+            self.mobility.lost[0] | m.lost[0],
+            self.mobility.lost[1] | m.lost[1],
+        ];
         self.mobility.lost = lost;
         let before = self.mobility.order;
         let rails_n = self.rails.len();
@@ -186,7 +187,8 @@ impl<N: Nic> RecvState<N> {
         let records = &self.sizes_record;
         let mut info = local_info(&self.rails, records.addr(0), |r| records.rkey(r), &p);
         info.probes = probe_qps(&self.rails, &probes);
-        self.mobility.send(Step::Answer, encode_answer(&info.encode(), &waiting))?;
+        self.mobility
+            .send(Step::Answer, encode_answer(&info.encode(), &waiting))?;
         self.mobility.phase = Phase::Answered;
         self.moving_probes = Some(Answered {
             probes,
@@ -237,11 +239,24 @@ impl<N: Nic> RecvState<N> {
         let theirs = decode_qps(body, a.paths.len())?;
         let p = self.mobility.params;
         let tc_sl = (a.remote.tc, a.remote.sl);
-        connect_probes(&self.rails, &a.probes, &a.paths, End::Listener, &theirs, &a.remote, &p, tc_sl)?;
+        connect_probes(
+            &self.rails,
+            &a.probes,
+            &a.paths,
+            End::Listener,
+            &theirs,
+            &a.remote,
+            &p,
+            tc_sl,
+        )?;
         self.flush_again()?;
         if let Some((chan, took)) = self.mobility.end() {
             self.rails[0].cq.watch(chan);
-            tracing::info!("connection to peer {} moved in {} ms", self.peer, took.as_millis());
+            tracing::info!(
+                "connection to peer {} moved in {} ms",
+                self.peer,
+                took.as_millis()
+            );
         }
         Ok(())
     }
@@ -260,8 +275,13 @@ impl<N: Nic> RecvState<N> {
                     continue;
                 };
                 self.chain.clear();
-                self.chain
-                    .read(self.flush_target.addr(0), 1, self.flush_target.lkey(r), addr, mem.rkey(r));
+                self.chain.read(
+                    self.flush_target.addr(0),
+                    1,
+                    self.flush_target.lkey(r),
+                    addr,
+                    mem.rkey(r),
+                );
                 self.chain.finish(WrKind::Flush.id(f), 0);
                 self.chain.post(&*rail.nic, flush_qp)?;
                 rail.signaled(flush_qp_qpn(flush_qp), WrKind::Flush.id(f));

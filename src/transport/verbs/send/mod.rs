@@ -176,6 +176,7 @@ pub(crate) struct SendState<N: Nic> {
 
 impl<N: Nic> SendState<N> {
     /// A comm over connected `rails`, once the listener's answer gave its size records.
+    #[allow(clippy::too_many_arguments)] // what setup made, in teardown order
     pub(crate) fn new(
         rails: Vec<Rail<N>>,
         fifo: Arc<DmaBuffer<CtsEntry, N::Mr>>,

@@ -67,7 +67,11 @@ impl<N: Nic> SendState<N> {
             return Err(no_nic_left(why, &self.peer));
         };
         let (old, new) = self.mobility.describe(&before, rails, lost[0]);
-        tracing::warn!("{why}; moving the connection to peer {} {}", self.peer, moved(&old, &new));
+        tracing::warn!(
+            "{why}; moving the connection to peer {} {}",
+            self.peer,
+            moved(&old, &new)
+        );
         let (cost, p) = (self.mobility.cost, self.mobility.params);
         let new_rails = make_rails(&nics, &cost, &p)?;
         let register = |i: usize, addr: usize, bytes: usize| {
@@ -106,7 +110,10 @@ impl<N: Nic> SendState<N> {
     /// waits for are due again.
     fn finish_move(&mut self, body: &[u8]) -> Result<()> {
         let Some(new) = self.moving_to.take() else {
-            return Err(Error::remote(format!("{}: failover answer out of turn", self.peer)));
+            return Err(Error::remote(format!(
+                "{}: failover answer out of turn",
+                self.peer
+            )));
         };
         let (info, waiting) = decode_answer(body)?;
         let remote = ConnInfo::decode(info)?;
@@ -129,7 +136,16 @@ impl<N: Nic> SendState<N> {
         let probes = make_probes(&mut rails, &paths, End::Connector, &remote)?;
         time_work(&mut rails, &p, &self.peer);
         let theirs = &remote.probes;
-        connect_probes(&rails, &probes, &paths, End::Connector, theirs, &remote, &p, tc_sl)?;
+        connect_probes(
+            &rails,
+            &probes,
+            &paths,
+            End::Connector,
+            theirs,
+            &remote,
+            &p,
+            tc_sl,
+        )?;
         let ours = probe_qps(&rails, &probes);
         let old = std::mem::replace(&mut self.rails, rails);
         let old_regs = self.sizes_local.adopt(new.sizes_regs);
@@ -169,14 +185,14 @@ impl<N: Nic> SendState<N> {
     /// waiting, by slot), marks the others to send again, and looks every matched send's keys
     /// up again for the new NICs.
     fn settle(&mut self, waits: &[Option<u64>; SLOTS]) -> Result<()> {
-        for slot in 0..SLOTS {
+        for (slot, waits) in waits.iter().enumerate() {
             let seq = self.seq_of(slot);
             let st = &mut self.slots[slot];
             if !st.busy {
                 continue;
             }
             if st.posted && !st.done() {
-                if waits[slot] == Some(seq) {
+                if *waits == Some(seq) {
                     self.replay |= 1 << slot;
                 } else {
                     st.cqe_pending = 0;
@@ -184,7 +200,9 @@ impl<N: Nic> SendState<N> {
             }
             let st = *st;
             for e in (0..MAX_RECVS).filter(|e| st.matched & !st.trunc & (1 << e) != 0) {
-                let mem = self.keys.keys_at(st.mhandles[e], st.addrs[e], st.sizes[e])?;
+                let mem = self
+                    .keys
+                    .keys_at(st.mhandles[e], st.addrs[e], st.sizes[e])?;
                 let st = &mut self.slots[slot];
                 for r in 0..self.plan.rails {
                     st.lkeys[e][r] = mem.lkey(r);

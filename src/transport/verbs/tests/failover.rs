@@ -1,0 +1,302 @@
+//! Failover on the fake fabric: a connection whose NIC is cut moves to a spare (or a fused
+//! device's other NIC) and every request completes once, with its bytes and size; where no
+//! NIC is left, both ends fail within the bound. Each test names the interleaving it stages.
+
+use super::*;
+
+/// Failover on, a path suspected after 100 ms without an answer.
+fn mobile() -> ConnParams {
+    ConnParams {
+        failover: Some(Duration::from_millis(100)),
+        work_timeout: Some(Duration::from_secs(5)),
+        ..params()
+    }
+}
+
+/// A connection over `rails` NICs at each end (`tx0`.., `rx0`..), which may move to `spares`
+/// more at each end; buffers (`Conn::buf`) are registered on all of them, as `regMr` does.
+fn connect_mobile(rails: usize, spares: usize, p: ConnParams) -> Conn {
+    let fabric = Fabric::new();
+    let tx: Vec<_> = (0..rails + spares)
+        .map(|i| fabric.nic(&format!("tx{i}")))
+        .collect();
+    let rx: Vec<_> = (0..rails + spares)
+        .map(|i| fabric.nic(&format!("rx{i}")))
+        .collect();
+    let registry = Arc::default();
+    let (tx_ends, rx_ends) = ((&tx[..rails], &tx[rails..]), (&rx[..rails], &rx[rails..]));
+    let (send, recv) = try_connect_mobile(tx_ends, rx_ends, (p, p), &registry).unwrap();
+    Conn {
+        fabric,
+        tx_nics: tx,
+        rx_nics: rx,
+        send,
+        recv,
+        registry,
+    }
+}
+
+/// Tests send `s` and receive `r` in turn (each end's progress drives its half of a move)
+/// until both are done; returns what each reported.
+fn wait_both(c: &Conn, s: usize, r: usize) -> Result<(Completion, Completion)> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let (mut sent, mut received) = (None, None);
+    while sent.is_none() || received.is_none() {
+        if sent.is_none() {
+            sent = c.test_send(s)?;
+        }
+        if received.is_none() {
+            received = c.test_recv(r)?;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "not done: send {sent:?}, receive {received:?}"
+        );
+    }
+    Ok((sent.unwrap(), received.unwrap()))
+}
+
+/// Polls `isend` of `buf` while testing receive `r` (the receiver's half of a move goes on
+/// meanwhile) until it posts.
+fn isend_while(c: &Conn, b: &mut Buf, tag: i32, r: usize) -> usize {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(id) = c.send.isend(b.whole(), tag, b.mh).expect("isend") {
+            return id;
+        }
+        let _ = c.test_recv(r).expect("receive");
+        assert!(Instant::now() < deadline, "isend of tag {tag} never posted");
+    }
+}
+
+/// One message of `len` bytes (seed `seed`) through the connection, bytes and sizes checked.
+fn through(c: &Conn, len: usize, seed: u64) {
+    let mut dst = c.buf(false, len, 0);
+    let mut src = c.buf(true, len, seed);
+    let r = c.irecv(&mut [&mut dst], &[3]);
+    let s = isend_while(c, &mut src, 3, r);
+    let (sent, received) = wait_both(c, s, r).unwrap();
+    assert_eq!(
+        (sent, received),
+        (Completion::single(len), Completion::single(len))
+    );
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(len, seed), "{len} bytes");
+}
+
+#[test]
+fn a_stream_survives_its_nic_cut_for_good_and_runs_on_the_spare() {
+    let c = connect_mobile(1, 1, mobile());
+    for i in 0..5 {
+        through(&c, 4096, i);
+    }
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    for i in 5..40 {
+        through(&c, 4096 + i as usize, i);
+    }
+    // The later messages went on the spare NICs.
+    let stats = c.send.rail_stats();
+    assert_eq!(stats.len(), 1);
+    assert!(stats[0].messages >= 30, "{stats:?}");
+}
+
+#[test]
+fn a_cut_before_the_data_moves_and_the_send_arrives_once() {
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    c.fabric.cut(&c.rx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    // The receiver's clear-to-send fails on its NIC: it moves first (the sender is told), and
+    // the clear-to-send that never arrived comes with the answer.
+    through(&c, 100_000, 2);
+    through(&c, 8, 3);
+}
+
+#[test]
+fn a_silent_cut_is_found_by_the_probes_and_moved_off() {
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Silent));
+    let t0 = Instant::now();
+    through(&c, 70_000, 2);
+    let took = t0.elapsed();
+    // The probe goes out after half the suspect time and is given the whole of it.
+    assert!(took >= Duration::from_millis(100), "{took:?}");
+    through(&c, 64, 3);
+}
+
+#[test]
+fn a_receive_that_landed_before_the_cut_is_never_written_again() {
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    // The receiver places the data and completes the receive; the sender never hears back.
+    c.fabric.lose_acks(&c.tx_nics[0]);
+    let mut dst = c.buf(false, 256, 0);
+    let mut src = c.buf(true, 256, 9);
+    let r = c.irecv(&mut [&mut dst], &[4]);
+    let s = c.send_buf(&mut src, 4);
+    assert_eq!(wait(|| c.test_recv(r)).unwrap(), Completion::single(256));
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(256, 9));
+    // NCCL reuses the buffer at once: a send written again would overwrite this.
+    let mut reused = dst.whole();
+    reused.bytes_mut(0, 256).fill(0xee);
+    // The send is seen done only through the move (the probes go unanswered too), which the
+    // receiver's own traffic drives.
+    let mut next = c.buf(false, 32, 0);
+    let r2 = c.irecv(&mut [&mut next], &[5]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.test_send(s).unwrap().is_none() {
+        let _ = c.test_recv(r2).unwrap();
+        assert!(Instant::now() < deadline, "the send never completed");
+    }
+    let mut src2 = c.buf(true, 32, 10);
+    let s2 = isend_while(&c, &mut src2, 5, r2);
+    wait_both(&c, s2, r2).unwrap();
+    assert_eq!(next.mem.bytes(), TestMem::pattern(32, 10));
+    assert!(dst.mem.bytes().iter().all(|&b| b == 0xee), "written twice");
+}
+
+#[test]
+fn a_write_cut_between_its_data_and_its_immediate_is_sent_again_whole() {
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    let mut dst = c.buf(false, 8192, 0);
+    let mut src = c.buf(true, 8192, 6);
+    let r = c.irecv(&mut [&mut dst], &[1]);
+    c.fabric.hold(true);
+    let s = isend_while(&c, &mut src, 1, r);
+    // Half the data placed, then the link fails before the immediate.
+    c.fabric.place_partial(4096);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    c.fabric.hold(false);
+    let (sent, received) = wait_both(&c, s, r).unwrap();
+    assert_eq!(
+        (sent, received),
+        (Completion::single(8192), Completion::single(8192))
+    );
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(8192, 6));
+}
+
+#[test]
+fn grouped_receives_survive_the_move_with_every_size() {
+    let c = connect_mobile(1, 1, mobile());
+    let lens = [10, 2000, 0, 64, 4096, 1, 300, 77];
+    let mut dsts: Vec<Buf> = lens.iter().map(|_| c.buf(false, 4096, 0)).collect();
+    let tags: Vec<i32> = (0..8).collect();
+    let r = {
+        let mut refs: Vec<&mut Buf> = dsts.iter_mut().collect();
+        c.irecv(&mut refs, &tags)
+    };
+    // Four sends go out before the cut, the rest after it.
+    let mut srcs: Vec<Buf> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| c.buf(true, l, 20 + i as u64))
+        .collect();
+    let mut ids = Vec::new();
+    for (i, src) in srcs.iter_mut().enumerate() {
+        if i == 4 {
+            c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+        }
+        ids.push(isend_while(&c, src, i as i32, r));
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut done = vec![false; 8];
+    let mut got = None;
+    while got.is_none() || done.iter().any(|d| !d) {
+        for (i, &s) in ids.iter().enumerate() {
+            if !done[i] {
+                done[i] = c.test_send(s).unwrap().is_some();
+            }
+        }
+        if got.is_none() {
+            got = c.test_recv(r).unwrap();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "group not done: {done:?} {got:?}"
+        );
+    }
+    let got = got.unwrap();
+    assert_eq!(got.n, 8);
+    for (i, &l) in lens.iter().enumerate() {
+        assert_eq!(got.sizes[i] as usize, l);
+        assert_eq!(
+            dsts[i].mem.bytes()[..l],
+            TestMem::pattern(l, 20 + i as u64)[..]
+        );
+    }
+}
+
+#[test]
+fn a_fused_device_losing_one_rail_carries_on_over_the_other() {
+    let p = ConnParams {
+        qps_per_connection: 2,
+        ..mobile()
+    };
+    let c = connect_mobile(2, 0, p);
+    // Striped over both rails.
+    through(&c, 256 << 10, 1);
+    c.fabric.cut(&c.tx_nics[1], Some(Cut::Fail(RETRY_EXCEEDED)));
+    for i in 2..10 {
+        through(&c, (256 << 10) + i as usize, i);
+        through(&c, 100, i + 50);
+    }
+}
+
+#[test]
+fn a_spare_that_fails_too_ends_in_a_bounded_error_at_both_ends() {
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 2);
+    let r = c.irecv(&mut [&mut dst], &[1]);
+    // After the clear-to-send landed: the send's write is the first to fail.
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    c.fabric.cut(&c.tx_nics[1], Some(Cut::Fail(RETRY_EXCEEDED)));
+    let s = c.send_buf(&mut src, 1);
+    let t0 = Instant::now();
+    let (mut send_err, mut recv_err) = (None, None);
+    while send_err.is_none() || recv_err.is_none() {
+        if send_err.is_none() {
+            send_err = c.test_send(s).err();
+        }
+        if recv_err.is_none() {
+            recv_err = c.test_recv(r).err();
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "{send_err:?} {recv_err:?}"
+        );
+    }
+    let e = send_err.unwrap();
+    assert_eq!(e.kind(), ErrorKind::Remote, "{e}");
+    assert!(e.to_string().contains("no other NIC"), "{e}");
+    assert_eq!(recv_err.unwrap().kind(), ErrorKind::Remote);
+}
+
+#[test]
+fn with_failover_off_a_cut_fails_the_comm_as_before() {
+    let p = ConnParams {
+        failover: None,
+        ..mobile()
+    };
+    let c = connect_mobile(1, 1, p);
+    through(&c, 64, 1);
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 2);
+    c.irecv(&mut [&mut dst], &[1]);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    let s = c.send_buf(&mut src, 1);
+    let e = wait_error(Duration::from_secs(5), || c.test_send(s));
+    assert!(e.to_string().contains("retry"), "{e}");
+}
+
+#[test]
+fn a_connection_that_moved_moves_again_and_then_runs_out_of_nics() {
+    let c = connect_mobile(1, 2, mobile());
+    through(&c, 64, 1);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    through(&c, 64, 2);
+    c.fabric.cut(&c.tx_nics[1], Some(Cut::Fail(RETRY_EXCEEDED)));
+    through(&c, 5000, 3);
+    through(&c, 64, 4);
+}
