@@ -135,6 +135,9 @@ pub struct Device {
     pub members: Vec<String>,
     /// What it is: its own NIC, fused by the plugin and why, or made by NCCL.
     pub why: String,
+    /// The NICs its connections move to when one of theirs dies (`NCCL_ERDMA_FAILOVER`):
+    /// its other members, then these spares; empty where failover is off or impossible.
+    pub spares: Vec<String>,
 }
 
 impl Device {
@@ -156,6 +159,7 @@ impl Device {
                 .map(|p| p.to_string_lossy().into_owned()),
             members,
             why: why.to_string(),
+            spares: Vec::new(),
         }
     }
 }

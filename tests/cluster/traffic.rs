@@ -73,6 +73,9 @@ pub struct Done {
     pub bytes: u64,
     /// How long it took.
     pub elapsed: Duration,
+    /// The longest wait between two completions (or from the start to the first): across a
+    /// failover, the time traffic stood still.
+    pub stall: Duration,
 }
 
 impl Done {
@@ -154,9 +157,11 @@ pub fn send(net: &Net, comm: Opaque, s: &Stream) -> Result<Done, Failed> {
             messages: completed,
             bytes,
             elapsed: t0.elapsed(),
+            stall: Duration::ZERO,
         },
         at: Instant::now(),
     };
+    let mut gaps = Gaps::new();
     let r = loop {
         if completed == s.count {
             break Ok(());
@@ -200,13 +205,35 @@ pub fn send(net: &Net, comm: Opaque, s: &Stream) -> Result<Done, Failed> {
                     );
                     bytes += size[0] as u64;
                     completed += 1;
+                    gaps.completed();
                 }
                 Ok(false) => {}
                 Err(code) => break Err(fail(code, "test (send)", completed, bytes)),
             }
         }
     };
-    finish(net, comm, slots, r, completed, bytes, t0)
+    finish(net, comm, slots, r, (completed, bytes, gaps.longest), t0)
+}
+
+/// The longest wait between completions of a stream.
+struct Gaps {
+    last: Instant,
+    longest: Duration,
+}
+
+impl Gaps {
+    fn new() -> Self {
+        Gaps {
+            last: Instant::now(),
+            longest: Duration::ZERO,
+        }
+    }
+
+    fn completed(&mut self) {
+        let now = Instant::now();
+        self.longest = self.longest.max(now - self.last);
+        self.last = now;
+    }
 }
 
 /// Ends a stream: a stream that completed releases its buffers; one that failed keeps them
@@ -217,8 +244,7 @@ fn finish(
     comm: Opaque,
     slots: Vec<Slot>,
     r: Result<(), Failed>,
-    completed: usize,
-    bytes: u64,
+    (completed, bytes, stall): (usize, u64, Duration),
     t0: Instant,
 ) -> Result<Done, Failed> {
     match r {
@@ -228,6 +254,7 @@ fn finish(
                 messages: completed,
                 bytes,
                 elapsed: t0.elapsed(),
+                stall,
             })
         }
         Err(f) => {
@@ -250,9 +277,11 @@ pub fn recv(net: &Net, comm: Opaque, s: &Stream) -> Result<Done, Failed> {
             messages: completed,
             bytes,
             elapsed: t0.elapsed(),
+            stall: Duration::ZERO,
         },
         at: Instant::now(),
     };
+    let mut gaps = Gaps::new();
     let r = loop {
         if completed == s.count {
             break Ok(());
@@ -294,13 +323,14 @@ pub fn recv(net: &Net, comm: Opaque, s: &Stream) -> Result<Done, Failed> {
                     );
                     bytes += want as u64;
                     completed += 1;
+                    gaps.completed();
                 }
                 Ok(false) => {}
                 Err(code) => break Err(fail(code, "test (receive)", completed, bytes)),
             }
         }
     };
-    finish(net, comm, slots, r, completed, bytes, t0)
+    finish(net, comm, slots, r, (completed, bytes, gaps.longest), t0)
 }
 
 /// The WARN lines the plugin logged so far.

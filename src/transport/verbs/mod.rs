@@ -287,7 +287,13 @@ impl Transport for VerbsTransport {
             .enumerate()
             .map(|(index, d)| {
                 let members = d.members.iter().map(|&i| self.infos[i].name.clone());
-                facts::Device::of(index, &d.props, members.collect(), &d.why)
+                let mut f = facts::Device::of(index, &d.props, members.collect(), &d.why);
+                f.spares = d
+                    .spares
+                    .iter()
+                    .map(|&i| self.infos[i].name.clone())
+                    .collect();
+                f
             })
             .collect();
         facts

@@ -161,8 +161,16 @@ fn render(r: &Report) -> String {
     if r.plugin_runs {
         let mut lines = vec![format!("transport: {}", f.transport)];
         lines.extend(f.devices.iter().map(|d| {
+            let failover = if d.spares.is_empty() && d.members.len() < 2 {
+                "failover: none (no other NIC of its link layer, or NCCL_ERDMA_FAILOVER=0)"
+                    .to_string()
+            } else if d.spares.is_empty() {
+                "failover: to its other NICs (unless NCCL_ERDMA_FAILOVER=0)".to_string()
+            } else {
+                format!("failover: to {}", d.spares.join(", "))
+            };
             format!(
-                "device {}: {} speed {} Mbps ptrSupport {:#x} PCI {} ({})",
+                "device {}: {} speed {} Mbps ptrSupport {:#x} PCI {} ({}; {failover})",
                 d.index,
                 d.name,
                 d.speed_mbps,
@@ -274,6 +282,7 @@ fn to_json(r: &Report) -> Value {
                 "members": d.members,
                 "fused": d.members.len() > 1,
                 "why": d.why,
+                "failover_spares": d.spares,
             })).collect::<Vec<_>>(),
         },
         "warnings": r.all_warnings().map(|w| json!({"what": w.what, "fix": w.fix})).collect::<Vec<_>>(),
