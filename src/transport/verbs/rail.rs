@@ -182,7 +182,7 @@ pub(crate) fn summary<N: Nic>(rails: &[Rail<N>]) -> String {
 }
 
 /// The rail and rail-local index of connection QP `q` over `rails` rails.
-#[inline]
+#[inline(always)]
 pub(crate) fn locate(q: usize, rails: usize) -> (usize, usize) {
     if rails == 1 {
         (0, q)

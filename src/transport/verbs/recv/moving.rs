@@ -106,6 +106,8 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// Steps the move under way: true while it is.
+    #[cold]
+    #[inline(never)]
     pub(super) fn step_move(&mut self, gate: &RecvGate<N>) -> Result<bool> {
         if !self.mobility.moving() {
             return Ok(false);

@@ -166,6 +166,9 @@ pub(crate) struct SendState<N: Nic> {
     mobility: Mobility<N>,
     /// A move is under way or slots wait to be sent again: `progress` steps it first.
     mobile_work: bool,
+    /// [`NOT_AWAITED`] while a move is under way (no clear-to-send is awaited), else 0: what
+    /// the gate's `awaited` is or-ed with.
+    hold_sends: u64,
     /// Slots (bits) to send again on the new QPs, oldest first.
     replay: u32,
     /// The rails and registrations a move has made, until the receiver answers.
@@ -210,6 +213,7 @@ impl<N: Nic> SendState<N> {
             peer,
             mobility,
             mobile_work: false,
+            hold_sends: 0,
             replay: 0,
             moving_to: None,
             fifo_regs: Vec::new(),
@@ -688,14 +692,8 @@ impl<R> SendGate<R> {
     /// Records what a locked call left. While the connection moves no clear-to-send is
     /// awaited, and every `isend` looks around (which steps the move).
     fn publish<N: Nic<Mr = R>>(&self, s: &SendState<N>) {
-        let awaited = if s.mobile_work && s.mobility.moving() {
-            NOT_AWAITED
-        } else {
-            s.awaited()
-        };
-        self.awaited.store(awaited, Relaxed);
-        self.failed
-            .store(s.failure.is_set() || s.mobile_work, Relaxed);
+        self.awaited.store(s.awaited() | s.hold_sends, Relaxed);
+        self.failed.store(s.failure.is_set() | s.mobile_work, Relaxed);
     }
 }
 
@@ -731,7 +729,10 @@ impl<N: Nic> VerbsSender<N> {
         }
     }
 
-    /// [`SendState::look_around`], under the lock.
+    /// [`SendState::look_around`], under the lock. Out of line: one idle `isend` in
+    /// [`IDLE_LOOK_EVERY`] comes here, and the others are the gate's load and a count.
+    #[cold]
+    #[inline(never)]
     fn look_around(&self) -> Result<Option<usize>> {
         let mut s = self.state.lock();
         let r = s.look_around();

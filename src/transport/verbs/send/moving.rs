@@ -62,6 +62,7 @@ impl<N: Nic> SendState<N> {
         self.mobility.begin(epoch, lost, chan);
         self.mobility.phase = Phase::Asked;
         self.mobile_work = true;
+        self.hold_sends = super::NOT_AWAITED;
         let rails = self.rails.len();
         let Some(nics) = self.mobility.pick(rails, lost[0]) else {
             return Err(no_nic_left(why, &self.peer));
@@ -92,6 +93,8 @@ impl<N: Nic> SendState<N> {
     }
 
     /// Steps the move under way (true while it is) and sends again what is due.
+    #[cold]
+    #[inline(never)]
     pub(super) fn step_move(&mut self) -> Result<bool> {
         if self.mobility.moving() {
             self.mobility.check_bound(&self.peer)?;
@@ -167,6 +170,7 @@ impl<N: Nic> SendState<N> {
         }
         self.settle(&waits)?;
         self.mobility.send(Step::Resume, encode_qps(&ours))?;
+        self.hold_sends = 0;
         if let Some((chan, took)) = self.mobility.end() {
             self.rails[0].cq.watch(chan);
             tracing::info!(
@@ -197,6 +201,11 @@ impl<N: Nic> SendState<N> {
                 } else {
                     st.cqe_pending = 0;
                 }
+            }
+            // Only sends still to be written need keys (NCCL may have released the others'
+            // registrations).
+            if st.posted && self.replay & (1 << slot) == 0 {
+                continue;
             }
             let st = *st;
             for e in (0..MAX_RECVS).filter(|e| st.matched & !st.trunc & (1 << e) != 0) {
