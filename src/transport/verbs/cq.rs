@@ -100,6 +100,8 @@ pub(crate) struct Watchdog {
     /// How long after an answer the next probe goes out: a quarter of the limit, half the
     /// suspect time with failover.
     probe_every: Duration,
+    /// The setting that bounds a probe (for the error).
+    probe_setting: &'static str,
     /// Completions counted at the last check.
     progress: u64,
     /// Since when checks have seen no completion while the rail had work posted.
@@ -116,6 +118,7 @@ impl Watchdog {
             limit,
             probe_limit: limit.map_or(probe_limit, |l| probe_limit.max(l)),
             probe_every: limit.map_or(probe_limit, |l| l / 4),
+            probe_setting: "NCCL_ERDMA_WORK_TIMEOUT_S",
             progress: 0,
             idle_since: None,
             said_slow: false,
@@ -128,6 +131,7 @@ impl Watchdog {
         if let Some(after) = after {
             self.probe_limit = after;
             self.probe_every = after / 2;
+            self.probe_setting = "NCCL_ERDMA_FAILOVER_AFTER_MS";
         }
         self
     }
@@ -403,9 +407,16 @@ impl<N: Nic> CqPoller<N> {
                 );
                 Ok(probe)
             }
-            Verdict::Stalled(idle) => Err(stalled_error(nic, peer, idle, None)),
+            Verdict::Stalled(idle) => Err(stalled_error(nic, peer, idle, None, "")),
             Verdict::Unanswered(p, age) => {
-                Err(stalled_error(nic, peer, age, Some(&pairs[p].remote_name)))
+                let setting = self.watchdog.probe_setting;
+                Err(stalled_error(
+                    nic,
+                    peer,
+                    age,
+                    Some(&pairs[p].remote_name),
+                    setting,
+                ))
             }
         }
     }
@@ -421,7 +432,13 @@ fn counters<N: Nic>(nic: &N) -> String {
 /// The error of a path shown dead: a probe `to` the peer's rail unanswered, or (`to` None)
 /// work that made no progress for the ceiling or on a rail without paths.
 #[cold]
-fn stalled_error<N: Nic>(nic: &N, peer: &str, idle: Duration, to: Option<&str>) -> Error {
+fn stalled_error<N: Nic>(
+    nic: &N,
+    peer: &str,
+    idle: Duration,
+    to: Option<&str>,
+    setting: &str,
+) -> Error {
     let (what, why) = match to {
         Some(_) => (
             "a liveness probe sent",
@@ -435,9 +452,14 @@ fn stalled_error<N: Nic>(nic: &N, peer: &str, idle: Duration, to: Option<&str>) 
         ),
     };
     let path = to.map_or(String::new(), |remote| format!(" (to its {remote})"));
+    // Work is bounded by the work timeout; a probe by it, or by the failover suspect time.
+    let setting = if setting.is_empty() {
+        "NCCL_ERDMA_WORK_TIMEOUT_S"
+    } else {
+        setting
+    };
     Error::remote(format!(
-        "{what} to peer {peer} on {}{path} has not completed in {:.1} s \
-         (NCCL_ERDMA_WORK_TIMEOUT_S): {why}{}",
+        "{what} to peer {peer} on {}{path} has not completed in {:.1} s ({setting}): {why}{}",
         nic.local().name,
         idle.as_secs_f64(),
         counters(nic)

@@ -174,6 +174,8 @@ pub(crate) struct Mobility<N: Nic> {
     pub(crate) params: ConnParams,
     /// The bootstrap connection while a move is under way (the peer watch otherwise).
     pub(crate) chan: Option<Channel>,
+    /// What started the move under way, for its WARN.
+    pub(crate) why: String,
 }
 
 /// How long a move may take before the comm fails.
@@ -197,6 +199,7 @@ impl<N: Nic> Mobility<N> {
             cost,
             params,
             chan: None,
+            why: String::new(),
         }
     }
 
@@ -211,8 +214,10 @@ impl<N: Nic> Mobility<N> {
         self.phase != Phase::Still
     }
 
-    /// Starts move `epoch` losing `lost` (this end's rails, the peer's) over `chan`.
-    pub(crate) fn begin(&mut self, epoch: u32, lost: [u8; 2], chan: Channel) {
+    /// Starts move `epoch` losing `lost` (the sender's rails, the receiver's) over `chan`,
+    /// for `why`.
+    pub(crate) fn begin(&mut self, epoch: u32, lost: [u8; 2], chan: Channel, why: &str) {
+        self.why = why.to_string();
         self.epoch = epoch;
         self.lost = lost;
         self.since = Some(Instant::now());
@@ -244,6 +249,19 @@ impl<N: Nic> Mobility<N> {
         }
         self.order = order;
         Some((0..rails).map(|r| self.nic(r)).collect())
+    }
+
+    /// The parameters of the rails a move builds: where no NIC would be left after one more
+    /// loss, a suspected path is not moved off (there is nowhere to go) but waited on, as
+    /// without failover, until the work timeout says it is dead.
+    pub(crate) fn rebuild_params(&self) -> ConnParams {
+        let alive = (0..self.nics.len())
+            .filter(|&k| self.dead & (1 << k) == 0)
+            .count();
+        ConnParams {
+            failover: self.params.failover.filter(|_| alive >= 2),
+            ..self.params
+        }
     }
 
     /// The NIC rail `r` runs on.
@@ -327,6 +345,15 @@ fn gone_while_moving(peer: &str, e: &std::io::Error) -> Error {
     ))
 }
 
+/// "from NIC a to NIC b" for the WARN (or "on the same NICs" when only the peer's were lost).
+pub(crate) fn moved(old: &str, new: &str) -> String {
+    if old.is_empty() {
+        "on the same NICs (the peer's NIC or path was lost)".to_string()
+    } else {
+        format!("from {old} to {new}")
+    }
+}
+
 /// Stops every QP of `rails`: nothing more goes out or is placed through them, and what they
 /// hold completes as flushed.
 pub(crate) fn stop<N: Nic>(rails: &[Rail<N>]) {
@@ -351,11 +378,12 @@ pub(crate) fn lost_with(r: usize, nqps: usize, rails: usize, peer_rails: usize) 
 }
 
 /// Whether a rail's error can be mended by moving: anything but a failed completion that says
-/// our own request was wrong (a bad key, length or operation), which a move would repeat.
+/// our own request was wrong (a bad key, length or access), which a move would repeat. A
+/// local QP operation error is movable: Soft-RoCE reports a link gone down so.
 pub(crate) fn movable(status: Option<u32>) -> bool {
-    // IBV_WC_LOC_LEN_ERR, LOC_QP_OP_ERR, LOC_PROT_ERR, MW_BIND_ERR, LOC_ACCESS_ERR,
-    // REM_INV_REQ_ERR, REM_ACCESS_ERR, REM_OP_ERR.
-    !matches!(status, Some(1 | 2 | 4 | 6 | 8 | 9 | 10 | 11))
+    // IBV_WC_LOC_LEN_ERR, LOC_PROT_ERR, MW_BIND_ERR, LOC_ACCESS_ERR, REM_INV_REQ_ERR,
+    // REM_ACCESS_ERR, REM_OP_ERR.
+    !matches!(status, Some(1 | 4 | 6 | 8 | 9 | 10 | 11))
 }
 
 #[cfg(test)]
@@ -402,6 +430,6 @@ mod tests {
         assert!(m.pick(2, 0b11).is_none());
         assert_eq!(lost_with(1, 4, 2, 2), [0b10, 0b10]);
         assert_eq!(lost_with(0, 2, 1, 2), [0b01, 0b11]);
-        assert!(movable(Some(12)) && movable(None) && !movable(Some(10)));
+        assert!(movable(Some(12)) && movable(Some(2)) && movable(None) && !movable(Some(10)));
     }
 }

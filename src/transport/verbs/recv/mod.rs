@@ -31,8 +31,8 @@ use super::wire::{
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
-    not_in_flight, CommKeys, Endpoint, Failure, Receiver, SizeSink, Tested, Traffic, MAX_RAILS,
-    MAX_RECVS,
+    not_in_flight, CommKeys, Endpoint, Failure, MemKeys, Receiver, SizeSink, Tested, Traffic,
+    MAX_RAILS, MAX_RECVS,
 };
 use crate::verbs::device::VerbsDevice;
 use crate::verbs::dma::{DmaBuffer, FixedWrite, SendChain, WcBatch, WC_RECV_RDMA_WITH_IMM};
@@ -477,28 +477,32 @@ impl<N: Nic> RecvState<N> {
         else {
             return Err(too_many_flushes());
         };
+        let posted = self.post_flush(fslot, bufs[last].addr() as u64, &mem);
+        self.failure.record(posted)?;
+        self.flush_slots[fslot] = FlushSlot::Pending(self.rails.len() as u32);
+        self.flush_of[fslot] = (bufs[last].addr() as u64, mhandles[last]);
+        self.flush_next = (fslot + 1) % SLOTS;
+        Ok(Some(FLUSH_ID_BASE + fslot))
+    }
+
+    /// Posts flush `fslot` of the buffer at `addr` (keys `mem`) on every rail's flush QP;
+    /// returns how many reads were posted.
+    fn post_flush(&mut self, fslot: usize, addr: u64, mem: &MemKeys) -> Result<u32> {
+        let mut posted = 0;
         for (r, rail) in self.rails.iter_mut().enumerate() {
             let Some(flush_qp) = &rail.flush_qp else {
                 continue;
             };
             self.chain.clear();
-            self.chain.read(
-                self.flush_target.addr(0),
-                1,
-                self.flush_target.lkey(r),
-                bufs[last].addr() as u64,
-                mem.rkey(r),
-            );
+            let target = (self.flush_target.addr(0), self.flush_target.lkey(r));
+            self.chain.read(target.0, 1, target.1, addr, mem.rkey(r));
             self.chain.finish(WrKind::Flush.id(fslot), 0);
-            let posted = self.chain.post(&*rail.nic, flush_qp);
-            self.failure.record(posted)?;
+            self.chain.post(&*rail.nic, flush_qp)?;
             let qpn = flush_qp.qpn();
             rail.signaled(qpn, WrKind::Flush.id(fslot));
+            posted += 1;
         }
-        self.flush_slots[fslot] = FlushSlot::Pending(self.rails.len() as u32);
-        self.flush_of[fslot] = (bufs[last].addr() as u64, mhandles[last]);
-        self.flush_next = (fslot + 1) % SLOTS;
-        Ok(Some(FLUSH_ID_BASE + fslot))
+        Ok(posted)
     }
 
     /// `test` of flush request `id` (a receive not in flight is NCCL's error).

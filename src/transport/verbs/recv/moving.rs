@@ -72,11 +72,10 @@ impl<N: Nic> RecvState<N> {
         let Some(chan) = self.rails[0].cq.unwatch() else {
             return Err(Error::remote(why.to_string()));
         };
-        self.mobility.begin(epoch, lost, chan);
+        self.mobility.begin(epoch, lost, chan, why);
         self.mobility.phase = Phase::Asked;
         self.gate_off = true;
         gate.lock_wanted(true);
-        tracing::warn!("{why}; moving the connection to peer {}", self.peer);
         // Every receive still posted completes, as flushed or arrived.
         let mut posted: u32 = (0..SLOTS)
             .filter(|&s| self.slots[s].busy && gate.waits(s))
@@ -143,10 +142,13 @@ impl<N: Nic> RecvState<N> {
             )));
         };
         let (old, new) = self.mobility.describe(&before, rails_n, lost[1]);
-        if !old.is_empty() {
-            tracing::warn!("connection to peer {} moves from {old} to {new}", self.peer);
-        }
-        let (cost, p) = (self.mobility.cost, self.mobility.params);
+        tracing::warn!(
+            "{}; moving the connection to peer {} {}",
+            self.mobility.why,
+            self.peer,
+            failover::moved(&old, &new)
+        );
+        let (cost, p) = (self.mobility.cost, self.mobility.rebuild_params());
         let mut rails = make_rails(&nics, &cost, &p)?;
         check_links(&rails, &remote, &self.peer)?;
         if remote.qps.len() != self.plan.nqps {
@@ -271,24 +273,7 @@ impl<N: Nic> RecvState<N> {
             }
             let (addr, mhandle) = self.flush_of[f];
             let mem = self.keys.keys_at(mhandle, addr, 1)?;
-            let mut posted = 0;
-            for (r, rail) in self.rails.iter_mut().enumerate() {
-                let Some(flush_qp) = &rail.flush_qp else {
-                    continue;
-                };
-                self.chain.clear();
-                self.chain.read(
-                    self.flush_target.addr(0),
-                    1,
-                    self.flush_target.lkey(r),
-                    addr,
-                    mem.rkey(r),
-                );
-                self.chain.finish(WrKind::Flush.id(f), 0);
-                self.chain.post(&*rail.nic, flush_qp)?;
-                rail.signaled(flush_qp_qpn(flush_qp), WrKind::Flush.id(f));
-                posted += 1;
-            }
+            let posted = self.post_flush(f, addr, &mem)?;
             self.flush_slots[f] = if posted == 0 {
                 FlushSlot::Done
             } else {
@@ -315,8 +300,4 @@ impl<N: Nic> RecvState<N> {
         self.flush_of[f] = (bufs[last].addr() as u64, mhandles[last]);
         Ok(Some(FLUSH_ID_BASE + f))
     }
-}
-
-fn flush_qp_qpn<Q: crate::verbs::nic::QueuePair>(qp: &Q) -> u32 {
-    qp.qpn()
 }

@@ -693,7 +693,8 @@ impl<R> SendGate<R> {
     /// awaited, and every `isend` looks around (which steps the move).
     fn publish<N: Nic<Mr = R>>(&self, s: &SendState<N>) {
         self.awaited.store(s.awaited() | s.hold_sends, Relaxed);
-        self.failed.store(s.failure.is_set() | s.mobile_work, Relaxed);
+        self.failed
+            .store(s.failure.is_set() | s.mobile_work, Relaxed);
     }
 }
 

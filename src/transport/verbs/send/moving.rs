@@ -59,7 +59,7 @@ impl<N: Nic> SendState<N> {
             return Err(Error::remote(why.to_string()));
         };
         let before = self.mobility.order;
-        self.mobility.begin(epoch, lost, chan);
+        self.mobility.begin(epoch, lost, chan, why);
         self.mobility.phase = Phase::Asked;
         self.mobile_work = true;
         self.hold_sends = super::NOT_AWAITED;
@@ -71,9 +71,9 @@ impl<N: Nic> SendState<N> {
         tracing::warn!(
             "{why}; moving the connection to peer {} {}",
             self.peer,
-            moved(&old, &new)
+            failover::moved(&old, &new)
         );
-        let (cost, p) = (self.mobility.cost, self.mobility.params);
+        let (cost, p) = (self.mobility.cost, self.mobility.rebuild_params());
         let new_rails = make_rails(&nics, &cost, &p)?;
         let register = |i: usize, addr: usize, bytes: usize| {
             let mr = nics[i].register(addr, bytes)?;
@@ -251,15 +251,6 @@ impl<N: Nic> SendState<N> {
 }
 
 use crate::transport::MAX_RECVS;
-
-/// "from NIC a to NIC b" for the WARN (or "on the same NICs" when only the peer's were lost).
-fn moved(old: &str, new: &str) -> String {
-    if old.is_empty() {
-        "on the same NICs (the peer's NIC or path was lost)".to_string()
-    } else {
-        format!("from {old} to {new}")
-    }
-}
 
 #[cold]
 fn no_nic_left(why: &str, peer: &str) -> Error {
