@@ -62,7 +62,7 @@ fn stream_survives(
     let c = connect(&net, &mut p);
     let one = Stream {
         sizes: &[65_536],
-        count: 1500,
+        count: 400,
         seed: 3,
         window: 8,
         limit: Duration::from_secs(120),
@@ -85,7 +85,7 @@ fn stream_survives(
     });
     let s = Stream {
         sizes: &[65_536],
-        count: 6000,
+        count: 1500,
         seed: 11,
         window: 8,
         limit: Duration::from_secs(240),

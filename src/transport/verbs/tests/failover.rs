@@ -300,3 +300,60 @@ fn a_connection_that_moved_moves_again_and_then_runs_out_of_nics() {
     through(&c, 5000, 3);
     through(&c, 64, 4);
 }
+
+#[test]
+fn both_ends_seeing_the_cut_at_once_agree_on_one_move() {
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    let mut dsts = [c.buf(false, 512, 0), c.buf(false, 512, 0)];
+    let mut srcs = [c.buf(true, 512, 30), c.buf(true, 512, 31)];
+    let r0 = c.irecv(&mut [&mut dsts[0]], &[1]);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    // The sender's write fails on its side, the receiver's next clear-to-send on its own:
+    // each end starts the move, and the offer and the `Down` cross.
+    let s0 = c.send_buf(&mut srcs[0], 1);
+    let r1 = c.irecv(&mut [&mut dsts[1]], &[2]);
+    let s1 = isend_while(&c, &mut srcs[1], 2, r1);
+    wait_both(&c, s0, r0).unwrap();
+    wait_both(&c, s1, r1).unwrap();
+    for (i, d) in dsts.iter().enumerate() {
+        assert_eq!(d.mem.bytes(), TestMem::pattern(512, 30 + i as u64));
+    }
+    through(&c, 64, 2);
+}
+
+#[test]
+fn a_flush_in_flight_when_the_nic_dies_completes_after_the_move() {
+    let p = ConnParams {
+        flush: true,
+        ..mobile()
+    };
+    let c = connect_mobile(1, 1, p);
+    through(&c, 64, 1);
+    let mut dst = c.buf(false, 4096, 0);
+    let mut src = c.buf(true, 4096, 2);
+    let r = c.irecv(&mut [&mut dst], &[1]);
+    let s = isend_while(&c, &mut src, 1, r);
+    wait_both(&c, s, r).unwrap();
+    // The flush's read is held back, then the receiver's NIC fails under it.
+    c.fabric.hold(true);
+    let f = c
+        .recv
+        .iflush(&[dst.whole()], &[dst.mh])
+        .unwrap()
+        .expect("a flush");
+    c.fabric.cut(&c.rx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    c.fabric.hold(false);
+    let mut idle = c.buf(true, 8, 3);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(done) = c.test_recv(f).unwrap() {
+            assert_eq!(done, Completion::EMPTY);
+            break;
+        }
+        // The sender's idle isends look around, which answers the receiver's move.
+        assert_eq!(c.send.isend(idle.whole(), 9, idle.mh).unwrap(), None);
+        assert!(Instant::now() < deadline, "the flush never completed");
+    }
+    through(&c, 64, 4);
+}
