@@ -486,10 +486,14 @@ impl<N: Nic> VerbsConnector<N> {
                 "{peer} answered with {nqps} QPs for our {offered}",
             )));
         }
-        let rails = made.rails.len();
+        // What this end is now: the listener's QPs, dealt over our rails.
+        let cost = EndCost {
+            qps: nqps,
+            peer_rails: remote.rails.len(),
+            ..made.cost
+        };
         for (r, rail) in made.rails.iter_mut().enumerate() {
-            rail.qps
-                .truncate((0..nqps).filter(|&q| locate(q, rails).0 == r).count());
+            rail.qps.truncate(cost.qps_on(r));
         }
         if remote.split != self.params.split_data {
             tracing::info!(
@@ -528,11 +532,6 @@ impl<N: Nic> VerbsConnector<N> {
             nqps,
             rails: made.rails.len(),
             split: remote.split,
-        };
-        let cost = EndCost {
-            qps: nqps,
-            peer_rails: remote.rails.len(),
-            ..made.cost
         };
         let mobility = Mobility::new(made.nics, cost, *p);
         let state = SendState::new(

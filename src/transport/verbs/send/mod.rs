@@ -230,13 +230,9 @@ impl<N: Nic> SendState<N> {
         Ok(!self.mobility.moving() && fits(self))
     }
 
-    /// Whether every QP the writes of the slot of `n` sends take has room for them.
-    fn room_for_slot(&self, n: usize, room: usize) -> bool {
-        self.room_for_slot_of(self.seq, n, room)
-    }
-
-    /// [`Self::room_for_slot`] for the slot of receive `seq`.
-    fn room_for_slot_of(&self, seq: u64, n: usize, room: usize) -> bool {
+    /// Whether every QP the writes of the slot of `n` sends for receive `seq` take has room
+    /// for them.
+    fn room_for_slot(&self, seq: u64, n: usize, room: usize) -> bool {
         let (first_qp, used) = self.plan.qps(seq, room);
         (0..used).all(|k| {
             let q = self.plan.qp_of_piece(seq, first_qp, used, k);
@@ -323,8 +319,8 @@ impl<N: Nic> SendState<N> {
         let truncated = buf.len() as u64 > u64::from(room);
         let (completes, slot_room) = (st.matched | 1 << e == st.all || truncated, st.room);
         if completes
-            && !self.room_for_slot(n, slot_room)
-            && !self.room_after_drain(|s| s.room_for_slot(n, slot_room))?
+            && !self.room_for_slot(self.seq, n, slot_room)
+            && !self.room_after_drain(|s| s.room_for_slot(s.seq, n, slot_room))?
         {
             // The send that completes the slot waits until the send queues have room.
             return Ok(None);

@@ -11,6 +11,7 @@ use crate::transport::verbs::setup::{
     rkeys, time_work, End,
 };
 use crate::transport::verbs::wire::{cts_index, encode_qps, paths, ConnInfo};
+use crate::transport::MAX_RECVS;
 use crate::verbs::nic::{MemoryRegion, Nic, QueuePair};
 
 /// Registrations of a buffer on the NICs a move takes: (registration, lkey, rkey) per rail.
@@ -239,7 +240,7 @@ impl<N: Nic> SendState<N> {
             };
             let (seq, st) = (self.seq_of(slot), self.slots[slot]);
             let n = st.all.count_ones() as usize;
-            if !self.room_for_slot_of(seq, n, st.room) {
+            if !self.room_for_slot(seq, n, st.room) {
                 break;
             }
             let used = self.write_slot(slot, n, seq)?;
@@ -249,8 +250,6 @@ impl<N: Nic> SendState<N> {
         Ok(())
     }
 }
-
-use crate::transport::MAX_RECVS;
 
 #[cold]
 fn no_nic_left(why: &str, peer: &str) -> Error {
