@@ -21,6 +21,10 @@ use crate::verbs::nic::{MemoryRegion, Nic};
 
 /// How long the receiver waits for its stopped QPs' receives to complete as flushed.
 const SALVAGE_BOUND: Duration = Duration::from_secs(2);
+/// Or for this long without a completion: a receive completes within microseconds of its data
+/// or not at all once its QP is stopped, and not every device flushes a stopped QP's receives
+/// at once (Soft-RoCE with its link down may take seconds).
+const SALVAGE_QUIET: Duration = Duration::from_millis(20);
 
 /// What the receiver keeps between its answer and the sender's `Resume`: its probe QPs (per
 /// path: rail, index), the paths, and the sender's rails.
@@ -81,14 +85,16 @@ impl<N: Nic> RecvState<N> {
             .filter(|&s| self.slots[s].busy && gate.waits(s))
             .map(|s| self.slots[s].imm_pending)
             .sum();
-        let until = Instant::now() + SALVAGE_BOUND;
+        let start = Instant::now();
+        let mut last = start;
         let mut wc = WcBatch::new();
-        while posted > 0 && Instant::now() < until {
+        while posted > 0 && last.elapsed() < SALVAGE_QUIET && start.elapsed() < SALVAGE_BOUND {
             for r in 0..self.rails.len() {
                 let rail = &self.rails[r];
                 if wc.poll(&*rail.nic, &rail.cq.cq)? == 0 {
                     continue;
                 }
+                last = Instant::now();
                 for c in wc.iter() {
                     if WrKind::of(c.wr_id()) != Some(WrKind::Recv) {
                         continue;
