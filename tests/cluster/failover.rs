@@ -69,9 +69,11 @@ fn stream_survives(
     };
     let before = one_way(&net, &c, &mut p, &one, false);
     p.step("go");
+    let go = Instant::now();
     let injector = (p.host == Host::Two).then(|| {
         thread::spawn(move || {
             thread::sleep(Duration::from_secs(1));
+            let cut_at = go.elapsed();
             let fault = Fault::inject(cut, restore);
             if let Some((flap, back)) = during {
                 thread::sleep(Duration::from_millis(1500));
@@ -80,7 +82,7 @@ fn stream_survives(
                 thread::sleep(Duration::from_millis(500));
                 sh(back);
             }
-            fault
+            (fault, cut_at)
         })
     });
     let s = Stream {
@@ -116,24 +118,39 @@ fn stream_survives(
     );
     close(&net, c);
     p.step("closed");
+    let mut cut_at = None;
     if let Some(t) = injector {
-        drop(t.join().expect("fault thread"));
+        let (fault, at) = t.join().expect("fault thread");
+        cut_at = Some(at);
+        drop(fault);
         sh("for i in $(seq 100); do grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state && exit 0; sleep 0.1; done; exit 1");
     }
     p.step("restored");
-    let stall = sent.stall.max(received.stall);
+    let stall = if sent.stall > received.stall {
+        &sent
+    } else {
+        &received
+    };
     result(
         case,
         p.host,
         &format!(
-            "outcome=completed stall_ms={} moved_ms={:?} bytes_verified={} mbps_before={:.0} \
-             mbps_after={:.0} warn={:?}",
-            stall.as_millis(),
+            "outcome=completed stall_ms={} stall_from_ms={} cut_at_ms={:?} moved_ms={:?} \
+             bytes_verified={} mbps_before={:.0} mbps_after={:.0} warn={:?} other_warns={:?}",
+            stall.stall.as_millis(),
+            stall.stall_from.as_millis(),
+            cut_at.map(|c| c.as_millis()),
             moved_ms(),
             received.bytes + before.bytes + after.bytes,
             before.mbps(),
             after.mbps(),
-            moving[0]
+            moving[0],
+            warnings()
+                .iter()
+                .filter(|w| !w.contains("moving the connection") && !w.starts_with("NET/erdma test"))
+                .map(|w| w.chars().take(160).collect::<String>())
+                .collect::<Vec<_>>()
+                .join(" | ")
         ),
     );
 }

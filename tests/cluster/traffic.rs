@@ -74,8 +74,9 @@ pub struct Done {
     /// How long it took.
     pub elapsed: Duration,
     /// The longest wait between two completions (or from the start to the first): across a
-    /// failover, the time traffic stood still.
+    /// failover, the time traffic stood still; and when, from the start, it began.
     pub stall: Duration,
+    pub stall_from: Duration,
 }
 
 impl Done {
@@ -158,6 +159,7 @@ pub fn send(net: &Net, comm: Opaque, s: &Stream) -> Result<Done, Failed> {
             bytes,
             elapsed: t0.elapsed(),
             stall: Duration::ZERO,
+            stall_from: Duration::ZERO,
         },
         at: Instant::now(),
     };
@@ -212,26 +214,34 @@ pub fn send(net: &Net, comm: Opaque, s: &Stream) -> Result<Done, Failed> {
             }
         }
     };
-    finish(net, comm, slots, r, (completed, bytes, gaps.longest), t0)
+    finish(net, comm, slots, r, (completed, bytes, gaps), t0)
 }
 
-/// The longest wait between completions of a stream.
+/// The longest wait between completions of a stream, and when it began.
 struct Gaps {
+    start: Instant,
     last: Instant,
     longest: Duration,
+    from: Duration,
 }
 
 impl Gaps {
     fn new() -> Self {
+        let now = Instant::now();
         Gaps {
-            last: Instant::now(),
+            start: now,
+            last: now,
             longest: Duration::ZERO,
+            from: Duration::ZERO,
         }
     }
 
     fn completed(&mut self) {
         let now = Instant::now();
-        self.longest = self.longest.max(now - self.last);
+        if now - self.last > self.longest {
+            self.longest = now - self.last;
+            self.from = self.last - self.start;
+        }
         self.last = now;
     }
 }
@@ -244,7 +254,7 @@ fn finish(
     comm: Opaque,
     slots: Vec<Slot>,
     r: Result<(), Failed>,
-    (completed, bytes, stall): (usize, u64, Duration),
+    (completed, bytes, gaps): (usize, u64, Gaps),
     t0: Instant,
 ) -> Result<Done, Failed> {
     match r {
@@ -254,7 +264,8 @@ fn finish(
                 messages: completed,
                 bytes,
                 elapsed: t0.elapsed(),
-                stall,
+                stall: gaps.longest,
+                stall_from: gaps.from,
             })
         }
         Err(f) => {
@@ -278,6 +289,7 @@ pub fn recv(net: &Net, comm: Opaque, s: &Stream) -> Result<Done, Failed> {
             bytes,
             elapsed: t0.elapsed(),
             stall: Duration::ZERO,
+            stall_from: Duration::ZERO,
         },
         at: Instant::now(),
     };
@@ -330,7 +342,7 @@ pub fn recv(net: &Net, comm: Opaque, s: &Stream) -> Result<Done, Failed> {
             }
         }
     };
-    finish(net, comm, slots, r, (completed, bytes, gaps.longest), t0)
+    finish(net, comm, slots, r, (completed, bytes, gaps), t0)
 }
 
 /// The WARN lines the plugin logged so far.
