@@ -331,7 +331,7 @@ impl<N: Nic> RecvState<N> {
         let drained = found.map(|(rail, wc)| {
             self.rails[rail].cq.polled_unlocked(wc);
             match self.drain_rail(gate, rail, wc) {
-                Err(e) => self.rail_failed(gate, rail, e),
+                Err(e) => self.rail_failed(gate, (rail, wc), e),
                 ok => ok,
             }
         });
@@ -594,7 +594,7 @@ impl<N: Nic> RecvState<N> {
         let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
             if let Err(e) = self.poll_rail(gate, r, &mut wc) {
-                return self.rail_failed(gate, r, e);
+                return self.rail_failed(gate, (r, &wc), e);
             }
         }
         Ok(())

@@ -16,7 +16,7 @@ use crate::transport::verbs::setup::{
     rkeys, time_work, End,
 };
 use crate::transport::verbs::wire::{cts_index, decode_qps, paths, ConnInfo, CtsEntry, WrKind};
-use crate::verbs::dma::{FixedWrite, WcBatch, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS};
+use crate::verbs::dma::{Completion, FixedWrite, WcBatch, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS};
 use crate::verbs::nic::{MemoryRegion, Nic};
 
 /// How long the receiver waits for its stopped QPs' receives to complete as flushed.
@@ -35,11 +35,25 @@ pub(crate) struct Answered {
 }
 
 impl<N: Nic> RecvState<N> {
-    /// Rail `r` failed with `e`, or the peer's message came (then `e` only says so): moves the
-    /// connection where it can, else returns the error (the comm fails with it).
+    /// Rail `r` failed with `e`, or the peer's message came (then `e` only says so), its last
+    /// poll in `wc`: moves the connection where it can, else returns the error (the comm
+    /// fails with it).
     #[cold]
     #[inline(never)]
-    pub(super) fn rail_failed(&mut self, gate: &RecvGate<N>, r: usize, e: Error) -> Result<()> {
+    pub(super) fn rail_failed(
+        &mut self,
+        gate: &RecvGate<N>,
+        (r, wc): (usize, &WcBatch),
+        e: Error,
+    ) -> Result<()> {
+        // The drain stopped at the failed completion: those after it in the batch are still
+        // to hand out, or a receive that arrived would be asked for again.
+        if self.mobility.enabled() {
+            let failed = wc.iter().position(|c| c.status() != WC_SUCCESS);
+            for c in wc.iter().skip(failed.map_or(usize::MAX, |f| f + 1)) {
+                self.salvage(gate, c);
+            }
+        }
         let mail = self.rails[0].cq.mail.take();
         if self.rails[0].cq.peer_gone || self.mobility.moving() {
             return Err(e);
@@ -96,18 +110,23 @@ impl<N: Nic> RecvState<N> {
                 }
                 last = Instant::now();
                 for c in wc.iter() {
-                    if WrKind::of(c.wr_id()) != Some(WrKind::Recv) {
-                        continue;
+                    if WrKind::of(c.wr_id()) == Some(WrKind::Recv) {
+                        posted = posted.saturating_sub(1);
                     }
-                    posted = posted.saturating_sub(1);
-                    let slot = WrKind::slot(c.wr_id());
-                    if c.status() == WC_SUCCESS && c.opcode() == WC_RECV_RDMA_WITH_IMM {
-                        super::landed(&mut self.slots[slot], gate, slot, c.write_imm());
-                    }
+                    self.salvage(gate, c);
                 }
             }
         }
         Ok(())
+    }
+
+    /// Takes completion `c` of a stopped QP: a receive whose data arrived has arrived.
+    fn salvage(&mut self, gate: &RecvGate<N>, c: Completion<'_>) {
+        let recv = WrKind::of(c.wr_id()) == Some(WrKind::Recv);
+        if recv && c.status() == WC_SUCCESS && c.opcode() == WC_RECV_RDMA_WITH_IMM {
+            let slot = WrKind::slot(c.wr_id());
+            super::landed(&mut self.slots[slot], gate, slot, c.write_imm());
+        }
     }
 
     /// Steps the move under way: true while it is.
