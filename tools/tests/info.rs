@@ -149,6 +149,8 @@ fn verbs_device_report() {
     assert!(text.contains("transport: verbs"), "{text}");
     assert!(text.contains(&format!("device 0: {dev}")), "{text}");
     assert!(text.contains("(its own NIC)"), "{text}");
+    // One NIC of its link layer: nothing to fail over to.
+    assert!(text.contains("(its own NIC); failover: none"), "{text}");
     // Asked to fuse one NIC: nothing to fuse.
     let (_, text) = info(
         &[("NCCL_IB_HCA", &hca), ("NCCL_ERDMA_FUSE_NICS", "1")],

@@ -170,7 +170,7 @@ fn render(r: &Report) -> String {
                 format!("failover: to {}", d.spares.join(", "))
             };
             format!(
-                "device {}: {} speed {} Mbps ptrSupport {:#x} PCI {} ({}; {failover})",
+                "device {}: {} speed {} Mbps ptrSupport {:#x} PCI {} ({}); {failover}",
                 d.index,
                 d.name,
                 d.speed_mbps,
