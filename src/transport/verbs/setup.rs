@@ -62,11 +62,18 @@ pub(crate) struct ConnParams {
 
 /// A DMA buffer of `len` elements registered on every NIC of `nics`.
 pub(super) fn dma<T: Copy, N: Nic>(nics: &[Arc<N>], len: usize) -> Result<DmaBuffer<T, N::Mr>> {
-    DmaBuffer::new(len, nics.len(), |i, addr, bytes| {
+    DmaBuffer::new(len, nics.len(), register_on(nics))
+}
+
+/// A DMA buffer's registration `i` of `addr..addr+bytes`: on `nics[i]`, with its keys.
+pub(super) fn register_on<N: Nic>(
+    nics: &[Arc<N>],
+) -> impl Fn(usize, usize, usize) -> Result<(N::Mr, u32, u32)> + Copy + '_ {
+    |i, addr, bytes| {
         let mr = nics[i].register(addr, bytes)?;
         let (lkey, rkey) = (mr.lkey(), mr.rkey());
         Ok((mr, lkey, rkey))
-    })
+    }
 }
 
 /// The NIC behind `port` as the other end needs it, with `rkey` for the connection's memory.

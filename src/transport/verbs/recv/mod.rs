@@ -460,10 +460,6 @@ impl<N: Nic> RecvState<N> {
         if self.rails[0].flush_qp.is_none() {
             return Ok(None);
         }
-        if self.mobility.moving() {
-            // NULL would mean no flush is needed: a request that completes once it is over.
-            return self.flush_after_move(bufs, mhandles);
-        }
         let Some(last) = (0..bufs.len()).rev().find(|&i| !bufs[i].is_empty()) else {
             return Ok(None);
         };
@@ -477,10 +473,17 @@ impl<N: Nic> RecvState<N> {
         else {
             return Err(too_many_flushes());
         };
-        let posted = self.post_flush(fslot, bufs[last].addr() as u64, &mem);
-        self.failure.record(posted)?;
-        self.flush_slots[fslot] = FlushSlot::Pending(self.rails.len() as u32);
-        self.flush_of[fslot] = (bufs[last].addr() as u64, mhandles[last]);
+        let addr = bufs[last].addr() as u64;
+        // While the connection moves its QPs are stopped: the flush is posted once it is over
+        // (and a NULL here would tell NCCL none is needed).
+        let posted = if self.mobility.moving() {
+            0
+        } else {
+            let r = self.post_flush(fslot, addr, &mem);
+            self.failure.record(r)?
+        };
+        self.flush_slots[fslot] = FlushSlot::Pending(posted);
+        self.flush_of[fslot] = (addr, mhandles[last]);
         self.flush_next = (fslot + 1) % SLOTS;
         Ok(Some(FLUSH_ID_BASE + fslot))
     }

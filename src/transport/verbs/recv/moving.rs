@@ -6,18 +6,16 @@
 use std::time::{Duration, Instant};
 
 use super::{FlushSlot, RecvGate, RecvState, SLOTS};
-use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::verbs::failover::{self, encode_answer, MoveMsg, Phase, Step, Waiting};
 use crate::transport::verbs::rail::locate;
-use crate::transport::verbs::recv::FLUSH_ID_BASE;
 use crate::transport::verbs::setup::{
     check_links, connect_probes, connect_qps, local_info, make_probes, make_rails, probe_qps,
-    rkeys, time_work, End,
+    register_on, rkeys, time_work, End,
 };
 use crate::transport::verbs::wire::{cts_index, decode_qps, paths, ConnInfo, CtsEntry, WrKind};
 use crate::verbs::dma::{Completion, FixedWrite, WcBatch, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS};
-use crate::verbs::nic::{MemoryRegion, Nic};
+use crate::verbs::nic::Nic;
 
 /// How long the receiver waits for its stopped QPs' receives to complete as flushed.
 const SALVAGE_BOUND: Duration = Duration::from_secs(2);
@@ -188,11 +186,7 @@ impl<N: Nic> RecvState<N> {
         let paths = paths(self.plan.nqps, remote.rails.len(), rails.len());
         let probes = make_probes(&mut rails, &paths, End::Listener, &remote)?;
         time_work(&mut rails, &p, &self.peer);
-        let register = |i: usize, addr: usize, bytes: usize| {
-            let mr = nics[i].register(addr, bytes)?;
-            let (lkey, rkey) = (mr.lkey(), mr.rkey());
-            Ok((mr, lkey, rkey))
-        };
+        let register = register_on(&nics);
         let regs = (
             self.cts_local.register_again(rails_n, register)?,
             self.sizes_record.register_again(rails_n, register)?,
@@ -306,23 +300,5 @@ impl<N: Nic> RecvState<N> {
             };
         }
         Ok(())
-    }
-
-    /// `iflush` while the connection moves: a flush slot taken now, posted once it is over.
-    pub(super) fn flush_after_move(
-        &mut self,
-        bufs: &[UserBuffer],
-        mhandles: &[u64],
-    ) -> Result<Option<usize>> {
-        let Some(last) = (0..bufs.len()).rev().find(|&i| !bufs[i].is_empty()) else {
-            return Ok(None);
-        };
-        self.keys.keys(mhandles[last], bufs[last])?;
-        let Some(f) = (0..SLOTS).find(|&f| self.flush_slots[f] == FlushSlot::Free) else {
-            return Err(super::too_many_flushes());
-        };
-        self.flush_slots[f] = FlushSlot::Pending(0);
-        self.flush_of[f] = (bufs[last].addr() as u64, mhandles[last]);
-        Ok(Some(FLUSH_ID_BASE + f))
     }
 }

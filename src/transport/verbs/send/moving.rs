@@ -8,11 +8,11 @@ use crate::transport::verbs::failover::{self, decode_answer, Phase, Step};
 use crate::transport::verbs::rail::{locate, Rail};
 use crate::transport::verbs::setup::{
     check_links, connect_probes, connect_qps, local_info, make_probes, make_rails, probe_qps,
-    rkeys, time_work, End,
+    register_on, rkeys, time_work, End,
 };
 use crate::transport::verbs::wire::{cts_index, encode_qps, paths, ConnInfo};
 use crate::transport::MAX_RECVS;
-use crate::verbs::nic::{MemoryRegion, Nic, QueuePair};
+use crate::verbs::nic::{Nic, QueuePair};
 
 /// Registrations of a buffer on the NICs a move takes: (registration, lkey, rkey) per rail.
 type Regs<N> = Vec<(<N as Nic>::Mr, u32, u32)>;
@@ -76,11 +76,7 @@ impl<N: Nic> SendState<N> {
         );
         let (cost, p) = (self.mobility.cost, self.mobility.rebuild_params());
         let new_rails = make_rails(&nics, &cost, &p)?;
-        let register = |i: usize, addr: usize, bytes: usize| {
-            let mr = nics[i].register(addr, bytes)?;
-            let (lkey, rkey) = (mr.lkey(), mr.rkey());
-            Ok((mr, lkey, rkey))
-        };
+        let register = register_on(&nics);
         let sizes_regs = self.sizes_local.register_again(rails, register)?;
         let fifo_regs = self.fifo.register_again(rails, register)?;
         let info = local_info(&new_rails, self.fifo.addr(0), |r| fifo_regs[r].2, &p);
