@@ -15,11 +15,19 @@
 //!   a WRITE WITH IMMEDIATE consumes it, and a post that does not fit fails, as
 //!   `ibv_post_recv` does.
 //!
+//! - a completion queue of the size it was created with: a completion that finds it full is
+//!   lost and the CQ is overrun, which every later poll reports (as a device raises
+//!   `IBV_EVENT_CQ_ERR`).
+//!
 //! and the faults of a real network: work held back and placed later, or only in part
 //! ([`Fabric::hold`], [`Fabric::place_partial`]), a link cut that makes
 //! work never complete (a device retrying for ever) or fail ([`Fabric::cut`]), a QP that
 //! fails, a fatal asynchronous event, and GPU memory the CPU cannot read (inline data from it
-//! is a crash on real hardware, a panic here).
+//! is a crash on real hardware, a panic here). Knobs model what differs between devices:
+//! eRDMA refusing a post to a QP in the error state ([`Fabric::reject_posts_in_error`]),
+//! Soft-RoCE taking seconds to destroy a QP of a dead link ([`Fabric::slow_destroy`]), and a
+//! receive's completion showing up after the sender saw its acknowledgement
+//! ([`Fabric::delay_receive_completions`]).
 
 use std::{
     collections::{HashMap, VecDeque},
@@ -107,12 +115,20 @@ struct NicEntry {
 /// in its send queue).
 type Cqe = (ibv_wc, Option<(u32, u64)>);
 
+/// A completion queue: what it holds, and how much it can.
+struct CqEntry {
+    queue: VecDeque<Cqe>,
+    capacity: usize,
+    /// A completion found it full (and was lost).
+    overrun: bool,
+}
+
 #[derive(Default)]
 struct World {
     nics: Vec<NicEntry>,
     qps: HashMap<u32, QpEntry>,
     mrs: HashMap<u32, MrEntry>,
-    cqs: HashMap<u32, VecDeque<Cqe>>,
+    cqs: HashMap<u32, CqEntry>,
     queue: VecDeque<Op>,
     hold: bool,
     next_id: u32,
@@ -125,6 +141,15 @@ struct World {
     /// QPs whose work waits (a lossy link retransmitting for a long time), while the rest of
     /// their NICs' work goes on.
     slow: Vec<u32>,
+    /// NICs whose QPs take this long to destroy (Soft-RoCE waits up to 50 s for a QP's
+    /// packets in flight on a link gone down).
+    slow_destroy: Vec<(usize, std::time::Duration)>,
+    /// Posts to a QP in the error state fail (`EIO`), as eRDMA's provider refuses them,
+    /// instead of completing as flushed.
+    reject_posts_in_error: bool,
+    /// NICs whose receive completions wait in `late` until released.
+    late_nics: Vec<usize>,
+    late: Vec<(usize, u32, Cqe)>,
 }
 
 /// What happened to an op this pass.
@@ -142,8 +167,19 @@ impl World {
 
     /// Queues `wc` on `cq`; `op`: the send request it completes, retired when it is polled.
     fn complete(&mut self, cq: u32, wc: ibv_wc, op: Option<&Op>) {
+        let nic = self.qps.get(&wc.qp_num).map(|q| q.nic);
+        let is_recv = wc.opcode & ibv_wc_opcode::IBV_WC_RECV != 0;
+        let cqe = (wc, op.map(|op| (op.qpn, op.sq_seq)));
+        if let Some(nic) = nic.filter(|n| is_recv && self.late_nics.contains(n)) {
+            self.late.push((nic, cq, cqe));
+            return;
+        }
         if let Some(q) = self.cqs.get_mut(&cq) {
-            q.push_back((wc, op.map(|op| (op.qpn, op.sq_seq))));
+            if q.queue.len() >= q.capacity {
+                q.overrun = true;
+            } else {
+                q.queue.push_back(cqe);
+            }
         }
     }
 
@@ -297,6 +333,14 @@ fn wc_opcode(wr_opcode: u32) -> u32 {
     }
 }
 
+/// A post refused because the QP is in the error state (eRDMA's provider).
+fn in_error(call: &str, qpn: u32) -> Error {
+    Error::io(
+        format!("fake fabric: {call}(qp {qpn}): QP in error"),
+        std::io::Error::from_raw_os_error(libc::EIO),
+    )
+}
+
 fn copy(from: usize, to: usize, len: usize) {
     if len > 0 {
         // SAFETY: both ranges were checked against live registrations, whose owners keep the
@@ -413,6 +457,42 @@ impl Fabric {
     /// here (its acknowledgements lost).
     pub(crate) fn lose_acks(&self, nic: &FakeNic) {
         self.world.lock().nics[nic.index].lose_acks = true;
+    }
+
+    /// From now on a post to a QP in the error state fails with `EIO`, as rdma-core's eRDMA
+    /// provider does (`erdma_post_send`), instead of completing as flushed (Soft-RoCE, mlx5).
+    pub(crate) fn reject_posts_in_error(&self) {
+        self.world.lock().reject_posts_in_error = true;
+    }
+
+    /// From now on destroying a QP of `nic` takes `d` (the caller's thread sleeps), as
+    /// Soft-RoCE's `__rxe_cleanup` waits for the QP's packets on a link gone down.
+    pub(crate) fn slow_destroy(&self, nic: &FakeNic, d: std::time::Duration) {
+        self.world.lock().slow_destroy.push((nic.index, d));
+    }
+
+    /// Holds the receive completions of `nic`'s QPs back (`true`): the data is placed and the
+    /// sender acknowledged, but the receiver's CQ shows nothing yet; `false` queues them.
+    pub(crate) fn delay_receive_completions(&self, nic: &FakeNic, on: bool) {
+        let mut w = self.world.lock();
+        w.late_nics.retain(|n| *n != nic.index);
+        if on {
+            w.late_nics.push(nic.index);
+            return;
+        }
+        let (released, kept): (Vec<_>, Vec<_>) =
+            std::mem::take(&mut w.late).into_iter().partition(|l| l.0 == nic.index);
+        w.late = kept;
+        for (_, cq, cqe) in released {
+            if let Some(q) = w.cqs.get_mut(&cq) {
+                q.queue.push_back(cqe);
+            }
+        }
+    }
+
+    /// Whether any CQ of the fabric was overrun (a completion lost for want of room).
+    pub(crate) fn overrun(&self) -> bool {
+        self.world.lock().cqs.values().any(|q| q.overrun)
     }
 
     /// Makes the work of QP `qpn` wait (`true`), as a link that loses its packets over and over
@@ -532,9 +612,19 @@ impl Drop for FakeQp {
     fn drop(&mut self) {
         self.usage.remove(Resource::Qp);
         let mut w = self.world.lock();
-        w.qps.remove(&self.qpn);
+        let nic = w.qps.remove(&self.qpn).map(|q| q.nic);
         let qpn = self.qpn;
         w.queue.retain(|op| op.qpn != qpn);
+        w.late.retain(|l| l.2 .0.qp_num != qpn);
+        let wait = w
+            .slow_destroy
+            .iter()
+            .find(|(n, _)| Some(*n) == nic)
+            .map(|(_, d)| *d);
+        drop(w);
+        if let Some(d) = wait {
+            std::thread::sleep(d);
+        }
     }
 }
 
@@ -580,7 +670,14 @@ unsafe impl Nic for FakeNic {
         let usage = self.take(Resource::Cq, "ibv_create_cq")?;
         let mut w = self.world.lock();
         let id = w.id();
-        w.cqs.insert(id, VecDeque::new());
+        w.cqs.insert(
+            id,
+            CqEntry {
+                queue: VecDeque::new(),
+                capacity: entries,
+                overrun: false,
+            },
+        );
         Ok(Arc::new(FakeCq {
             world: Arc::clone(&self.world),
             usage,
@@ -688,7 +785,11 @@ unsafe impl Nic for FakeNic {
             // SAFETY: as below.
             p = unsafe { (*p).next };
         }
+        let reject = w.reject_posts_in_error;
         let q = w.qps.get_mut(&qp.qpn).expect("live QP");
+        if reject && q.error {
+            return Err(in_error("ibv_post_send", qp.qpn));
+        }
         if q.posted - q.retired + chain > q.send_depth {
             return Err(Error::io(
                 format!("fake fabric: ibv_post_send(qp {}): send queue full", qp.qpn),
@@ -745,7 +846,11 @@ unsafe impl Nic for FakeNic {
 
     fn post_recv(&self, qp: &FakeQp, wr_id: u64) -> Result<()> {
         let mut w = self.world.lock();
+        let reject = w.reject_posts_in_error;
         let q = w.qps.get_mut(&qp.qpn).expect("live QP");
+        if reject && q.error {
+            return Err(in_error("ibv_post_recv", qp.qpn));
+        }
         if q.error {
             let cq = q.cq;
             let wc = World::wc(wr_id, FLUSHED, ibv_wc_opcode::IBV_WC_RECV, qp.qpn);
@@ -777,8 +882,17 @@ unsafe impl Nic for FakeNic {
             ));
         }
         let q = w.cqs.get_mut(&cq.id).expect("live CQ");
-        let n = wcs.len().min(q.len());
-        let polled: Vec<_> = q.drain(..n).collect();
+        if q.overrun {
+            return Err(Error::io(
+                format!(
+                    "fake fabric: ibv_poll_cq({}): completion queue overrun",
+                    self.local.name
+                ),
+                std::io::Error::from_raw_os_error(libc::EIO),
+            ));
+        }
+        let n = wcs.len().min(q.queue.len());
+        let polled: Vec<_> = q.queue.drain(..n).collect();
         for (to, (wc, retires)) in wcs.iter_mut().zip(polled) {
             to.write(wc);
             if let Some((qpn, seq)) = retires {

@@ -5,7 +5,7 @@
 use super::*;
 
 /// Failover on, a path suspected after 100 ms without an answer.
-fn mobile() -> ConnParams {
+pub(super) fn mobile() -> ConnParams {
     ConnParams {
         failover: Some(Duration::from_millis(100)),
         work_timeout: Some(Duration::from_secs(5)),
@@ -15,7 +15,7 @@ fn mobile() -> ConnParams {
 
 /// A connection over `rails` NICs at each end (`tx0`.., `rx0`..), which may move to `spares`
 /// more at each end; buffers (`Conn::buf`) are registered on all of them, as `regMr` does.
-fn connect_mobile(rails: usize, spares: usize, p: ConnParams) -> Conn {
+pub(super) fn connect_mobile(rails: usize, spares: usize, p: ConnParams) -> Conn {
     let fabric = Fabric::new();
     let tx: Vec<_> = (0..rails + spares)
         .map(|i| fabric.nic(&format!("tx{i}")))
@@ -38,7 +38,7 @@ fn connect_mobile(rails: usize, spares: usize, p: ConnParams) -> Conn {
 
 /// Tests send `s` and receive `r` in turn (each end's progress drives its half of a move)
 /// until both are done; returns what each reported.
-fn wait_both(c: &Conn, s: usize, r: usize) -> Result<(Completion, Completion)> {
+pub(super) fn wait_both(c: &Conn, s: usize, r: usize) -> Result<(Completion, Completion)> {
     let deadline = Instant::now() + Duration::from_secs(10);
     let (mut sent, mut received) = (None, None);
     while sent.is_none() || received.is_none() {
@@ -58,7 +58,7 @@ fn wait_both(c: &Conn, s: usize, r: usize) -> Result<(Completion, Completion)> {
 
 /// Polls `isend` of `buf` while testing receive `r` (the receiver's half of a move goes on
 /// meanwhile) until it posts.
-fn isend_while(c: &Conn, b: &mut Buf, tag: i32, r: usize) -> usize {
+pub(super) fn isend_while(c: &Conn, b: &mut Buf, tag: i32, r: usize) -> usize {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         if let Some(id) = c.send.isend(b.whole(), tag, b.mh).expect("isend") {
@@ -70,7 +70,7 @@ fn isend_while(c: &Conn, b: &mut Buf, tag: i32, r: usize) -> usize {
 }
 
 /// One message of `len` bytes (seed `seed`) through the connection, bytes and sizes checked.
-fn through(c: &Conn, len: usize, seed: u64) {
+pub(super) fn through(c: &Conn, len: usize, seed: u64) {
     let mut dst = c.buf(false, len, 0);
     let mut src = c.buf(true, len, seed);
     let r = c.irecv(&mut [&mut dst], &[3]);

@@ -5,6 +5,7 @@
 
 mod failover;
 mod faults;
+mod interleavings;
 mod limits;
 mod rails;
 mod traffic;

@@ -1,0 +1,549 @@
+//! Interleavings of a move that a correctness read of failover found wrong (2026-12-03),
+//! each staged on the fake fabric as it happens between two hosts: a later send overtaking a
+//! replay, a post onto a stopped QP, the dead NIC torn down on the data path, probes taken
+//! for progress, probes off without a work timeout, a peer that cannot move, a move failed
+//! by a late poll, a receive completion later than the stop, a CQ too small for the stop,
+//! and a peer that closes as soon as its data landed.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use super::failover::{connect_mobile, isend_while, mobile, through, wait_both};
+use super::*;
+use crate::transport::Tested;
+
+/// The longest single call `f` made, and what it returned.
+fn timed<T>(longest: &mut Duration, f: impl FnOnce() -> T) -> T {
+    let t = Instant::now();
+    let r = f();
+    *longest = (*longest).max(t.elapsed());
+    r
+}
+
+/// Receives `n` buffers of `len` bytes each in one grouped receive with tags `0..n`.
+fn group(c: &Conn, n: usize, len: usize) -> (Vec<Buf>, usize) {
+    let mut dsts: Vec<Buf> = (0..n).map(|_| c.buf(false, len, 0)).collect();
+    let tags: Vec<i32> = (0..n as i32).collect();
+    let r = {
+        let mut refs: Vec<&mut Buf> = dsts.iter_mut().collect();
+        c.irecv(&mut refs, &tags)
+    };
+    (dsts, r)
+}
+
+/// D1: a send queue filled while the path was silent leaves the replay short of room after
+/// the move; a later single send must not be posted before it, or its WRITE_WITH_IMM takes
+/// the older receive's re-posted WQE (that receive reported done, with the wrong size,
+/// before its data landed). `groups` 8-buffer receives (the last with an empty send) and one
+/// single fill the queue of `depth` work requests exactly.
+fn a_later_send_waits_for_the_replays(depth: u32, groups: usize) {
+    let p = ConnParams {
+        send_depth: depth,
+        ..mobile()
+    };
+    let c = connect_mobile(1, 1, p);
+    through(&c, 64, 1);
+    let gs: Vec<(Vec<Buf>, usize)> = (0..groups).map(|_| group(&c, 8, 64)).collect();
+    let mut d2 = c.buf(false, 64, 0);
+    let r2 = c.irecv(&mut [&mut d2], &[8]);
+    let mut d3 = c.buf(false, 64, 0);
+    let r3 = c.irecv(&mut [&mut d3], &[9]);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Silent));
+    let mut srcs = Vec::new();
+    let mut sends = Vec::new();
+    for g in 0..groups {
+        for t in 0..8 {
+            let len = if g == groups - 1 && t == 7 { 0 } else { 64 };
+            let mut b = c.buf(true, len, 100 + (g * 8 + t) as u64);
+            sends.push(c.send_buf(&mut b, t as i32));
+            srcs.push(b);
+        }
+    }
+    let mut s2b = c.buf(true, 64, 50);
+    sends.push(c.send_buf(&mut s2b, 8));
+    // The queue is full: R3's send waits while both ends drive the move.
+    let mut s3b = c.buf(true, 32, 60);
+    let mut gdone = vec![None; groups];
+    let test_groups = |gdone: &mut Vec<Option<Completion>>| {
+        for (k, (_, r)) in gs.iter().enumerate() {
+            if gdone[k].is_none() {
+                gdone[k] = c.test_recv(*r).expect("group");
+            }
+        }
+    };
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let s3 = loop {
+        if let Some(id) = c.send.isend(s3b.whole(), 9, s3b.mh).expect("isend") {
+            break id;
+        }
+        test_groups(&mut gdone);
+        assert!(Instant::now() < deadline, "R3's send never posted");
+    };
+    sends.push(s3);
+    // NCCL takes R2's buffer as soon as `test` says it is done.
+    let mut got2 = None;
+    let mut got3 = None;
+    while got2.is_none() || got3.is_none() || gdone.iter().any(Option::is_none) {
+        test_groups(&mut gdone);
+        if got2.is_none() {
+            got2 = c.test_recv(r2).expect("R2").map(|g| (g, d2.mem.bytes()));
+        }
+        if got3.is_none() {
+            got3 = c.test_recv(r3).expect("R3");
+        }
+        for &s in &sends {
+            let _ = c.test_send(s);
+        }
+        assert!(Instant::now() < deadline, "receives not done");
+    }
+    let (got2, bytes2) = got2.unwrap();
+    assert_eq!(got2, Completion::single(64), "R2's size");
+    assert_eq!(bytes2, TestMem::pattern(64, 50), "R2's data had landed");
+    assert_eq!(got3.unwrap(), Completion::single(32));
+    assert_eq!(d3.mem.bytes()[..32], TestMem::pattern(32, 60)[..]);
+    for (g, (dsts, _)) in gs.iter().enumerate() {
+        let want = gdone[g].unwrap();
+        assert_eq!(want.n, 8);
+        for (t, d) in dsts.iter().enumerate() {
+            let len = if g == groups - 1 && t == 7 { 0 } else { 64 };
+            assert_eq!(want.sizes[t] as usize, len, "group {g} buffer {t}");
+            let seed = 100 + (g * 8 + t) as u64;
+            assert_eq!(d.mem.bytes()[..len], TestMem::pattern(len, seed)[..]);
+        }
+    }
+}
+
+#[test]
+fn a_later_send_never_overtakes_a_replay_waiting_for_room() {
+    // A queue of 9 (one 8-buffer slot): the group's 8 requests and R2's 1 fill it.
+    a_later_send_waits_for_the_replays(9, 1);
+}
+
+#[test]
+fn a_later_send_never_overtakes_a_replay_at_the_default_send_depth() {
+    assert_eq!(mobile().send_depth, 63);
+    // Six 8-buffer slots (9 each), one with an empty send (8) and one single: 63.
+    a_later_send_waits_for_the_replays(63, 7);
+}
+
+/// D7: a move begun inside a send's `test` must hold every later `isend` (eRDMA's provider
+/// refuses a post onto the QP the move stopped: the comm would fail with a system error).
+#[test]
+fn no_send_is_posted_onto_a_stopped_qp_during_a_move() {
+    let c = connect_mobile(1, 1, mobile());
+    c.fabric.reject_posts_in_error();
+    through(&c, 64, 1);
+    let mut d1 = c.buf(false, 64, 0);
+    let mut d2 = c.buf(false, 64, 0);
+    let r1 = c.irecv(&mut [&mut d1], &[1]);
+    let r2 = c.irecv(&mut [&mut d2], &[2]);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    let mut s1b = c.buf(true, 64, 11);
+    let s1 = c.send_buf(&mut s1b, 1);
+    // The failed write starts the move inside this test.
+    assert_eq!(c.test_send(s1).unwrap(), None);
+    // R2's clear-to-send landed before the cut: the next send finds it.
+    let mut s2b = c.buf(true, 64, 12);
+    let s2 = match c.send.isend(s2b.whole(), 2, s2b.mh) {
+        Ok(Some(id)) => id,
+        Ok(None) => isend_while(&c, &mut s2b, 2, r1),
+        Err(e) => panic!("isend during the move failed the comm: {e}"),
+    };
+    wait_both(&c, s1, r1).unwrap();
+    wait_both(&c, s2, r2).unwrap();
+    assert_eq!(d1.mem.bytes(), TestMem::pattern(64, 11));
+    assert_eq!(d2.mem.bytes(), TestMem::pattern(64, 12));
+}
+
+/// D7 at the receiver: with clear-to-send batching, nothing is announced onto the QP a move
+/// stopped.
+#[test]
+fn with_batching_no_clear_to_send_is_posted_onto_a_stopped_qp() {
+    let p = ConnParams {
+        cts_batch: 8,
+        ..mobile()
+    };
+    let c = connect_mobile(1, 1, p);
+    c.fabric.reject_posts_in_error();
+    through(&c, 64, 1);
+    let mut dsts: Vec<Buf> = (0..6).map(|_| c.buf(false, 64, 0)).collect();
+    let rs: Vec<usize> = dsts
+        .iter_mut()
+        .enumerate()
+        .map(|(i, d)| c.irecv(&mut [d], &[i as i32]))
+        .collect();
+    // The receiver's NIC fails: its next write (a clear-to-send) fails, and it moves.
+    c.fabric.cut(&c.rx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    let mut srcs: Vec<Buf> = (0..6).map(|i| c.buf(true, 64, 70 + i)).collect();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut sent = vec![None; 6];
+    let mut got = vec![None; 6];
+    while got.iter().any(Option::is_none) || sent.iter().any(Option::is_none) {
+        for i in 0..6 {
+            if sent[i].is_none() {
+                let b = &mut srcs[i];
+                sent[i] = c.send.isend(b.whole(), i as i32, b.mh).expect("isend");
+            }
+            if got[i].is_none() {
+                got[i] = c.test_recv(rs[i]).expect("the receiver failed");
+            }
+        }
+        for s in sent.iter().flatten() {
+            let _ = c.test_send(*s);
+        }
+        assert!(Instant::now() < deadline, "sent {sent:?} got {got:?}");
+    }
+    for (i, d) in dsts.iter().enumerate() {
+        assert_eq!(d.mem.bytes(), TestMem::pattern(64, 70 + i as u64));
+    }
+}
+
+/// D3: the dead NIC's QPs, CQs and registrations may take seconds to destroy (Soft-RoCE waits
+/// for a QP's packets on a link gone down). Each end is driven by a thread of its own, as on
+/// two hosts; the longest single call of each end is returned with the outcome.
+fn move_with_slow_teardown(dying: &Arc<FakeNic>, c: &Conn, per_qp: Duration) -> [Duration; 2] {
+    c.fabric.slow_destroy(dying, per_qp);
+    c.fabric.cut(dying, Some(Cut::Fail(RETRY_EXCEEDED)));
+    let received = AtomicBool::new(false);
+    std::thread::scope(|scope| {
+        let receiver = scope.spawn(|| {
+            let mut dst = c.buf(false, 64, 0);
+            let r = c.irecv(&mut [&mut dst], &[3]);
+            let mut longest = Duration::ZERO;
+            let deadline = Instant::now() + Duration::from_secs(20);
+            while timed(&mut longest, || c.test_recv(r)).expect("receive").is_none() {
+                assert!(Instant::now() < deadline, "receive never done");
+            }
+            received.store(true, Ordering::Relaxed);
+            assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 2));
+            longest
+        });
+        let mut src = c.buf(true, 64, 2);
+        let mut longest = Duration::ZERO;
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let s = loop {
+            let r = timed(&mut longest, || c.send.isend(src.whole(), 3, src.mh));
+            if let Some(s) = r.expect("isend") {
+                break s;
+            }
+            assert!(Instant::now() < deadline, "isend never posted");
+        };
+        while timed(&mut longest, || c.test_send(s)).expect("send").is_none() {
+            assert!(Instant::now() < deadline, "send never done");
+        }
+        [longest, receiver.join().expect("receiver thread")]
+    })
+}
+
+#[test]
+fn the_sender_never_waits_for_the_dead_nic_teardown() {
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    let [sender, receiver] = move_with_slow_teardown(&c.tx_nics[0], &c, Duration::from_secs(2));
+    assert!(
+        sender < Duration::from_millis(500) && receiver < Duration::from_millis(500),
+        "calls took {sender:?} (sender) and {receiver:?} (receiver): the dead NIC was torn \
+         down on the data path"
+    );
+}
+
+#[test]
+fn the_receiver_answers_before_the_dead_nic_is_torn_down() {
+    // Two QPs (data, probe) of 3 s each: longer than the move's bound (the 5 s work timeout).
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    let [sender, receiver] = move_with_slow_teardown(&c.rx_nics[0], &c, Duration::from_secs(3));
+    assert!(
+        sender < Duration::from_millis(500) && receiver < Duration::from_millis(500),
+        "calls took {sender:?} (sender) and {receiver:?} (receiver)"
+    );
+}
+
+/// D2: data stuck on a QP whose path still answers probes (a QP that stopped retransmitting)
+/// is said slow and then fails within the ceiling: the probes' own completions are no
+/// progress of the data.
+#[test]
+fn stuck_data_fails_within_the_ceiling_although_the_probes_answer() {
+    let p = ConnParams {
+        work_timeout: Some(Duration::from_millis(100)),
+        ..params()
+    };
+    let c = connect(p);
+    let mut dst = c.buf(false, 4096, 0);
+    let mut src = c.buf(true, 4096, 31);
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    c.fabric.slow_qp(c.send.qpns()[0], true);
+    let s = c.send_buf(&mut src, 0);
+    let bound = Duration::from_millis(100) * crate::transport::verbs::cq::SLOW_CEILING;
+    let t0 = Instant::now();
+    let (outcome, warned) = crate::log::warnings_of(|| loop {
+        match c.test_send(s) {
+            Err(e) => break Some(e),
+            Ok(Some(_)) => panic!("completed on a stuck QP"),
+            Ok(None) => {}
+        }
+        let _ = c.test_recv(r);
+        if t0.elapsed() > 3 * bound {
+            break None;
+        }
+    });
+    let took = t0.elapsed();
+    let e = outcome.unwrap_or_else(|| panic!("still pending after {took:?} (bound {bound:?})"));
+    assert_eq!(e.kind(), ErrorKind::Remote, "{e}");
+    assert!(
+        warned.iter().any(|w| w.contains("not dead")),
+        "said slow first: {warned:?}"
+    );
+    assert!(took >= bound, "failed after {took:?}, before the ceiling");
+}
+
+/// D6: without a work timeout (`NCCL_ERDMA_WORK_TIMEOUT_S=0`) failover still probes, so a
+/// silent cut is found and moved off.
+#[test]
+fn failover_probes_without_a_work_timeout() {
+    let p = ConnParams {
+        work_timeout: None,
+        ..mobile()
+    };
+    let c = connect_mobile(1, 1, p);
+    through(&c, 64, 1);
+    let mut dst = c.buf(false, 4096, 0);
+    let mut src = c.buf(true, 4096, 2);
+    let r = c.irecv(&mut [&mut dst], &[3]);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Silent));
+    let s = c.send_buf(&mut src, 3);
+    let t0 = Instant::now();
+    let (mut sent, mut got) = (None, None);
+    while (sent.is_none() || got.is_none()) && t0.elapsed() < Duration::from_secs(3) {
+        if sent.is_none() {
+            sent = c.test_send(s).unwrap();
+        }
+        if got.is_none() {
+            got = c.test_recv(r).unwrap();
+        }
+    }
+    assert!(
+        sent.is_some() && got.is_some(),
+        "nothing moved in {:?} (failover after 100 ms): send {sent:?}, receive {got:?}",
+        t0.elapsed()
+    );
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(4096, 2));
+}
+
+/// D5: an end whose peer cannot move (failover off there) fails at once with the cause, as
+/// without failover, instead of stopping its QPs and waiting out the move's bound.
+#[test]
+fn a_peer_that_cannot_move_fails_the_other_end_at_once() {
+    let fabric = Fabric::new();
+    let tx: Vec<_> = (0..2).map(|i| fabric.nic(&format!("tx{i}"))).collect();
+    let rx = vec![fabric.nic("rx0"), fabric.nic("rx1")];
+    let registry: Arc<Registry> = Arc::default();
+    let off = ConnParams {
+        failover: None,
+        ..mobile()
+    };
+    let ends = ((&tx[..1], &tx[1..]), (&rx[..1], &rx[1..]));
+    let (send, recv) = try_connect_mobile(ends.0, ends.1, (mobile(), off), &registry).unwrap();
+    let c = Conn {
+        fabric,
+        tx_nics: tx,
+        rx_nics: rx,
+        send,
+        recv,
+        registry,
+    };
+    through(&c, 64, 1);
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 2);
+    let r = c.irecv(&mut [&mut dst], &[1]);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    let s = c.send_buf(&mut src, 1);
+    let t0 = Instant::now();
+    let (mut send_err, mut recv_err) = (None, None);
+    while send_err.is_none() || recv_err.is_none() {
+        if send_err.is_none() {
+            send_err = c.test_send(s).err();
+        }
+        if recv_err.is_none() {
+            recv_err = c.test_recv(r).err();
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "{send_err:?}");
+    }
+    let took = t0.elapsed();
+    let e = send_err.unwrap();
+    assert!(took < Duration::from_secs(1), "failed after {took:?}: {e}");
+    assert_eq!(e.kind(), ErrorKind::Remote);
+    assert!(e.to_string().contains("retry"), "the cause is named: {e}");
+}
+
+/// D4: an end that polls late (its thread busy elsewhere past the move's bound) finds the
+/// peer's last message of the move in its socket: the move completes.
+#[test]
+fn a_move_the_peer_finished_is_not_failed_by_a_late_poll() {
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 2);
+    let r = c.irecv(&mut [&mut dst], &[3]);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    let s = c.send_buf(&mut src, 3);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.test_send(s).unwrap().is_none() {
+        assert!(c.test_recv(r).unwrap().is_none());
+        assert!(Instant::now() < deadline, "the send never completed");
+    }
+    // Past the 5 s bound of the move.
+    std::thread::sleep(Duration::from_millis(5500));
+    assert_eq!(wait(|| c.test_recv(r)).unwrap(), Completion::single(64));
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 2));
+}
+
+/// S1: a receive whose data landed (the sender saw its acknowledgement and NCCL reused the
+/// send buffer) but whose completion the receiver had not seen when the move stopped its QPs
+/// is reported done once, with its size and its data, never written again from the reused
+/// buffer.
+#[test]
+fn a_receive_completion_later_than_the_stop_is_reported_once_with_its_data() {
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    c.fabric.delay_receive_completions(&c.rx_nics[0], true);
+    let mut d1 = c.buf(false, 256, 0);
+    let r1 = c.irecv(&mut [&mut d1], &[1]);
+    let mut s1b = c.buf(true, 256, 41);
+    let s1 = c.send_buf(&mut s1b, 1);
+    assert_eq!(wait(|| c.test_send(s1)).unwrap(), Completion::single(256));
+    // NCCL reuses the send buffer at once.
+    s1b.whole().bytes_mut(0, 256).fill(0xee);
+    assert_eq!(c.test_recv(r1).unwrap(), None, "its completion is late");
+    // Then the path fails under the next send, and the connection moves.
+    let mut d2 = c.buf(false, 64, 0);
+    let r2 = c.irecv(&mut [&mut d2], &[2]);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    let mut s2b = c.buf(true, 64, 42);
+    let s2 = isend_while(&c, &mut s2b, 2, r1);
+    let got1 = wait_both(&c, s2, r1).map(|(_, g)| g);
+    assert_eq!(got1.unwrap(), Completion::single(256));
+    assert_eq!(d1.mem.bytes(), TestMem::pattern(256, 41), "written once");
+    assert_eq!(wait(|| c.test_recv(r2)).unwrap(), Completion::single(64));
+    assert_eq!(d2.mem.bytes(), TestMem::pattern(64, 42));
+}
+
+/// S3: stopping a receiver flushes every request its QPs hold (receives, unsignaled
+/// clear-to-sends, GPUDirect flushes, probes): its CQ has room for all of them.
+#[test]
+fn stopping_a_receiver_with_every_queue_full_overruns_no_completion_queue() {
+    let p = ConnParams {
+        flush: true,
+        ..mobile()
+    };
+    let c = connect_mobile(1, 1, p);
+    through(&c, 64, 1);
+    // Nothing the receiver posts runs: 32 receives, their clear-to-sends and 32 flushes wait.
+    c.fabric.hold(true);
+    let mut dsts: Vec<Buf> = (0..SLOTS).map(|_| c.buf(false, 64, 0)).collect();
+    let rs: Vec<usize> = dsts
+        .iter_mut()
+        .enumerate()
+        .map(|(i, d)| c.irecv(&mut [d], &[i as i32]))
+        .collect();
+    let flushes: Vec<usize> = dsts
+        .iter_mut()
+        .map(|d| c.recv.iflush(&[d.whole()], &[d.mh]).unwrap().expect("a flush"))
+        .collect();
+    c.fabric
+        .fatal_event(&c.rx_nics[0], None, "port error (link down)");
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(300) {
+        let _ = c.test_recv(rs[0]).expect("the receiver failed");
+        let _ = c.send.isend(dsts[0].whole(), 99, dsts[0].mh);
+    }
+    assert!(!c.fabric.overrun(), "a completion queue was overrun");
+    c.fabric.hold(false);
+    let mut srcs: Vec<Buf> = (0..SLOTS).map(|i| c.buf(true, 64, 200 + i as u64)).collect();
+    let mut sent = vec![None; SLOTS];
+    let mut got = vec![None; SLOTS];
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while got.iter().any(Option::is_none) {
+        for i in 0..SLOTS {
+            if sent[i].is_none() {
+                let b = &mut srcs[i];
+                sent[i] = c.send.isend(b.whole(), i as i32, b.mh).expect("isend");
+            }
+            if got[i].is_none() {
+                got[i] = c.test_recv(rs[i]).expect("receive");
+            }
+            if let Some(s) = sent[i] {
+                let _ = c.test_send(s);
+            }
+        }
+        assert!(Instant::now() < deadline, "got {got:?}");
+    }
+    for f in flushes {
+        assert_eq!(wait(|| c.test_recv(f)).unwrap(), Completion::EMPTY);
+    }
+    for (i, d) in dsts.iter().enumerate() {
+        assert_eq!(d.mem.bytes(), TestMem::pattern(64, 200 + i as u64));
+    }
+    assert!(!c.fabric.overrun(), "a completion queue was overrun");
+}
+
+/// A send whose data landed completes even when the receiver closes its comm at once (NCCL's
+/// ranks destroy their comms at different moments), though its acknowledgement never came.
+fn a_landed_send_completes_when_the_receiver_closes(moved: bool) {
+    let fabric = Fabric::new();
+    let tx: Vec<_> = (0..2).map(|i| fabric.nic(&format!("tx{i}"))).collect();
+    let rx: Vec<_> = (0..2).map(|i| fabric.nic(&format!("rx{i}"))).collect();
+    let registry: Arc<Registry> = Arc::default();
+    let p = ConnParams {
+        work_timeout: Some(Duration::from_secs(5)),
+        ..params()
+    };
+    let p = if moved { mobile() } else { p };
+    let ends = ((&tx[..1], &tx[1..]), (&rx[..1], &rx[1..]));
+    let (send, recv) = try_connect_mobile(ends.0, ends.1, (p, p), &registry).unwrap();
+    let c = Conn {
+        fabric,
+        tx_nics: tx,
+        rx_nics: rx,
+        send,
+        recv,
+        registry,
+    };
+    through(&c, 64, 1);
+    if moved {
+        c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+        through(&c, 64, 2);
+    }
+    let nic = if moved { &c.tx_nics[1] } else { &c.tx_nics[0] };
+    c.fabric.lose_acks(nic);
+    let mut dst = c.buf(false, 4096, 0);
+    let mut src = c.buf(true, 4096, 7);
+    let r = c.irecv(&mut [&mut dst], &[5]);
+    let s = c.send_buf(&mut src, 5);
+    assert_eq!(wait(|| c.test_recv(r)).unwrap(), Completion::single(4096));
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(4096, 7));
+    // The receiver is done and closes its comm; the sender tests its send.
+    let Conn { send, recv, .. } = c;
+    drop(recv);
+    let t0 = Instant::now();
+    loop {
+        match send.test(s) {
+            Tested::Done(n) => {
+                assert_eq!(n, 4096);
+                break;
+            }
+            Tested::Pending => {}
+            Tested::Failed(e) => panic!("the landed send failed: {e}"),
+        }
+        assert!(t0.elapsed() < Duration::from_secs(10), "the send never completed");
+    }
+}
+
+#[test]
+fn a_landed_send_completes_when_the_receiver_closes_at_once() {
+    a_landed_send_completes_when_the_receiver_closes(false);
+}
+
+#[test]
+fn a_landed_send_completes_when_the_receiver_closes_at_once_after_a_move() {
+    a_landed_send_completes_when_the_receiver_closes(true);
+}
