@@ -3,13 +3,15 @@
 //! every node numbers its devices alike; per port the GID index NCCL would choose, the speed,
 //! MTU and the GPUDirect capabilities (peer memory, DMA-BUF).
 
-use std::{net::IpAddr, sync::Arc};
+use std::{mem::MaybeUninit, net::IpAddr, sync::Arc};
 
 use rdma_sys::*;
 
-use super::limits::DeviceLimits;
-use super::nic::LocalPort;
-use super::resources::{Context, Pd};
+use super::dma::ACCESS_RDMA;
+use super::limits::{DeviceLimits, Held};
+use super::nic::{LocalPort, Nic};
+use super::qp::{Qp, QpPath, RemoteQp};
+use super::resources::{Context, Cq, Mr, Pd};
 use super::VerbsLib;
 use crate::config::{parse_cidr, AddrFamily, Config};
 use crate::error::{Error, Result};
@@ -439,6 +441,90 @@ pub(crate) fn usable(all: Vec<VerbsDevice>, config: &Config) -> Result<Vec<Verbs
     }
     found.sort_by(|a, b| (&a.pci_path, a.name()).cmp(&(&b.pci_path, b.name())));
     Ok(found)
+}
+
+// SAFETY: `Cq::poll` returns what the provider wrote, failing a count beyond the room given.
+unsafe impl Nic for VerbsDevice {
+    type Qp = Qp;
+    type Cq = std::sync::Arc<Cq>;
+    type Mr = Mr;
+
+    fn local(&self) -> &LocalPort {
+        &self.local
+    }
+
+    fn limits(&self) -> DeviceLimits {
+        self.limits
+    }
+
+    fn held(&self) -> Held {
+        self.ctx.usage.held()
+    }
+
+    fn create_cq(&self, entries: usize) -> Result<Self::Cq> {
+        Cq::new(&self.ctx, entries.min(i32::MAX as usize) as i32)
+    }
+
+    fn create_qp(
+        &self,
+        cq: &Self::Cq,
+        send_wr: u32,
+        recv_wr: u32,
+        max_inline: u32,
+    ) -> Result<Self::Qp> {
+        let qp = Qp::new(&self.pd, cq, send_wr, recv_wr, max_inline)?;
+        qp.to_init(self.local.port, self.pkey_index, ACCESS_RDMA)?;
+        Ok(qp)
+    }
+
+    fn connect_qp(&self, qp: &Self::Qp, path: &QpPath, remote: &RemoteQp) -> Result<()> {
+        qp.to_rtr(path, remote)?;
+        qp.to_rts(path)
+    }
+
+    fn fail_qp(&self, qp: &Self::Qp) -> Result<()> {
+        qp.to_error()
+    }
+
+    fn register(&self, addr: usize, len: usize) -> Result<Self::Mr> {
+        self.pd.reg_mr(addr, len, ACCESS_RDMA)
+    }
+
+    #[inline(always)]
+    fn post_send(&self, qp: &Self::Qp, wr: &mut ibv_send_wr) -> Result<()> {
+        qp.post_send(wr)
+    }
+
+    #[inline(always)]
+    fn post_recv(&self, qp: &Self::Qp, wr_id: u64) -> Result<()> {
+        qp.post_recv(wr_id)
+    }
+
+    #[inline(always)]
+    fn poll_cq(&self, cq: &Self::Cq, wcs: &mut [MaybeUninit<ibv_wc>]) -> Result<usize> {
+        cq.poll(wcs)
+    }
+
+    #[inline(always)]
+    fn try_poll_cq(&self, cq: &Self::Cq, wcs: &mut [MaybeUninit<ibv_wc>]) -> Option<usize> {
+        cq.try_poll(wcs)
+    }
+
+    fn drain_async_events(&self) -> u64 {
+        self.ctx.drain_async_events()
+    }
+
+    fn fatal_for(&self, cq: &Self::Cq, qpns: &[u32]) -> Option<String> {
+        self.ctx.fatal_for(cq, qpns)
+    }
+
+    fn status_str(&self, status: u32) -> String {
+        self.ctx.lib().status_str(status)
+    }
+
+    fn counters(&self) -> Option<String> {
+        VerbsDevice::counters(self)
+    }
 }
 
 #[cfg(test)]

@@ -505,6 +505,11 @@ impl Completion<'_> {
         self.0.status
     }
 
+    /// The status, named (for a failed completion).
+    pub(crate) fn wc_status(&self) -> WcStatus {
+        WcStatus::of(self.0.status)
+    }
+
     /// `ibv_wc_opcode`.
     #[inline(always)]
     pub(crate) fn opcode(&self) -> u32 {
@@ -598,6 +603,61 @@ impl WcBatch {
 
 /// `IBV_WC_SUCCESS`.
 pub(crate) const WC_SUCCESS: u32 = ibv_wc_status::IBV_WC_SUCCESS;
+
+/// A failed completion's `ibv_wc_status`, named (what a status means for the connection is
+/// decided by the transport, on these names).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum WcStatus {
+    Success,
+    LocalLength,
+    /// A local QP operation error: Soft-RoCE reports a link gone down so.
+    LocalQpOperation,
+    LocalProtection,
+    /// Flushed: the QP was already broken (by an earlier error, or moved to the error state).
+    Flushed,
+    MemoryWindowBind,
+    BadResponse,
+    LocalAccess,
+    RemoteInvalidRequest,
+    RemoteAccess,
+    RemoteOperation,
+    /// The transport's retries ran out: the peer did not acknowledge.
+    RetryExceeded,
+    ReceiverNotReadyRetryExceeded,
+    RemoteAbort,
+    Fatal,
+    ResponseTimeout,
+    General,
+    /// Any other value (reliable datagram, tag matching).
+    Other(u32),
+}
+
+impl WcStatus {
+    /// The name of `status`.
+    pub(crate) fn of(status: u32) -> Self {
+        use ibv_wc_status::*;
+        match status {
+            IBV_WC_SUCCESS => WcStatus::Success,
+            IBV_WC_LOC_LEN_ERR => WcStatus::LocalLength,
+            IBV_WC_LOC_QP_OP_ERR => WcStatus::LocalQpOperation,
+            IBV_WC_LOC_PROT_ERR => WcStatus::LocalProtection,
+            IBV_WC_WR_FLUSH_ERR => WcStatus::Flushed,
+            IBV_WC_MW_BIND_ERR => WcStatus::MemoryWindowBind,
+            IBV_WC_BAD_RESP_ERR => WcStatus::BadResponse,
+            IBV_WC_LOC_ACCESS_ERR => WcStatus::LocalAccess,
+            IBV_WC_REM_INV_REQ_ERR => WcStatus::RemoteInvalidRequest,
+            IBV_WC_REM_ACCESS_ERR => WcStatus::RemoteAccess,
+            IBV_WC_REM_OP_ERR => WcStatus::RemoteOperation,
+            IBV_WC_RETRY_EXC_ERR => WcStatus::RetryExceeded,
+            IBV_WC_RNR_RETRY_EXC_ERR => WcStatus::ReceiverNotReadyRetryExceeded,
+            IBV_WC_REM_ABORT_ERR => WcStatus::RemoteAbort,
+            IBV_WC_FATAL_ERR => WcStatus::Fatal,
+            IBV_WC_RESP_TIMEOUT_ERR => WcStatus::ResponseTimeout,
+            IBV_WC_GENERAL_ERR => WcStatus::General,
+            other => WcStatus::Other(other),
+        }
+    }
+}
 /// `IBV_WC_RECV_RDMA_WITH_IMM`.
 pub(crate) const WC_RECV_RDMA_WITH_IMM: u32 = ibv_wc_opcode::IBV_WC_RECV_RDMA_WITH_IMM;
 

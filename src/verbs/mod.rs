@@ -15,6 +15,7 @@ pub(crate) mod limits;
 pub(crate) mod nic;
 pub(crate) mod qp;
 pub(crate) mod resources;
+pub(crate) mod swap;
 
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 

@@ -1,18 +1,16 @@
 //! The seam between the verbs transport's state machines and an RDMA device: the few things
 //! a connection does with a NIC (create a CQ and QPs, bring QPs up, register memory, post
-//! work requests, poll completions, learn of fatal asynchronous events). [`VerbsDevice`]
-//! implements it with libibverbs; unit tests use the in-memory fabric of [`super::fake`], so
+//! work requests, poll completions, learn of fatal asynchronous events). `VerbsDevice`
+//! implements it with libibverbs (`super::device`); unit tests use the in-memory fabric of [`super::fake`], so
 //! the transport's send and receive logic runs on any host.
 
 use std::mem::MaybeUninit;
 
 use rdma_sys::{ibv_send_wr, ibv_wc};
 
-use super::device::VerbsDevice;
-use super::dma::ACCESS_RDMA;
 use super::limits::{DeviceLimits, Held};
 use super::qp::{Qp, QpPath, RemoteQp};
-use super::resources::{Cq, Mr};
+use super::resources::Mr;
 use crate::error::Result;
 
 /// What a connection needs to know about the local port it runs on.
@@ -134,89 +132,5 @@ impl MemoryRegion for Mr {
     }
     fn rkey(&self) -> u32 {
         Mr::rkey(self)
-    }
-}
-
-// SAFETY: `Cq::poll` returns what the provider wrote, failing a count beyond the room given.
-unsafe impl Nic for VerbsDevice {
-    type Qp = Qp;
-    type Cq = std::sync::Arc<Cq>;
-    type Mr = Mr;
-
-    fn local(&self) -> &LocalPort {
-        &self.local
-    }
-
-    fn limits(&self) -> DeviceLimits {
-        self.limits
-    }
-
-    fn held(&self) -> Held {
-        self.ctx.usage.held()
-    }
-
-    fn create_cq(&self, entries: usize) -> Result<Self::Cq> {
-        Cq::new(&self.ctx, entries.min(i32::MAX as usize) as i32)
-    }
-
-    fn create_qp(
-        &self,
-        cq: &Self::Cq,
-        send_wr: u32,
-        recv_wr: u32,
-        max_inline: u32,
-    ) -> Result<Self::Qp> {
-        let qp = Qp::new(&self.pd, cq, send_wr, recv_wr, max_inline)?;
-        qp.to_init(self.local.port, self.pkey_index, ACCESS_RDMA)?;
-        Ok(qp)
-    }
-
-    fn connect_qp(&self, qp: &Self::Qp, path: &QpPath, remote: &RemoteQp) -> Result<()> {
-        qp.to_rtr(path, remote)?;
-        qp.to_rts(path)
-    }
-
-    fn fail_qp(&self, qp: &Self::Qp) -> Result<()> {
-        qp.to_error()
-    }
-
-    fn register(&self, addr: usize, len: usize) -> Result<Self::Mr> {
-        self.pd.reg_mr(addr, len, ACCESS_RDMA)
-    }
-
-    #[inline(always)]
-    fn post_send(&self, qp: &Self::Qp, wr: &mut ibv_send_wr) -> Result<()> {
-        qp.post_send(wr)
-    }
-
-    #[inline(always)]
-    fn post_recv(&self, qp: &Self::Qp, wr_id: u64) -> Result<()> {
-        qp.post_recv(wr_id)
-    }
-
-    #[inline(always)]
-    fn poll_cq(&self, cq: &Self::Cq, wcs: &mut [MaybeUninit<ibv_wc>]) -> Result<usize> {
-        cq.poll(wcs)
-    }
-
-    #[inline(always)]
-    fn try_poll_cq(&self, cq: &Self::Cq, wcs: &mut [MaybeUninit<ibv_wc>]) -> Option<usize> {
-        cq.try_poll(wcs)
-    }
-
-    fn drain_async_events(&self) -> u64 {
-        self.ctx.drain_async_events()
-    }
-
-    fn fatal_for(&self, cq: &Self::Cq, qpns: &[u32]) -> Option<String> {
-        self.ctx.fatal_for(cq, qpns)
-    }
-
-    fn status_str(&self, status: u32) -> String {
-        self.ctx.lib().status_str(status)
-    }
-
-    fn counters(&self) -> Option<String> {
-        VerbsDevice::counters(self)
     }
 }
