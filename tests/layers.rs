@@ -5,9 +5,12 @@
 //! (`transport/mod.rs`, `registry.rs`, `facts.rs`) names no transport, `transport/either.rs`
 //! is the one place that names both, and the two transports never import each other or
 //! `either`; `unsafe` appears only in `abi/`, `verbs/` and the buffer type `abi` hands down;
-//! and no source file grows past what one can read in a sitting. Each rule is also run on a
-//! planted violation, so a checker that can no longer fail is noticed.
+//! no import circle joins the crate's files (a file imports another by naming a module or an
+//! item of it: `crate::`, `super::`, `self::` or a module it declares); and no source file
+//! grows past what one can read in a sitting. Each rule is also run on a planted violation,
+//! so a checker that can no longer fail is noticed.
 
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 /// A module's layer: higher layers may import lower ones and their own, never higher.
@@ -43,7 +46,7 @@ fn allowed_imports(top: &str) -> Option<&'static [&'static str]> {
 fn is_contract(rel: &str) -> bool {
     matches!(
         rel,
-        "transport/mod.rs" | "transport/registry.rs" | "transport/facts.rs"
+        "transport/mod.rs" | "transport/bounds.rs" | "transport/registry.rs" | "transport/facts.rs"
     )
 }
 
@@ -227,6 +230,211 @@ fn import_violations(rel: &str, text: &str) -> Vec<String> {
     bad
 }
 
+/// The text of a file without its unit tests (a `#[cfg(test)]` module at its end, or a file of
+/// the test fabric under a `tests/` folder): they import the rooms they test, which is no part
+/// of the structure.
+fn structure_of<'a>(rel: &str, text: &'a str) -> &'a str {
+    if rel.contains("/tests/") || rel.ends_with("/tests.rs") {
+        return "";
+    }
+    text.find("#[cfg(test)]\nmod tests")
+        .map_or(text, |at| &text[..at])
+}
+
+/// The module paths named in `text` (comments dropped) that start with `crate::`, `super::`,
+/// `self::` or one of `children` (modules the file declares), grouped imports expanded: each
+/// as its segments, the first one of the four kinds kept.
+fn module_paths(text: &str, children: &[String]) -> Vec<Vec<String>> {
+    fn expand(prefix: Vec<String>, tail: &str, out: &mut Vec<Vec<String>>) {
+        let tail = tail.trim_start();
+        if let Some(group) = tail.strip_prefix('{') {
+            // The items up to the matching brace, split at top-level commas.
+            let (mut depth, mut start) = (0, 0);
+            for (i, c) in group.char_indices() {
+                match c {
+                    '{' => depth += 1,
+                    '}' if depth == 0 => {
+                        expand(prefix.clone(), &group[start..i], out);
+                        return;
+                    }
+                    '}' => depth -= 1,
+                    ',' if depth == 0 => {
+                        expand(prefix.clone(), &group[start..i], out);
+                        start = i + 1;
+                    }
+                    _ => {}
+                }
+            }
+            return;
+        }
+        let mut segs = prefix;
+        let mut rest = tail;
+        loop {
+            let name: String = rest
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            if name.is_empty() {
+                break;
+            }
+            rest = &rest[name.len()..];
+            segs.push(name);
+            match rest.strip_prefix("::") {
+                Some(r) if r.starts_with('{') => return expand(segs, r, out),
+                Some(r) => rest = r,
+                None => break,
+            }
+        }
+        out.push(segs);
+    }
+    let code: String = code_lines(text).map(|(_, l)| format!("{l}\n")).collect();
+    let mut heads: Vec<String> = vec!["crate".into(), "super".into(), "self".into()];
+    heads.extend(children.iter().cloned());
+    let mut out = Vec::new();
+    let bytes = code.as_bytes();
+    let mut at = 0;
+    while at < code.len() {
+        let boundary =
+            at == 0 || !(bytes[at - 1].is_ascii_alphanumeric() || b"_$:".contains(&bytes[at - 1]));
+        let head = heads
+            .iter()
+            .find(|h| boundary && code[at..].starts_with(&format!("{h}::")));
+        match head {
+            Some(h) => {
+                let tail = &code[at + h.len() + 2..];
+                expand(vec![h.clone()], tail, &mut out);
+                at += h.len() + 2;
+            }
+            None => at += 1,
+        }
+    }
+    out
+}
+
+/// The modules `text` declares (`mod x;`, with any visibility or attributes).
+fn declared_modules(text: &str) -> Vec<String> {
+    code_lines(text)
+        .filter_map(|(_, l)| {
+            let l = l.trim();
+            let decl = l.split("mod ").nth(1).filter(|_| {
+                l.starts_with("mod ")
+                    || l.starts_with("pub mod ")
+                    || l.starts_with("pub(crate) mod ")
+            })?;
+            decl.strip_suffix(';').map(|m| m.trim().to_string())
+        })
+        .collect()
+}
+
+/// The files each file imports (see the module doc), keyed by path relative to src/.
+fn import_graph(files: &[(String, String)]) -> BTreeMap<String, BTreeSet<String>> {
+    let by_module: BTreeMap<Vec<String>, String> = files
+        .iter()
+        .map(|(rel, _)| (module_of(rel), rel.clone()))
+        .collect();
+    let mut graph = BTreeMap::new();
+    for (rel, text) in files {
+        let text = structure_of(rel, text);
+        let here = module_of(rel);
+        let children = declared_modules(text);
+        let mut targets = BTreeSet::new();
+        for path in module_paths(text, &children) {
+            let mut abs = match path[0].as_str() {
+                "crate" => Vec::new(),
+                "self" => here.clone(),
+                "super" => {
+                    let mut m = here.clone();
+                    m.pop();
+                    m
+                }
+                _ => {
+                    let mut m = here.clone();
+                    m.push(path[0].clone());
+                    m
+                }
+            };
+            let mut rest = &path[1..];
+            while rest.first().is_some_and(|s| s == "super") {
+                abs.pop();
+                rest = &rest[1..];
+            }
+            abs.extend(rest.iter().cloned());
+            // The longest prefix that is a file's module: the module, or the one the item
+            // named lives in.
+            let target = (0..=abs.len()).rev().find_map(|n| by_module.get(&abs[..n]));
+            if let Some(t) = target.filter(|t| *t != rel) {
+                targets.insert(t.clone());
+            }
+        }
+        graph.insert(rel.clone(), targets);
+    }
+    graph
+}
+
+/// The import circles of `graph`: each as the files it runs through, the first file the
+/// smallest.
+fn circles(graph: &BTreeMap<String, BTreeSet<String>>) -> Vec<Vec<String>> {
+    // Strongly connected components (Tarjan), each of more than one file a circle.
+    struct Walk<'a> {
+        graph: &'a BTreeMap<String, BTreeSet<String>>,
+        index: BTreeMap<&'a str, usize>,
+        low: BTreeMap<&'a str, usize>,
+        stack: Vec<&'a str>,
+        on_stack: BTreeSet<&'a str>,
+        found: Vec<Vec<String>>,
+    }
+    impl<'a> Walk<'a> {
+        fn visit(&mut self, v: &'a str) {
+            let i = self.index.len();
+            self.index.insert(v, i);
+            self.low.insert(v, i);
+            self.stack.push(v);
+            self.on_stack.insert(v);
+            for w in self.graph.get(v).into_iter().flatten() {
+                let w = w.as_str();
+                if !self.index.contains_key(w) {
+                    self.visit(w);
+                    let lw = self.low[w];
+                    let lv = self.low.get_mut(v).unwrap();
+                    *lv = (*lv).min(lw);
+                } else if self.on_stack.contains(w) {
+                    let iw = self.index[w];
+                    let lv = self.low.get_mut(v).unwrap();
+                    *lv = (*lv).min(iw);
+                }
+            }
+            if self.low[v] == self.index[v] {
+                let mut component = Vec::new();
+                while let Some(w) = self.stack.pop() {
+                    self.on_stack.remove(w);
+                    component.push(w.to_string());
+                    if w == v {
+                        break;
+                    }
+                }
+                if component.len() > 1 {
+                    component.sort();
+                    self.found.push(component);
+                }
+            }
+        }
+    }
+    let mut walk = Walk {
+        graph,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on_stack: BTreeSet::new(),
+        found: Vec::new(),
+    };
+    for v in graph.keys() {
+        if !walk.index.contains_key(v.as_str()) {
+            walk.visit(v);
+        }
+    }
+    walk.found
+}
+
 /// Lines of `text` outside the allowed files that use `unsafe`.
 fn unsafe_violations(rel: &str, text: &str) -> Vec<String> {
     if unsafe_allowed(rel) {
@@ -284,6 +492,9 @@ fn imports_only_point_down_and_unsafe_stays_in_its_places() {
         if lines > MAX_LINES {
             bad.push(format!("{rel}: {lines} lines (at most {MAX_LINES})"));
         }
+    }
+    for circle in circles(&import_graph(&files)) {
+        bad.push(format!("import circle: {}", circle.join(" <-> ")));
     }
     assert!(
         bad.is_empty(),
@@ -402,4 +613,48 @@ fn the_checker_catches_planted_violations() {
     );
     assert!(unsafe_violations("plugin/mod.rs", "// no unsafe { here }\n").is_empty());
     assert!(unsafe_violations("verbs/dma.rs", "let x = unsafe { f() };\n").is_empty());
+}
+
+/// The circles of a planted tree of (file, text).
+fn planted(tree: &[(&str, &str)]) -> Vec<Vec<String>> {
+    let files: Vec<(String, String)> = tree
+        .iter()
+        .map(|(r, t)| (r.to_string(), t.to_string()))
+        .collect();
+    circles(&import_graph(&files))
+}
+
+#[test]
+fn the_checker_finds_planted_import_circles() {
+    // Two siblings naming each other, through `super::` and a grouped `crate::` import.
+    let two = planted(&[
+        ("transport/verbs/mod.rs", "mod a;\nmod b;\n"),
+        ("transport/verbs/a.rs", "use super::b::Thing;\n"),
+        (
+            "transport/verbs/b.rs",
+            "use crate::transport::{verbs::a::Other, MAX};\n",
+        ),
+        ("transport/mod.rs", "pub(crate) const MAX: usize = 8;\n"),
+    ]);
+    assert_eq!(two, [vec!["transport/verbs/a.rs", "transport/verbs/b.rs"]]);
+    // Three, one of them through an item of a parent that re-exports a child's.
+    let three = planted(&[
+        (
+            "x/mod.rs",
+            "mod y;\npub(crate) use y::Y;\npub(crate) struct X;\n",
+        ),
+        ("x/y.rs", "fn f() -> crate::z::Z { }\n"),
+        ("z.rs", "use crate::x::X;\n"),
+    ]);
+    assert_eq!(three, [vec!["x/mod.rs", "x/y.rs", "z.rs"]]);
+    // Downward only, and unit tests at a file's end, are no circle.
+    assert!(planted(&[
+        ("x/mod.rs", "mod y;\nuse y::Y;\n"),
+        (
+            "x/y.rs",
+            "use crate::z::Z;\n#[cfg(test)]\nmod tests {\n    use crate::x::X;\n}\n"
+        ),
+        ("z.rs", "pub(crate) struct Z;\n"),
+    ])
+    .is_empty());
 }

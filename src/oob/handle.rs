@@ -15,7 +15,9 @@ pub const HANDLE_SIZE: usize = 128;
 /// "ERDMANET", first 8 bytes of every handle we write.
 pub const HANDLE_MAGIC: u64 = 0x4552_444d_414e_4554;
 /// Version of the handle and handshake protocol; a peer with another version is refused.
-pub const PROTOCOL_VERSION: u16 = 3;
+/// 4: the move messages (`Refuse` among them), the `mobile` flag of the verbs setup message,
+/// and `Bye`; a build of version 3 would drop them unread.
+pub const PROTOCOL_VERSION: u16 = 4;
 
 /// Transport a listener speaks; the connector must use the same one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

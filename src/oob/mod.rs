@@ -100,6 +100,9 @@ pub enum MsgKind {
     Ready = 4,
     /// Either way, after setup: a connection moving off a failed NIC (verbs).
     Failover = 5,
+    /// Either way, as an end closes its comm: its last word (verbs: a receiver says how many
+    /// of its receives had landed).
+    Bye = 6,
 }
 
 impl MsgKind {
@@ -110,6 +113,7 @@ impl MsgKind {
             3 => MsgKind::Reject,
             4 => MsgKind::Ready,
             5 => MsgKind::Failover,
+            6 => MsgKind::Bye,
             _ => return None,
         })
     }
@@ -363,17 +367,6 @@ impl Channel {
     /// Whether any byte of a message has arrived.
     pub fn received_any(&self) -> bool {
         self.hdr_len > 0 || self.want.is_some()
-    }
-
-    /// Another handle on the stream (the setup state keeps this one until it is dropped).
-    pub fn try_clone_stream(&self) -> Option<TcpStream> {
-        self.stream.try_clone().ok()
-    }
-
-    /// A connected channel over `stream`, a clone of one whose framing stood between
-    /// messages (the connector keeps its bootstrap connection this way).
-    pub fn from_stream(stream: TcpStream, peer: SocketAddr) -> Self {
-        Channel::new(stream, peer, true)
     }
 
     /// Gives up the framing and returns the stream for the data path.

@@ -140,30 +140,6 @@ pub struct Device {
     pub spares: Vec<String>,
 }
 
-impl Device {
-    /// Device `index` with `props`, over the NICs `members`, which is `why`.
-    pub(crate) fn of(
-        index: usize,
-        props: &super::DeviceProps,
-        members: Vec<String>,
-        why: &str,
-    ) -> Self {
-        Device {
-            index,
-            name: props.name().to_string(),
-            speed_mbps: props.speed_mbps,
-            ptr_support: props.ptr_support,
-            pci_path: props
-                .pci_path
-                .as_ref()
-                .map(|p| p.to_string_lossy().into_owned()),
-            members,
-            why: why.to_string(),
-            spares: Vec::new(),
-        }
-    }
-}
-
 /// Everything one transport found and decided.
 #[derive(Debug, Clone, Default)]
 pub struct TransportFacts {

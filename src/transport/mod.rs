@@ -19,39 +19,25 @@
 //!   built in place, completions are polled into a batch on the stack;
 //! - the clock is read only by the slow checks, every few hundred polls (`verbs/cq.rs`).
 
+mod bounds;
 pub(crate) mod either;
 pub(crate) mod facts;
 pub(crate) mod registry;
 pub(crate) mod tcp;
 pub(crate) mod verbs;
 
-use std::{any::Any, ffi::CString, net::IpAddr, sync::Arc};
+use std::{ffi::CString, net::IpAddr, sync::Arc};
 
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::{Handle, TransportKind};
 
+pub(crate) use bounds::{
+    MAX_P2P_BYTES, MAX_RAILS, MAX_RECVS, MAX_REQUESTS, MAX_SEND_REQUESTS, PTR_CUDA, PTR_DMABUF,
+    PTR_HOST,
+};
 pub(crate) use facts::TransportFacts;
-pub(crate) use registry::{CommKeys, MemKeys, Registry};
-
-/// Largest `n` of a grouped receive (`maxRecvs`).
-pub(crate) const MAX_RECVS: usize = 8;
-/// Requests in flight per comm NCCL may rely on (`NCCL_NET_MAX_REQUESTS`).
-pub(crate) const MAX_REQUESTS: usize = 32;
-/// Sends in flight per send comm: one per entry of every in-flight grouped receive.
-pub(crate) const MAX_SEND_REQUESTS: usize = MAX_REQUESTS * MAX_RECVS;
-/// Largest message per request we advertise (`maxP2pBytes`): what `test` can report in an
-/// `int`, rounded to 1 GiB as NCCL's shims do for older plugins.
-pub(crate) const MAX_P2P_BYTES: usize = 1 << 30;
-/// Most NICs (rails) one device spans: a virtual device of NCCL's v12 ABI.
-pub(crate) const MAX_RAILS: usize = 8;
-
-/// `NCCL_PTR_HOST`.
-pub(crate) const PTR_HOST: i32 = 1;
-/// `NCCL_PTR_CUDA`.
-pub(crate) const PTR_CUDA: i32 = 2;
-/// `NCCL_PTR_DMABUF`.
-pub(crate) const PTR_DMABUF: i32 = 4;
+pub(crate) use registry::{CommKeys, Hold, MemKeys, Registry};
 
 /// One network device as NCCL sees it (`getProperties`).
 #[derive(Debug)]
@@ -78,10 +64,24 @@ impl DeviceProps {
     pub(crate) fn name(&self) -> &str {
         self.name.to_str().unwrap_or("?")
     }
-}
 
-/// What keeps a registration alive; dropped at deregistration.
-pub(crate) type Hold = Box<dyn Any + Send + Sync>;
+    /// Device `index` as the info command tells it: over the NICs `members`, which is `why`.
+    pub(crate) fn facts(&self, index: usize, members: Vec<String>, why: &str) -> facts::Device {
+        facts::Device {
+            index,
+            name: self.name().to_string(),
+            speed_mbps: self.speed_mbps,
+            ptr_support: self.ptr_support,
+            pci_path: self
+                .pci_path
+                .as_ref()
+                .map(|p| p.to_string_lossy().into_owned()),
+            members,
+            why: why.to_string(),
+            spares: Vec::new(),
+        }
+    }
+}
 
 /// Where a receive's `test` writes the size of each message once it is done: NCCL's array,
 /// written in place (nothing is written for a test that finds the receive not done). Sizes fit

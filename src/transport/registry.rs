@@ -21,9 +21,12 @@ use std::{
 
 use parking_lot::Mutex;
 
+use super::bounds::MAX_RAILS;
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
-use crate::transport::{Hold, MAX_RAILS};
+
+/// What keeps a registration alive; dropped at deregistration.
+pub(crate) type Hold = Box<dyn std::any::Any + Send + Sync>;
 
 /// A registration as the data path uses it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]

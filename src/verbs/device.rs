@@ -3,16 +3,21 @@
 //! every node numbers its devices alike; per port the GID index NCCL would choose, the speed,
 //! MTU and the GPUDirect capabilities (peer memory, DMA-BUF).
 
-use std::{mem::MaybeUninit, net::IpAddr, sync::Arc};
+use std::{
+    ffi::{c_int, CStr},
+    mem::MaybeUninit,
+    net::IpAddr,
+    sync::Arc,
+};
 
 use rdma_sys::*;
 
 use super::dma::ACCESS_RDMA;
+use super::library::VerbsLib;
 use super::limits::{DeviceLimits, Held};
 use super::nic::{LocalPort, Nic};
 use super::qp::{Qp, QpPath, RemoteQp};
 use super::resources::{Context, Cq, Mr, Pd};
-use super::VerbsLib;
 use crate::config::{parse_cidr, AddrFamily, Config};
 use crate::error::{Error, Result};
 use crate::sysfs::read as sysfs;
@@ -306,7 +311,7 @@ fn roce_version(dev: &str, port: u8, index: usize) -> Option<u32> {
 /// Every port of every device libibverbs sees, usable or not, with what the plugin would
 /// make of it (for `discover` and for the diagnostics command).
 pub(crate) fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<VerbsDevice>> {
-    let list = lib.device_list()?;
+    let list = DeviceList::get(lib)?;
     if list.is_empty() {
         return Err(Error::no_device("no RDMA devices found".into()));
     }
@@ -524,6 +529,87 @@ unsafe impl Nic for VerbsDevice {
 
     fn counters(&self) -> Option<String> {
         VerbsDevice::counters(self)
+    }
+}
+
+/// The result of `ibv_get_device_list`, freed on drop.
+pub(crate) struct DeviceList {
+    lib: &'static VerbsLib,
+    list: *mut *mut ibv_device,
+    len: usize,
+}
+
+impl DeviceList {
+    /// The devices `lib` sees, with their raw handles (valid until the list is freed by its
+    /// drop).
+    pub(crate) fn get(lib: &'static VerbsLib) -> Result<DeviceList> {
+        let mut n: c_int = 0;
+        // SAFETY: n is a valid out-pointer; the list is freed by DeviceList's drop.
+        let list = unsafe { (lib.get_device_list)(&mut n) };
+        if list.is_null() {
+            let err = std::io::Error::last_os_error();
+            let why = if err.raw_os_error() == Some(libc::ENOSYS) {
+                "the kernel has no RDMA support".to_string()
+            } else {
+                err.to_string()
+            };
+            return Err(Error::no_device(format!(
+                "ibv_get_device_list failed: {why}"
+            )));
+        }
+        Ok(DeviceList {
+            lib,
+            list,
+            len: n.max(0) as usize,
+        })
+    }
+
+    /// Number of devices.
+    pub(crate) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// True when libibverbs sees no device.
+    pub(crate) fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Name of device `i`.
+    pub(crate) fn name(&self, i: usize) -> String {
+        if i >= self.len {
+            return String::new();
+        }
+        // SAFETY: i < len, so the entry is a live device of the list.
+        let name = unsafe { (self.lib.get_device_name)(*self.list.add(i)) };
+        if name.is_null() {
+            return format!("device{i}");
+        }
+        // SAFETY: non-NULL, NUL-terminated, valid while the list is.
+        unsafe { CStr::from_ptr(name) }
+            .to_string_lossy()
+            .into_owned()
+    }
+
+    /// Opens device `i`.
+    pub(crate) fn open(&self, i: usize) -> Result<Context> {
+        if i >= self.len {
+            return Err(Error::misuse(format!("no device {i}")));
+        }
+        let name = self.name(i);
+        // SAFETY: i < len, so the entry is a live device of the list.
+        let raw = unsafe { (self.lib.open_device)(*self.list.add(i)) };
+        if raw.is_null() {
+            return Err(Error::last_os(format!("ibv_open_device({name})")));
+        }
+        Ok(Context::new(self.lib, raw, name))
+    }
+}
+
+impl Drop for DeviceList {
+    fn drop(&mut self) {
+        // SAFETY: the list came from ibv_get_device_list and is freed exactly once; opened
+        // contexts stay valid after the list is freed (libibverbs contract).
+        unsafe { (self.lib.free_device_list)(self.list) };
     }
 }
 

@@ -59,11 +59,11 @@ pub(crate) trait MemoryRegion {
 /// [`super::dma::WcBatch`] reads them without checking again.
 pub(crate) unsafe trait Nic: Send + Sync + 'static {
     /// Its queue pairs.
-    type Qp: QueuePair + Send + Sync;
+    type Qp: QueuePair + Send + Sync + 'static;
     /// Its completion queues.
-    type Cq: Clone + Send + Sync;
+    type Cq: Clone + Send + Sync + 'static;
     /// Its memory registrations (deregistered on drop).
-    type Mr: MemoryRegion + Send + Sync;
+    type Mr: MemoryRegion + Send + Sync + 'static;
 
     /// The port connections run on.
     fn local(&self) -> &LocalPort;

@@ -13,8 +13,8 @@ use std::{
 
 use rdma_sys::*;
 
+use super::library::VerbsLib;
 use super::limits::{Resource, Usage};
-use super::VerbsLib;
 use crate::error::{Error, Result};
 
 /// An open device context.

@@ -9,16 +9,11 @@
 //! progressed by whichever of `isend`/`irecv`/`test` runs next; nothing waits for the peer,
 //! and `close` just closes the socket.
 
+mod frame;
 mod recv;
 mod send;
 
-use std::{
-    ffi::CString,
-    io::{self, IoSlice},
-    net::{IpAddr, SocketAddr},
-    sync::Arc,
-    time::Duration,
-};
+use std::{ffi::CString, net::IpAddr, sync::Arc, time::Duration};
 
 use parking_lot::RwLock;
 use socket2::Socket;
@@ -29,27 +24,13 @@ use crate::oob::{
     self, iface::LocalAddr, Channel, Handle, Hello, MsgKind, Timeouts, TransportKind,
 };
 use crate::sysfs;
-use crate::transport::facts::{self, TransportFacts};
+use crate::transport::facts::TransportFacts;
 use crate::transport::{
-    device, CommKeys, Connector, DeviceProps, Failure, Hold, Listener, MemKeys, Registry,
-    Transport, MAX_RECVS, PTR_HOST,
+    device, CommKeys, Connector, DeviceProps, Hold, Listener, MemKeys, Registry, Transport,
+    PTR_HOST,
 };
 pub(crate) use recv::TcpReceiver;
 pub(crate) use send::TcpSender;
-
-pub(super) const FRAME_CTS: u8 = 1;
-pub(super) const FRAME_DATA: u8 = 2;
-pub(super) const FLAG_TRUNC: u8 = 1;
-pub(super) const CTS_HEADER: usize = 8;
-pub(super) const CTS_ENTRY: usize = 16;
-pub(super) const CTS_MAX: usize = CTS_HEADER + MAX_RECVS * CTS_ENTRY;
-pub(super) const DATA_HEADER: usize = 16;
-
-pub(super) fn send_nosignal(sock: &Socket, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
-    // MSG_NOSIGNAL: a peer that closed must be an error code, not a SIGPIPE that kills the
-    // training process.
-    sock.send_vectored_with_flags(bufs, libc::MSG_NOSIGNAL)
-}
 
 fn into_data_socket(stream: std::net::TcpStream) -> Result<Socket> {
     let sock = Socket::from(stream);
@@ -139,7 +120,7 @@ impl Transport for TcpTransport {
                     } else {
                         "made by NCCL (makeVDevice) of device 0"
                     };
-                    facts::Device::of(i, d, vec![name.clone()], why)
+                    d.facts(i, vec![name.clone()], why)
                 })
                 .collect(),
             ..TransportFacts::default()
@@ -226,21 +207,6 @@ impl Transport for TcpTransport {
              asked"
                 .into(),
         ))
-    }
-}
-
-/// Records a failed step of a comm's progress as its failure, naming the peer (and the
-/// keepalive timeout when that was the cause); `dir` is "to" or "from". The failure keeps
-/// the step's kind (a peer gone, or this host's system call).
-pub(super) fn note_broken(failure: &mut Failure, r: Result<()>, dir: &str, peer: SocketAddr) {
-    if let Err(e) = r {
-        let hint = oob::peer_timeout_hint(&e);
-        let msg = format!("connection {dir} {peer} failed: {e}{hint}");
-        let e = match e.kind() {
-            crate::error::ErrorKind::Remote => Error::remote(msg),
-            _ => Error::io(msg, std::io::Error::other(e.to_string())),
-        };
-        failure.note(&e);
     }
 }
 

@@ -10,7 +10,7 @@ use std::{
 use parking_lot::Mutex;
 use socket2::Socket;
 
-use super::{
+use super::frame::{
     note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER, FLAG_TRUNC, FRAME_CTS,
     FRAME_DATA,
 };

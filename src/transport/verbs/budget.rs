@@ -1,5 +1,7 @@
 //! What one end of a connection takes of its NICs (QPs, a CQ, registrations, queue depths),
-//! and how many data QPs it may have where a device's limits are short. Fitted before anything
+//! the depths themselves, and how many data QPs it may have where a device's limits are
+//! short. A CQ has room for every work request its QPs can hold: when a move stops the QPs,
+//! all of them complete (as flushed), signaled or not. Fitted before anything
 //! is made: a connection that would exceed `max_qp`, `max_cq`, `max_mr`, `max_qp_wr` or
 //! `max_cqe` (counting what this process already holds) gets fewer QPs, down to one per rail,
 //! with one WARN for the process naming the limit; only when even that cannot fit does it fail,
@@ -10,14 +12,44 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
-use super::rail::locate;
-use super::recv::RECEIVER_SEND_DEPTH;
-use super::send::{MIN_SEND_DEPTH, SENDER_SEND_DEPTH};
-use super::wire::{paths, MAX_QPS, SLOTS};
+use super::wire::{locate, paths, MAX_QPS, SLOTS};
 use crate::error::{Error, Result};
 use crate::transport::facts::ConnectionCost;
+use crate::transport::MAX_RECVS;
 use crate::verbs::limits::{DeviceLimits, Held};
 use crate::verbs::nic::Nic;
+
+/// The send queue depth of a sender's QPs: room for a single-buffer send in nearly every slot
+/// twice over (one write each), or for seven sends of 8-buffer receives (9 writes each). A
+/// send the queue has no room for now is "not now" (NCCL tries it again), so the depth
+/// bounds memory, not what NCCL may have in flight. One below a power of two: providers make
+/// a queue's ring a power of two, rxe after adding one, so 64 would take a ring of 128.
+pub(crate) const SENDER_SEND_DEPTH: u32 = 2 * SLOTS as u32 - 1;
+
+/// The shallowest send queue a sender can use: one slot of an 8-buffer receive's sends.
+pub(crate) const MIN_SEND_DEPTH: u32 = slot_wrs(MAX_RECVS);
+
+/// Work requests the writes of a slot of `n` sends may take on one QP: one per send, and
+/// the write of the sizes of a grouped receive. A send queue shallower than this for
+/// `MAX_RECVS` could never post an 8-buffer receive's slot.
+pub(crate) const fn slot_wrs(n: usize) -> u32 {
+    (n + 1) as u32
+}
+
+/// Send queue depth of a receiver's first QP, the one its clear-to-sends go out on: up to
+/// `SLOTS` receives announced and not finished, each by its own write at worst, plus the
+/// unsignaled writes since the last signaled one, with room to spare. One below a power of
+/// two (see [`SENDER_SEND_DEPTH`]). Its other QPs send nothing.
+pub(crate) const RECEIVER_SEND_DEPTH: u32 = 2 * SLOTS as u32 - 1;
+
+/// A receiver's receive queue depth per data QP: one receive per slot, and one spare.
+pub(crate) const RECEIVER_RECV_DEPTH: u32 = SLOTS as u32 + 1;
+
+/// A probe QP's queues: one read in flight at a time, and no receive is ever consumed.
+pub(crate) const PROBE_QUEUES: (u32, u32) = (4, 1);
+
+/// A receiver's loopback flush QP's queues: a read per flush slot.
+pub(crate) const FLUSH_QUEUES: (u32, u32) = (SLOTS as u32, 1);
 
 /// What one end of a connection makes, for `qps` data QPs dealt over `rails` rails (QP `q` on
 /// rail `q % rails`), each rail with its own CQ.
@@ -37,8 +69,6 @@ pub(crate) struct EndCost {
     pub(crate) first_send_wr: u32,
     pub(crate) send_wr: u32,
     pub(crate) recv_wr: u32,
-    /// Completions the CQ holds per QP.
-    pub(crate) cqes_per_qp: usize,
 }
 
 impl EndCost {
@@ -56,7 +86,6 @@ impl EndCost {
             first_send_wr: send_wr,
             send_wr,
             recv_wr: 1,
-            cqes_per_qp: SLOTS * 2,
         }
     }
 
@@ -72,8 +101,7 @@ impl EndCost {
             mrs: 3,
             first_send_wr: RECEIVER_SEND_DEPTH,
             send_wr: 1,
-            recv_wr: SLOTS as u32 + 1,
-            cqes_per_qp: SLOTS + 2,
+            recv_wr: RECEIVER_RECV_DEPTH,
         }
     }
 
@@ -84,18 +112,39 @@ impl EndCost {
             .count()
     }
 
-    /// QPs of every kind on rail `r`: its data QPs, a probe per path and the flush QP.
-    fn all_qps_on(&self, r: usize) -> usize {
-        let probes = paths(self.qps, self.rails, self.peer_rails)
-            .iter()
-            .filter(|p| p.0 == r)
-            .count();
-        self.qps_on(r) + probes + usize::from(self.flush)
+    /// The send queue depth of data QP `q`.
+    pub(crate) fn send_wr_of(&self, q: usize) -> u32 {
+        if q == 0 {
+            self.first_send_wr
+        } else {
+            self.send_wr
+        }
     }
 
-    /// The CQ size of rail `r`: room for every QP's completions (and the flush's and probes').
+    /// Probe QPs on rail `r`: one per path of the connection that starts there.
+    fn probes_on(&self, r: usize) -> usize {
+        paths(self.qps, self.rails, self.peer_rails)
+            .iter()
+            .filter(|p| p.0 == r)
+            .count()
+    }
+
+    /// QPs of every kind on rail `r`: its data QPs, a probe per path and the flush QP.
+    fn all_qps_on(&self, r: usize) -> usize {
+        self.qps_on(r) + self.probes_on(r) + usize::from(self.flush)
+    }
+
+    /// The CQ size of rail `r`: room for every work request its QPs' queues hold, which is
+    /// what completes when a move stops them (see the module doc).
     pub(crate) fn cqes_on(&self, r: usize) -> usize {
-        self.cqes_per_qp * (self.qps_on(r) + 1) + 16
+        let data: u32 = (0..self.qps)
+            .filter(|&q| locate(q, self.rails).0 == r)
+            .map(|q| self.send_wr_of(q) + self.recv_wr)
+            .sum();
+        let queues = |(send, recv): (u32, u32)| (send + recv) as usize;
+        data as usize
+            + self.probes_on(r) * queues(PROBE_QUEUES)
+            + usize::from(self.flush) * queues(FLUSH_QUEUES)
     }
 
     /// Every QP of both kinds, CQs and registrations over all rails.
@@ -316,7 +365,9 @@ mod tests {
         );
         let s = fit(&sender(1), 1, &[shallow]).unwrap_err();
         assert_eq!((s.limit, s.value), ("max_qp_wr", 32));
-        // A CQ of 64 x (QPs + 1) + 16 entries: 8 QPs need 592, 3 QPs 272.
+        // A sender's CQ holds 63 + 1 per data QP and 4 + 1 for its probe: 8 QPs need 517, 4
+        // QPs 261.
+        assert_eq!(sender(8).cqes_on(0), 517);
         let small_cq = (
             DeviceLimits {
                 max_cqe: 300,
@@ -325,7 +376,7 @@ mod tests {
             Held::default(),
         );
         let (qps, s) = fit(&sender(8), 1, &[small_cq]).unwrap();
-        assert_eq!(qps, 3);
+        assert_eq!(qps, 4);
         assert_eq!(s.unwrap().limit, "max_cqe");
     }
 
@@ -352,6 +403,16 @@ mod tests {
             fit(&sender(1), 1, &[full(10, 0, 10, 9)]).unwrap_err().limit,
             "max_mr"
         );
+    }
+
+    #[test]
+    fn a_receivers_cq_holds_everything_its_queues_can_flush() {
+        // QP 0: 63 clear-to-sends and 33 receives; another QP: 1 and 33; the probe 4 + 1;
+        // the flush QP 32 + 1.
+        let one = EndCost::receiver(1, 1, 1, true);
+        assert_eq!(one.cqes_on(0), 63 + 33 + 5 + 33);
+        let two = EndCost::receiver(2, 1, 1, false);
+        assert_eq!(two.cqes_on(0), 63 + 33 + 1 + 33 + 5);
     }
 
     #[test]

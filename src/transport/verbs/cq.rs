@@ -1,6 +1,6 @@
-//! A connection's completion queue and everything that tells it the peer or the path is gone:
-//! failed completions, fatal asynchronous events, the peer's bootstrap socket closing or
-//! falling silent, and a watchdog for work that never completes.
+//! A rail's completion queue and what tells that the rail's paths are dead: failed
+//! completions, fatal asynchronous events, and a watchdog for work that never completes. (The
+//! peer itself, gone or silent, is watched by the connection's link to it: `peer`.)
 //!
 //! The watchdog exists because a device may retry for ever: Soft-RoCE (and some hardware)
 //! treats `NCCL_IB_RETRY_CNT=7` as unbounded, so on a cut link posted work neither completes
@@ -8,22 +8,23 @@
 //! polls (so the data path pays one counter increment per completion and reads no clock):
 //! - every path the connection's QPs take, each distinct (local rail, remote rail) pair, is
 //!   probed while the comm has work or waits for its peer: a 1-byte RDMA READ of the peer's
-//!   memory every quarter of the work timeout (`NCCL_ERDMA_WORK_TIMEOUT_S`), over a QP of the
-//!   path's own, so that it never waits behind the data (RC orders a QP's work). A probe
-//!   unanswered for the timeout shows the path dead, and the comm fails; so a dead path is
-//!   found by both ends, even where one end's rail also meets live rails of the peer;
-//! - data work without a completion for the timeout while every path answers is slow, not dead
-//!   (a lossy or congested link, whose RC retransmissions can take minutes for a large write):
-//!   a WARN says so, with the device's counters, and the comm waits on; only work that makes no
-//!   progress for [`SLOW_CEILING`] times the timeout fails it (the bound that still holds).
+//!   memory, over a QP of the path's own so that it never waits behind the data (RC orders a
+//!   QP's work), every quarter of the work timeout (`NCCL_ERDMA_WORK_TIMEOUT_S`), or with
+//!   failover every half of `NCCL_ERDMA_FAILOVER_AFTER_MS`, whichever applies. A probe
+//!   unanswered for its bound shows the path dead: the comm fails, or moves;
+//! - data work without a completion of its own for the work timeout while every path
+//!   answers is slow, not dead (a lossy or congested link, whose RC retransmissions can take
+//!   minutes for a large write): a WARN says so, with the device's counters, and the comm
+//!   waits on; only work that makes no progress for [`SLOW_CEILING`] times the timeout fails
+//!   it. A probe's answer is the path's progress, never the data's.
 
 use std::time::{Duration, Instant};
 
+use super::fault::{Cause, Fault};
 use super::latency::RailLatency;
 use super::wire::WrKind;
 use crate::error::{Error, Result};
-use crate::oob::{self, Channel, Message};
-use crate::verbs::dma::{Completion, WcBatch, WC_SUCCESS};
+use crate::verbs::dma::{Completion, WcBatch, WcStatus, WC_SUCCESS};
 use crate::verbs::nic::{Nic, QueuePair};
 
 /// How often (in polls) the slow checks run.
@@ -89,75 +90,89 @@ impl PairProbe {
     }
 }
 
+/// How the paths are probed: a probe goes out `every` while the comm is active and may go
+/// unanswered for `limit`; `setting` is what bounds it, for the error.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ProbeRule {
+    limit: Duration,
+    every: Duration,
+    setting: &'static str,
+}
+
 /// The work watchdog of one rail (see the module doc).
 #[derive(Debug)]
 pub(crate) struct Watchdog {
-    limit: Option<Duration>,
-    /// How long a probe may go unanswered: the limit, and at least several of the device's
-    /// retransmission timers (a probe lost on a lossy link is sent again only after one);
-    /// with failover, the time after which a path is suspected and the connection moves.
-    probe_limit: Duration,
-    /// How long after an answer the next probe goes out: a quarter of the limit, half the
-    /// suspect time with failover.
-    probe_every: Duration,
-    /// The setting that bounds a probe (for the error).
-    probe_setting: &'static str,
-    /// Completions counted at the last check.
+    /// Posted work without progress for this long is slow (and fails at the ceiling); None:
+    /// never (`NCCL_ERDMA_WORK_TIMEOUT_S=0`).
+    work_limit: Option<Duration>,
+    /// None: the paths are not probed (no work timeout, no failover).
+    probes: Option<ProbeRule>,
+    /// Progress counted at the last check.
     progress: u64,
-    /// Since when checks have seen no completion while the rail had work posted.
+    /// Since when checks have seen no progress while the rail had work posted.
     idle_since: Option<Instant>,
     /// The slow work of this stretch was said.
     said_slow: bool,
 }
 
 impl Watchdog {
-    /// A watchdog judging work by `limit` (None: off) and probes by `probe_limit` (at least
-    /// `limit`).
-    pub(crate) fn new(limit: Option<Duration>, probe_limit: Duration) -> Self {
+    /// A watchdog judging work by `work_limit` (None: never), and its paths' probes: with
+    /// failover (`failover`: the suspect time) a probe every half of it, unanswered for it
+    /// moves the connection; else a probe every quarter of the work limit, unanswered for it
+    /// (and at least `probe_floor`) fails the comm; neither: no probes.
+    pub(crate) fn new(
+        work_limit: Option<Duration>,
+        probe_floor: Duration,
+        failover: Option<Duration>,
+    ) -> Self {
+        let probes = match (failover, work_limit) {
+            (Some(after), _) => Some(ProbeRule {
+                limit: after,
+                every: after / 2,
+                setting: "NCCL_ERDMA_FAILOVER_AFTER_MS",
+            }),
+            (None, Some(limit)) => Some(ProbeRule {
+                limit: limit.max(probe_floor),
+                every: limit / 4,
+                setting: "NCCL_ERDMA_WORK_TIMEOUT_S",
+            }),
+            (None, None) => None,
+        };
         Watchdog {
-            limit,
-            probe_limit: limit.map_or(probe_limit, |l| probe_limit.max(l)),
-            probe_every: limit.map_or(probe_limit, |l| l / 4),
-            probe_setting: "NCCL_ERDMA_WORK_TIMEOUT_S",
+            work_limit,
+            probes,
             progress: 0,
             idle_since: None,
             said_slow: false,
         }
     }
 
-    /// The watchdog of a connection that moves off a path whose probe goes unanswered for
-    /// `after` (failover), probing every half of it while the comm is active.
-    pub(crate) fn suspecting(mut self, after: Option<Duration>) -> Self {
-        if let Some(after) = after {
-            self.probe_limit = after;
-            self.probe_every = after / 2;
-            self.probe_setting = "NCCL_ERDMA_FAILOVER_AFTER_MS";
-        }
-        self
+    /// The setting that bounds a probe, for the error.
+    fn probe_setting(&self) -> &'static str {
+        self.probes.map_or("", |r| r.setting)
     }
 
-    /// One check at `now`: `completions` seen on the rail so far, whether it has posted work
-    /// not yet completed (`work`), whether the comm waits for the peer (`waiting`), and the
-    /// rail's paths, whose probes are judged and, where due, marked to post.
+    /// One check at `now`: `progress` made on the rail so far (its own work's completions),
+    /// whether it has posted work not yet completed (`work`), whether the comm waits for the
+    /// peer (`waiting`), and the rail's paths, whose probes are judged and, where due, marked
+    /// to post.
     pub(crate) fn check(
         &mut self,
         now: Instant,
-        completions: u64,
+        progress: u64,
         (work, waiting): (bool, bool),
         pairs: &mut [PairProbe],
     ) -> Verdict {
-        let Some(limit) = self.limit else {
-            return Verdict::Fine(0);
-        };
         let mut slow = None;
-        if completions != self.progress || !work {
-            // A completion means the rail works; a rail with nothing posted has nothing to lose.
-            self.progress = completions;
+        if progress != self.progress || !work {
+            // Progress means the rail works; a rail with nothing posted has nothing to lose.
+            self.progress = progress;
             self.idle_since = None;
             self.said_slow = false;
-        } else {
+        } else if let Some(limit) = self.work_limit {
             let idle = now.saturating_duration_since(*self.idle_since.get_or_insert(now));
-            if idle > limit * SLOW_CEILING || (idle > limit && pairs.is_empty()) {
+            let unprobed = pairs.is_empty() || self.probes.is_none();
+            if idle > limit * SLOW_CEILING || (idle > limit && unprobed) {
                 return Verdict::Stalled(idle);
             }
             if idle > limit && !self.said_slow {
@@ -165,31 +180,13 @@ impl Watchdog {
                 slow = Some(idle);
             }
         }
-        let mut probe = 0;
-        for (i, p) in pairs.iter_mut().enumerate() {
-            if std::mem::take(&mut p.answered) {
-                p.posted = None;
-                p.next = Some(now + self.probe_every);
-            }
-            if let Some(posted) = p.posted {
-                let age = now.saturating_duration_since(posted);
-                if age > self.probe_limit {
-                    return Verdict::Unanswered(i, age);
-                }
-                continue;
-            }
-            if !(work || waiting) {
-                p.next = None;
-                continue;
-            }
-            // Active: a probe a quarter of the limit (half the suspect time) after the comm
-            // became so, or after the last answer; each gets the probe limit to come back.
-            let next = *p.next.get_or_insert(now + self.probe_every);
-            if now >= next {
-                p.posted = Some(now);
-                probe |= 1 << i;
-            }
-        }
+        let probe = match self.probes {
+            Some(rule) => match probe_paths(rule, now, (work, waiting), pairs) {
+                Ok(probe) => probe,
+                Err(dead) => return dead,
+            },
+            None => 0,
+        };
         match slow {
             Some(idle) => {
                 self.said_slow = true;
@@ -200,23 +197,49 @@ impl Watchdog {
     }
 }
 
-/// A comm's completion queue and what polling it needs (see the module doc). The bootstrap
-/// socket stays open as a liveness signal: when the peer process dies its kernel closes the
-/// socket, which RDMA alone would only notice as a retry timeout on the sending side (and
-/// never on an idle receiving side).
+/// Judges the probes of `pairs` by `rule` at `now`: the paths to probe now (one bit each), or
+/// the verdict of the first one found dead.
+fn probe_paths(
+    rule: ProbeRule,
+    now: Instant,
+    (work, waiting): (bool, bool),
+    pairs: &mut [PairProbe],
+) -> std::result::Result<u8, Verdict> {
+    let mut probe = 0;
+    for (i, p) in pairs.iter_mut().enumerate() {
+        if std::mem::take(&mut p.answered) {
+            p.posted = None;
+            p.next = Some(now + rule.every);
+        }
+        if let Some(posted) = p.posted {
+            let age = now.saturating_duration_since(posted);
+            if age > rule.limit {
+                return Err(Verdict::Unanswered(i, age));
+            }
+            continue;
+        }
+        if !(work || waiting) {
+            p.next = None;
+            continue;
+        }
+        // Active: a probe one interval after the comm became so, or after the last answer;
+        // each gets the rule's limit to come back.
+        let next = *p.next.get_or_insert(now + rule.every);
+        if now >= next {
+            p.posted = Some(now);
+            probe |= 1 << i;
+        }
+    }
+    Ok(probe)
+}
+
+/// A rail's completion queue and what polling it needs (see the module doc).
 pub(crate) struct CqPoller<N: Nic> {
     pub(crate) cq: N::Cq,
     epoch: u64,
     calls: u32,
-    /// The bootstrap connection, as the peer watch and the way a move's messages come.
-    oob: Option<Channel>,
-    /// A message the peer sent (it moves the connection), for the comm to act on.
-    pub(crate) mail: Option<Message>,
-    pub(crate) peer_gone: bool,
-    /// The peer's host stopped answering keepalive probes (rather than closing).
-    peer_silent: bool,
-    /// Completions seen (the watchdog's sign of life).
-    completions: u64,
+    /// Completions of the rail's own work (the watchdog's sign of progress; probes are not).
+    progress: u64,
     watchdog: Watchdog,
     /// Post-to-completion latency of the signaled work (`NCCL_IB_WQE_LATENCY_THRESHOLD_NS`
     /// set), or None: then nothing reads a clock.
@@ -224,73 +247,16 @@ pub(crate) struct CqPoller<N: Nic> {
 }
 
 impl<N: Nic> CqPoller<N> {
-    /// A poller of `cq`, judging work by `work_timeout` (None: never) and probes by
-    /// `probe_timeout` (at least the work timeout), or by `failover` where set.
-    pub(crate) fn new(
-        cq: N::Cq,
-        work_timeout: Option<Duration>,
-        probe_timeout: Duration,
-        failover: Option<Duration>,
-    ) -> Self {
+    /// A poller of `cq`, judged by `watchdog`.
+    pub(crate) fn new(cq: N::Cq, watchdog: Watchdog) -> Self {
         CqPoller {
             cq,
             epoch: 0,
             calls: 0,
-            oob: None,
-            mail: None,
-            peer_gone: false,
-            peer_silent: false,
-            completions: 0,
-            watchdog: Watchdog::new(work_timeout, probe_timeout).suspecting(failover),
+            progress: 0,
+            watchdog,
             latency: None,
         }
-    }
-
-    /// Keeps the (non-blocking) bootstrap connection to watch for the peer's exit and its
-    /// messages.
-    pub(crate) fn watch(&mut self, chan: Channel) {
-        self.oob = Some(chan);
-    }
-
-    /// Gives the bootstrap connection up (to a move, which watches it meanwhile).
-    pub(crate) fn unwatch(&mut self) -> Option<Channel> {
-        self.oob.take()
-    }
-
-    /// Reads what the peer's bootstrap connection has: a message (kept in `mail`), or its
-    /// close (the peer's process exited or closed the comm).
-    fn check_peer(&mut self) {
-        if self.peer_gone || self.mail.is_some() {
-            return;
-        }
-        let Some(chan) = &mut self.oob else {
-            return;
-        };
-        match chan.recv_io() {
-            Ok(Some(m)) => self.mail = Some(m),
-            Ok(None) => {}
-            Err(e) => {
-                // ETIMEDOUT: the keepalive probes (NCCL_ERDMA_PEER_TIMEOUT_S) found no one
-                // there.
-                self.peer_silent = e.kind() == std::io::ErrorKind::TimedOut;
-                self.peer_gone = true;
-            }
-        }
-    }
-
-    /// The error for work that can no longer complete because the peer is gone.
-    #[cold]
-    pub(crate) fn gone_error(&self, peer: &str) -> Error {
-        if self.peer_silent {
-            return Error::remote(format!(
-                "peer {peer} stopped answering with requests still in flight{}",
-                oob::PEER_SILENT
-            ));
-        }
-        Error::remote(format!(
-            "peer {peer} closed its connection (its process exited or closed the comm) with \
-             requests still in flight"
-        ))
     }
 
     /// Polls the CQ once into `wc` (the caller's, on its stack); returns whether there is
@@ -324,15 +290,15 @@ impl<N: Nic> CqPoller<N> {
     }
 
     /// After a poll found something: hands every successful completion in `wc` to `on`,
-    /// polling again while batches come full. `Ok(false)`: it stopped at a failed
-    /// completion, which stays in `wc` for [`failed_completion`] to describe (built there, out
-    /// of the loop).
+    /// which says whether it is progress of the rail's own work, polling again while batches
+    /// come full. `Ok(false)`: it stopped at a failed completion, which stays in `wc` for
+    /// [`failed_completion`] to describe (built there, out of the loop).
     #[inline(always)]
     pub(crate) fn hand_out(
         &mut self,
         nic: &N,
         wc: &mut WcBatch,
-        mut on: impl FnMut(Completion<'_>),
+        mut on: impl FnMut(Completion<'_>) -> bool,
     ) -> Result<bool> {
         loop {
             let n = wc.polled();
@@ -340,9 +306,8 @@ impl<N: Nic> CqPoller<N> {
                 if c.status() != WC_SUCCESS {
                     return Ok(false);
                 }
-                on(c);
+                self.progress += u64::from(on(c));
             }
-            self.completions += n as u64;
             if n < WcBatch::CAPACITY {
                 return Ok(true);
             }
@@ -351,17 +316,17 @@ impl<N: Nic> CqPoller<N> {
         }
     }
 
-    /// Whether the slow checks (peer, asynchronous events, watchdog) are due after this
-    /// poll: every [`CHECK_EVERY`] polls.
+    /// Whether the slow checks (asynchronous events, watchdog; the comm's peer link) are due
+    /// after this poll: every [`CHECK_EVERY`] polls.
     #[inline(always)]
     pub(crate) fn checks_due(&self) -> bool {
         self.calls % CHECK_EVERY == 0
     }
 
     /// The slow checks, after the completions (so the watchdog counts those of this poll):
-    /// a fatal event on the device or one of `qps`, or a stall, is the comm's error.
-    /// `work`/`waiting` say whether the rail has posted work in flight and whether the comm
-    /// waits for the peer; the result: the pairs to probe (one bit each).
+    /// a fatal event on the device or one of `qps`, a path dead or work stalled, is the
+    /// rail's fault. `work`/`waiting` say whether the rail has posted work in flight and
+    /// whether the comm waits for the peer; the result: the pairs to probe (one bit each).
     #[cold]
     #[inline(never)]
     pub(crate) fn slow_checks(
@@ -371,12 +336,7 @@ impl<N: Nic> CqPoller<N> {
         peer: &str,
         work: bool,
         waiting: bool,
-    ) -> Result<u8> {
-        self.check_peer();
-        if self.mail.is_some() {
-            // The comm reads it (the peer moves the connection).
-            return Err(Error::remote(format!("peer {peer} sent a message")));
-        }
+    ) -> std::result::Result<u8, Fault> {
         if let Some(l) = &mut self.latency {
             l.warn_stalls();
         }
@@ -385,13 +345,14 @@ impl<N: Nic> CqPoller<N> {
             self.epoch = now;
             let qpns: Vec<u32> = qps.iter().map(|q| q.qpn()).collect();
             if let Some(why) = nic.fatal_for(&self.cq, &qpns) {
-                return Err(Error::device(format!("fatal asynchronous event: {why}")));
+                let e = Error::device(format!("fatal asynchronous event: {why}"));
+                return Err(Fault::new(Cause::FatalEvent, e));
             }
         }
         let now = Instant::now();
         match self
             .watchdog
-            .check(now, self.completions, (work, waiting), pairs)
+            .check(now, self.progress, (work, waiting), pairs)
         {
             Verdict::Fine(probe) => Ok(probe),
             Verdict::Slow(idle, probe) => {
@@ -407,16 +368,15 @@ impl<N: Nic> CqPoller<N> {
                 );
                 Ok(probe)
             }
-            Verdict::Stalled(idle) => Err(stalled_error(nic, peer, idle, None, "")),
+            Verdict::Stalled(idle) => {
+                let e = stalled_error(nic, peer, idle, None, "");
+                Err(Fault::new(Cause::Stalled, e))
+            }
             Verdict::Unanswered(p, age) => {
-                let setting = self.watchdog.probe_setting;
-                Err(stalled_error(
-                    nic,
-                    peer,
-                    age,
-                    Some(&pairs[p].remote_name),
-                    setting,
-                ))
+                let setting = self.watchdog.probe_setting();
+                let to = Some(pairs[p].remote_name.as_str());
+                let e = stalled_error(nic, peer, age, to, setting);
+                Err(Fault::new(Cause::Unanswered, e))
             }
         }
     }
@@ -466,31 +426,41 @@ fn stalled_error<N: Nic>(
     ))
 }
 
-/// The error of the first failed completion in `wc`, where [`CqPoller::hand_out`] stopped.
+/// The fault of the first failed completion in `wc`, where [`CqPoller::hand_out`] stopped.
 #[cold]
 #[inline(never)]
-pub(crate) fn failed_completion<N: Nic>(nic: &N, peer: &str, wc: &WcBatch) -> Error {
+pub(crate) fn failed_completion<N: Nic>(nic: &N, peer: &str, wc: &WcBatch) -> Fault {
     match wc.iter().find(|c| c.status() != WC_SUCCESS) {
-        Some(c) => cqe_error(nic, peer, c),
+        Some(c) => Fault::new(Cause::Completion(c.wc_status()), cqe_error(nic, peer, c)),
         // Not reached: the drain stops only at a failed completion.
-        None => Error::device(format!("a completion to peer {peer} failed")),
+        None => Fault::new(
+            Cause::Device,
+            Error::device(format!("a completion to peer {peer} failed")),
+        ),
     }
 }
 
 #[cold]
 fn cqe_error<N: Nic>(nic: &N, peer: &str, c: Completion<'_>) -> Error {
-    let hint = match c.status() {
-        12 => {
+    let hint = match c.wc_status() {
+        WcStatus::RetryExceeded => {
             " (retry exceeded: the peer is gone or unreachable; check the GID index, \
                routing and NCCL_IB_TIMEOUT)"
         }
-        4 => {
+        WcStatus::LocalProtection => {
             " (local protection error: memory not registered or ACS/IOMMU blocking \
               peer-to-peer)"
         }
-        5 => " (flushed: an earlier error broke this QP)",
-        10 | 11 => " (remote access/operation error: the peer's buffer or key is invalid)",
-        13 => " (receiver not ready)",
+        WcStatus::LocalQpOperation => " (local QP operation error: the link went down?)",
+        WcStatus::Flushed => " (flushed: an earlier error broke this QP)",
+        WcStatus::RemoteAccess | WcStatus::RemoteOperation => {
+            " (remote access/operation error: the peer's buffer or key is invalid)"
+        }
+        WcStatus::RemoteInvalidRequest => {
+            " (remote invalid request: the peer's QP refused the request, e.g. a length or \
+              MTU it does not accept)"
+        }
+        WcStatus::ReceiverNotReadyRetryExceeded => " (receiver not ready)",
         _ => "",
     };
     Error::remote(format!(
@@ -513,7 +483,7 @@ mod tests {
         let t0 = Instant::now();
         let s = Duration::from_secs;
         let pair = |r| PairProbe::new(0, r, format!("peer{r}"));
-        let mut w = Watchdog::new(Some(s(8)), s(1));
+        let mut w = Watchdog::new(Some(s(8)), s(1), None);
         let mut pairs = [pair(0), pair(1)];
         // Work in flight, completions coming: no stall however long it runs; both paths are
         // probed a quarter of the limit after the comm became active.
@@ -542,7 +512,7 @@ mod tests {
             Verdict::Unanswered(1, s(9))
         );
         // No completion at all with work posted: the rail is dead after the limit.
-        let mut w = Watchdog::new(Some(s(8)), s(1));
+        let mut w = Watchdog::new(Some(s(8)), s(1), None);
         let mut none: [PairProbe; 0] = [];
         assert_eq!(w.check(t0, 0, (true, false), &mut none), Verdict::Fine(0));
         assert_eq!(
@@ -554,7 +524,7 @@ mod tests {
             Verdict::Stalled(s(9))
         );
         // A comm that only waits probes too, and an answered probe is followed by the next.
-        let mut w = Watchdog::new(Some(s(8)), s(1));
+        let mut w = Watchdog::new(Some(s(8)), s(1), None);
         let mut one = [pair(0)];
         assert_eq!(w.check(t0, 0, (false, true), &mut one), Verdict::Fine(0));
         assert_eq!(
@@ -571,18 +541,53 @@ mod tests {
             Verdict::Fine(1)
         );
         // Idle comms, and a watchdog turned off, never probe nor trip.
-        let mut w = Watchdog::new(Some(s(8)), s(1));
+        let mut w = Watchdog::new(Some(s(8)), s(1), None);
         let mut one = [pair(0)];
         assert_eq!(w.check(t0, 0, (false, false), &mut one), Verdict::Fine(0));
         assert_eq!(
             w.check(t0 + s(100), 0, (false, false), &mut one),
             Verdict::Fine(0)
         );
-        let mut off = Watchdog::new(None, s(1));
+        let mut off = Watchdog::new(None, s(1), None);
         assert_eq!(off.check(t0, 0, (true, true), &mut one), Verdict::Fine(0));
         assert_eq!(
             off.check(t0 + s(1000), 0, (true, true), &mut one),
             Verdict::Fine(0)
         );
+    }
+
+    #[test]
+    fn failover_probes_every_half_its_suspect_time_even_without_a_work_limit() {
+        let t0 = Instant::now();
+        let ms = Duration::from_millis;
+        let mut w = Watchdog::new(None, ms(10), Some(ms(100)));
+        let mut one = [PairProbe::new(0, 0, "peer0".into())];
+        assert_eq!(w.check(t0, 0, (true, false), &mut one), Verdict::Fine(0));
+        assert_eq!(
+            w.check(t0 + ms(60), 0, (true, false), &mut one),
+            Verdict::Fine(1)
+        );
+        // No work limit: work without progress is never stalled; the unanswered probe is.
+        assert_eq!(
+            w.check(t0 + ms(170), 0, (true, false), &mut one),
+            Verdict::Unanswered(0, ms(110))
+        );
+    }
+
+    #[test]
+    fn answered_probes_are_not_progress_of_the_work() {
+        let t0 = Instant::now();
+        let s = Duration::from_secs;
+        let mut w = Watchdog::new(Some(s(1)), s(1), None);
+        let mut one = [PairProbe::new(0, 0, "peer0".into())];
+        let mut verdicts = Vec::new();
+        // The path answers every probe; the work's own progress stays at 5.
+        for t in 0..=12 {
+            one[0].answered();
+            verdicts.push(w.check(t0 + s(t), 5, (true, false), &mut one));
+        }
+        // Idle from the check at 1 s: slow past 1 s of it, stalled past ten.
+        assert!(matches!(verdicts[3], Verdict::Slow(..)), "{verdicts:?}");
+        assert_eq!(verdicts[12], Verdict::Stalled(s(11)), "{verdicts:?}");
     }
 }

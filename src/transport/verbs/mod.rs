@@ -2,29 +2,38 @@
 //! NCCL's IB transport is. This module is the backend: the ports (found as NCCL IB finds
 //! them), their registration caches, `ibv_fork_init`, DMA-BUF registration, the eRDMA
 //! profile, and what it all came to ([`TransportFacts`]). The rest, by lifecycle:
-//! - [`wire`]: what the two ends agree on (setup message, clear-to-send entries, ids);
-//! - [`setup`]: connect and accept over `oob`, QPs brought up;
+//! - [`wire`]: what the two ends agree on (setup and move messages, clear-to-send entries,
+//!   ids);
+//! - [`setup`]: connect and accept over `oob`; [`bringup`]: an end's rails made, described,
+//!   joined to the peer's and probed, for setup and for a move alike;
 //! - [`send`] and [`recv`]: the data path, each end in its own room, with the gates an idle
-//!   call reads instead of the lock ([`gate`] for the receiver);
-//! - [`cq`]: completions, the peer watch and the work watchdog;
-//! - [`profile`]: the settings a device changes, and each connection's parameters;
-//! - [`rail`]: the NICs of a connection; [`fusion`]: devices over several NICs;
+//!   call reads instead of the lock ([`gate`]);
+//! - [`peer`]: each end's link to its peer (move messages, its exit);
+//! - [`rail`]: the NICs of a connection; [`cq`]: a rail's completions and work watchdog;
+//!   [`fault`]: what breaks a rail, as a value, and whether a move mends it;
 //! - [`failover`]: a connection moving off a failed NIC to another of the same link layer;
-//! - [`survey`]: what the ports tell, used or not.
+//!   [`reaper`]: the dead NIC's resources freed off the data path;
+//! - [`profile`]: the settings a device changes, and each connection's parameters;
+//!   [`budget`]: what a connection takes of its NICs, fitted to their limits;
+//! - [`fusion`]: devices over several NICs; [`survey`]: what the ports tell, used or not.
 //!
 //! Everything below `setup` works on any [`Nic`](crate::verbs::nic::Nic), so the unit tests
 //! (`tests`) run the whole protocol on the in-memory fabric of `verbs::fake`. eRDMA limits are
 //! honoured: RC only, no SRQ, one SGE, inline <= 96 bytes, legacy verbs.
 
+mod bringup;
 mod budget;
 mod cq;
 mod failover;
+mod fault;
 pub(crate) mod fusion;
 mod gate;
 mod latency;
 mod mr_cache;
+mod peer;
 pub(crate) mod profile;
 mod rail;
+mod reaper;
 mod recv;
 mod send;
 mod setup;
@@ -258,7 +267,7 @@ impl VerbsTransport {
         rails: &[Arc<VerbsDevice>],
         spares: &[Arc<VerbsDevice>],
         traffic_class: Option<i32>,
-    ) -> setup::ConnParams {
+    ) -> profile::ConnParams {
         let mut p = profile::conn_params(&self.config, &rails[0], traffic_class);
         let others = rails.len() + spares.len() > 1;
         if others && self.config.failover.value != Some(false) {
@@ -287,7 +296,7 @@ impl Transport for VerbsTransport {
             .enumerate()
             .map(|(index, d)| {
                 let members = d.members.iter().map(|&i| self.infos[i].name.clone());
-                let mut f = facts::Device::of(index, &d.props, members.collect(), &d.why);
+                let mut f = d.props.facts(index, members.collect(), &d.why);
                 f.spares = d
                     .spares
                     .iter()

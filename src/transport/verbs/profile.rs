@@ -1,14 +1,61 @@
 //! What a verbs device changes in the settings, decided in one place ([`tuning`]): where the
 //! user set nothing, eRDMA gets Alibaba Cloud's preset of 8 QPs per connection, and a
 //! software device (Soft-RoCE, Soft-iWARP) batches clear-to-sends. And the parameters each
-//! connection is made with ([`conn_params`]).
+//! connection is made with ([`ConnParams`], built by [`conn_params`]).
 
 use std::time::Duration;
 
-use super::setup::ConnParams;
+use super::budget::SENDER_SEND_DEPTH;
 use crate::config::{Config, Setting};
 use crate::oob::Timeouts;
 use crate::verbs::device::{DeviceClass, VerbsDevice};
+
+/// What a connection is set up with (settings, resolved per device).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ConnParams {
+    /// `NCCL_IB_QPS_PER_CONNECTION`, per rail (the connector's is used).
+    pub(crate) qps_per_connection: u32,
+    /// `NCCL_IB_SPLIT_DATA_ON_QPS` (the receiver's is used).
+    pub(crate) split_data: bool,
+    /// `NCCL_IB_TIMEOUT`.
+    pub(crate) timeout: u8,
+    /// `NCCL_IB_RETRY_CNT`.
+    pub(crate) retry_cnt: u8,
+    /// `NCCL_IB_TC` (or the communicator's traffic class), 0 when unset.
+    pub(crate) traffic_class: u8,
+    /// `NCCL_IB_SL`, 0 when unset.
+    pub(crate) sl: u8,
+    /// Create the loopback flush QPs (GPUDirect in use, or forced).
+    pub(crate) flush: bool,
+    /// Bounds on reaching the peer's listener and on a silent peer.
+    pub(crate) timeouts: Timeouts,
+    /// `NCCL_ERDMA_CTS_BATCH`: clear-to-send entries the receiver may hold back.
+    pub(crate) cts_batch: u32,
+    /// `NCCL_ERDMA_WORK_TIMEOUT_S`: posted work without completion for this long fails the
+    /// comm (None: never).
+    pub(crate) work_timeout: Option<Duration>,
+    /// `NCCL_IB_WQE_LATENCY_THRESHOLD_NS` (None: 0, off) and `NCCL_IB_WQE_LATENCY_REPORT`.
+    pub(crate) wqe_latency: Option<(Duration, bool)>,
+    /// The send queue depth of a sender's QPs ([`SENDER_SEND_DEPTH`]; tests make it small): a
+    /// send that does not fit waits for room ("not now").
+    pub(crate) send_depth: u32,
+    /// `NCCL_ERDMA_FAILOVER` in effect for this connection (another NIC can carry it): how
+    /// long a path's probe may go unanswered before the connection moves; None: off.
+    pub(crate) failover: Option<Duration>,
+}
+
+/// The device's retransmission timer at `NCCL_IB_TIMEOUT` = `ib_timeout`: `4.096 us *
+/// 2^timeout`, how long a QP waits for an acknowledgement before it sends again.
+pub(crate) fn retransmit_timer(ib_timeout: u8) -> Duration {
+    Duration::from_secs_f64(4.096e-6 * 2f64.powi(i32::from(ib_timeout)))
+}
+
+/// How long a probe may go unanswered at least: eight retransmission timers, so that a probe
+/// whose packets a lossy link drops a few times still comes back in time (the work timeout,
+/// where longer, bounds it otherwise).
+pub(crate) fn probe_floor(ib_timeout: u8) -> Duration {
+    8 * retransmit_timer(ib_timeout)
+}
 
 /// QPs per connection on eRDMA when the user set none: Alibaba's published preset for NCCL
 /// on eRDMA (PAI "eRDMA" guide: `NCCL_IB_QPS_PER_CONNECTION=8`).
@@ -76,9 +123,9 @@ pub(crate) fn work_timeout(config: &Config) -> Option<Duration> {
         Some(0) => None,
         Some(s) => Some(Duration::from_secs(s)),
         None => {
-            let per_try = 4.096e-6 * 2f64.powi(config.ib_timeout.value as i32);
-            let device = per_try * f64::from(config.ib_retry_cnt.value + 1);
-            Some(Duration::from_secs_f64((2.0 * device).max(60.0)))
+            let device =
+                retransmit_timer(config.ib_timeout.value as u8) * (config.ib_retry_cnt.value + 1);
+            Some((2 * device).max(Duration::from_secs(60)))
         }
     }
 }
@@ -119,7 +166,7 @@ pub(crate) fn conn_params(
                 c.wqe_latency_report.value,
             )
         }),
-        send_depth: super::send::SENDER_SEND_DEPTH,
+        send_depth: SENDER_SEND_DEPTH,
         // Set by the transport where another NIC can carry the connection.
         failover: None,
     }
@@ -129,9 +176,8 @@ pub(crate) fn conn_params(
 /// `NCCL_ERDMA_FAILOVER_AFTER_MS`, and at least two of the device's retransmission timers
 /// (`4.096 us * 2^NCCL_IB_TIMEOUT`), so that a probe lost once is sent again in time.
 pub(crate) fn failover_after(config: &Config) -> Duration {
-    let per_try = 4.096e-6 * 2f64.powi(config.ib_timeout.value as i32);
     Duration::from_millis(config.failover_after_ms.value)
-        .max(Duration::from_secs_f64(2.0 * per_try))
+        .max(2 * retransmit_timer(config.ib_timeout.value as u8))
 }
 
 #[cfg(test)]
@@ -187,17 +233,14 @@ mod tests {
 
     #[test]
     fn work_timeout_follows_the_ib_retry_bound_with_a_floor() {
-        assert_eq!(
-            work_timeout(&cfg(&[])),
-            Some(Duration::from_secs_f64(
-                2.0 * 8.0 * 4.096e-6 * f64::from(1u32 << 20)
-            ))
-        );
+        // 4.096 us * 2^20 = 4.29 s per try, 8 tries, twice over.
+        let t20 = retransmit_timer(20);
+        assert!(t20 > Duration::from_millis(4294) && t20 < Duration::from_millis(4295));
+        assert_eq!(work_timeout(&cfg(&[])), Some(2 * 8 * t20));
         let short = cfg(&[("NCCL_IB_TIMEOUT", "14")]);
         assert_eq!(work_timeout(&short), Some(Duration::from_secs(60)));
         let long = cfg(&[("NCCL_IB_TIMEOUT", "22"), ("NCCL_IB_RETRY_CNT", "3")]);
-        let want = 2.0 * 4.0 * 4.096e-6 * f64::from(1u32 << 22);
-        assert_eq!(work_timeout(&long), Some(Duration::from_secs_f64(want)));
+        assert_eq!(work_timeout(&long), Some(2 * 4 * retransmit_timer(22)));
         assert_eq!(
             work_timeout(&cfg(&[("NCCL_ERDMA_WORK_TIMEOUT_S", "7")])),
             Some(Duration::from_secs(7))

@@ -2,15 +2,17 @@
 //! for a virtual one). Each rail has its own QPs and completion queue (a CQ belongs to one
 //! NIC), its own work watchdog and probes of each path its QPs take to the peer (so a rail or
 //! path that dies is found and named even while others still complete work) and its own
-//! traffic counters. QP `q` of a connection lives on rail `q % rails` of each end.
+//! traffic counters. QP `q` of a connection lives on rail `q % rails` of each end
+//! ([`super::wire::locate`]). What goes wrong on a rail comes out as a [`Fault`] of it.
 
 use std::sync::Arc;
 
 use super::cq::{self, CqPoller, PairProbe};
+use super::fault::{Cause, Fault};
 use super::latency::RailLatency;
 use super::wire::WrKind;
-use crate::error::Result;
-use crate::verbs::dma::{Completion, WcBatch, WC_SUCCESS};
+use crate::transport::MAX_RAILS;
+use crate::verbs::dma::{Completion, SendChain, WcBatch};
 use crate::verbs::nic::{Nic, QueuePair};
 
 /// What one rail carried.
@@ -19,6 +21,15 @@ pub(crate) struct RailStats {
     pub(crate) bytes: u64,
     pub(crate) messages: u64,
     pub(crate) errors: u64,
+}
+
+/// What a probe reads: a byte of the peer's memory (`remote`, with its key on each of the
+/// peer's rails) into a byte of this end's (`local`: address, and its key on this rail).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct ProbeTarget {
+    pub(crate) local: (u64, u32),
+    pub(crate) remote: u64,
+    pub(crate) rkeys: [u32; MAX_RAILS],
 }
 
 /// One NIC of a connection.
@@ -34,6 +45,8 @@ pub(crate) struct Rail<N: Nic> {
     pub(crate) probe_qps: Vec<N::Qp>,
     pub(crate) cq: CqPoller<N>,
     pub(crate) nic: Arc<N>,
+    /// Which rail of the connection this is.
+    pub(crate) index: usize,
     /// Signaled work requests posted on this rail and not completed yet. Signed, so taking
     /// completions off needs no saturation: exact bookkeeping never goes below zero, and a
     /// count that did would read as nothing in flight.
@@ -41,12 +54,13 @@ pub(crate) struct Rail<N: Nic> {
     pub(crate) stats: RailStats,
     /// The paths its QPs take to the peer's rails, each probed by the watchdog.
     pub(crate) pairs: Vec<PairProbe>,
-    /// The status of the failed completion that broke the rail, if one did.
-    pub(crate) failed_status: Option<u32>,
+    /// What the probes read.
+    pub(crate) probe: ProbeTarget,
 }
 
 impl<N: Nic> Rail<N> {
     pub(crate) fn new(
+        index: usize,
         nic: Arc<N>,
         cq: CqPoller<N>,
         qps: Vec<N::Qp>,
@@ -58,10 +72,11 @@ impl<N: Nic> Rail<N> {
             probe_qps: Vec::new(),
             cq,
             nic,
+            index,
             in_flight: 0,
             stats: RailStats::default(),
             pairs: Vec::new(),
-            failed_status: None,
+            probe: ProbeTarget::default(),
         }
     }
 
@@ -102,27 +117,25 @@ impl<N: Nic> Rail<N> {
     }
 
     /// Polls this rail's CQ once into `wc` (see [`CqPoller::poll`]): whether [`Self::drain`]
-    /// has anything to do. A failed poll counts as the rail's error.
+    /// has anything to do.
     #[inline]
-    pub(crate) fn poll(&mut self, wc: &mut WcBatch) -> Result<bool> {
+    pub(crate) fn poll(&mut self, wc: &mut WcBatch) -> Result<bool, Fault> {
         let r = self.cq.poll(&self.nic, wc);
-        self.count_error(r)
+        r.map_err(|e| self.fault(Fault::new(Cause::Device, e)))
     }
 
-    /// Passes `r` through, counting its error as the rail's.
-    #[inline]
-    fn count_error<T>(&mut self, r: Result<T>) -> Result<T> {
-        if r.is_err() {
-            self.stats.errors += 1;
-        }
-        r
+    /// `f`, counted as this rail's.
+    #[cold]
+    fn fault(&mut self, f: Fault) -> Fault {
+        self.stats.errors += 1;
+        f.on_rail(self.index)
     }
 
     /// Hands what a poll put in `wc` to `on` (see [`CqPoller::hand_out`]), which says
-    /// whether a completion retires signaled work of this side (then it leaves `in_flight`);
-    /// a probe's completion is the rail's own. Then runs the slow checks when due, `waiting`:
-    /// whether the comm waits for its peer. Returns the paths to probe now (one bit each of
-    /// [`Self::pairs`]). A failure counts as the rail's error.
+    /// whether a completion retires signaled work of this side (then it leaves `in_flight`,
+    /// and is the rail's progress); a probe's completion is the rail's own. Then runs the
+    /// slow checks when due, `waiting`: whether the comm waits for its peer, and posts the
+    /// probes due.
     #[inline(always)]
     pub(crate) fn drain(
         &mut self,
@@ -130,7 +143,7 @@ impl<N: Nic> Rail<N> {
         peer: &str,
         waiting: bool,
         mut on: impl FnMut(Completion<'_>) -> bool,
-    ) -> Result<u8> {
+    ) -> Result<(), Fault> {
         let mut done = 0;
         let pairs = &mut self.pairs;
         let handed = self.cq.hand_out(&self.nic, wc, |c| {
@@ -138,28 +151,62 @@ impl<N: Nic> Rail<N> {
                 if let Some(p) = pairs.get_mut(WrKind::slot(c.wr_id())) {
                     p.answered();
                 }
+                // Signaled work of the rail's, but the path's progress, not the work's.
                 done += 1;
+                false
             } else {
-                done += i32::from(on(c));
+                let retires = on(c);
+                done += i32::from(retires);
+                retires
             }
         });
         self.in_flight -= done;
-        if !matches!(handed, Ok(true)) {
-            // Stopped at a failed completion (Ok(false)) or poll.
-            let e = handed.and_then(|_| {
-                self.failed_status = wc.iter().map(|c| c.status()).find(|&s| s != WC_SUCCESS);
-                Err(cq::failed_completion(&*self.nic, peer, wc))
-            });
-            return self.count_error(e);
+        match handed {
+            Ok(true) => {}
+            Ok(false) => {
+                let f = cq::failed_completion(&*self.nic, peer, wc);
+                return Err(self.fault(f));
+            }
+            Err(e) => return Err(self.fault(Fault::new(Cause::Device, e))),
         }
         if !self.cq.checks_due() {
-            return Ok(0);
+            return Ok(());
         }
+        self.slow_checks(peer, waiting)
+    }
+
+    /// The slow checks of the rail, and the probes they find due.
+    #[cold]
+    fn slow_checks(&mut self, peer: &str, waiting: bool) -> Result<(), Fault> {
         let work = self.in_flight > 0;
-        let r = self
-            .cq
-            .slow_checks(&self.nic, (&self.qps, &mut self.pairs), peer, work, waiting);
-        self.count_error(r)
+        let checked =
+            self.cq
+                .slow_checks(&self.nic, (&self.qps, &mut self.pairs), peer, work, waiting);
+        match checked {
+            Ok(0) => Ok(()),
+            Ok(due) => self.post_probes(due),
+            Err(f) => Err(self.fault(f)),
+        }
+    }
+
+    /// 1-byte reads of the peer's memory over the paths `which` (bits of [`Self::pairs`]):
+    /// work that completes at once on a live path, for the watchdog.
+    #[cold]
+    fn post_probes(&mut self, which: u8) -> Result<(), Fault> {
+        let mut chain = SendChain::new();
+        let t = self.probe;
+        for p in (0..self.pairs.len()).filter(|p| which & (1 << p) != 0) {
+            let (qp, remote_rail) = (self.pairs[p].qp, self.pairs[p].remote_rail);
+            chain.clear();
+            chain.read(t.local.0, 1, t.local.1, t.remote, t.rkeys[remote_rail]);
+            chain.finish(WrKind::Probe.id(p), 0);
+            if let Err(e) = chain.post(&*self.nic, &self.probe_qps[qp]) {
+                return Err(self.fault(Fault::new(Cause::Device, e)));
+            }
+            let qpn = self.probe_qps[qp].qpn();
+            self.signaled(qpn, WrKind::Probe.id(p));
+        }
+        Ok(())
     }
 }
 
@@ -179,32 +226,4 @@ pub(crate) fn summary<N: Nic>(rails: &[Rail<N>]) -> String {
         })
         .collect();
     format!(" (rails {})", parts.join("; "))
-}
-
-/// The rail and rail-local index of connection QP `q` over `rails` rails.
-#[inline(always)]
-pub(crate) fn locate(q: usize, rails: usize) -> (usize, usize) {
-    if rails == 1 {
-        (0, q)
-    } else if rails.is_power_of_two() {
-        (q & (rails - 1), q >> rails.trailing_zeros())
-    } else {
-        (q % rails, q / rails)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn qps_are_dealt_over_the_rails() {
-        assert_eq!(locate(0, 1), (0, 0));
-        assert_eq!(locate(5, 1), (0, 5));
-        let two: Vec<(usize, usize)> = (0..4).map(|q| locate(q, 2)).collect();
-        assert_eq!(two, [(0, 0), (1, 0), (0, 1), (1, 1)]);
-        assert_eq!(locate(7, 3), (1, 2));
-        let four: Vec<(usize, usize)> = (6..10).map(|q| locate(q, 4)).collect();
-        assert_eq!(four, [(2, 1), (3, 1), (0, 2), (1, 2)]);
-    }
 }

@@ -1,254 +1,32 @@
-//! Connection setup over `oob`. The connector creates its QPs (`NCCL_IB_QPS_PER_CONNECTION`
-//! per rail, dealt over its rails), clear-to-send FIFO and size records and sends them in its
-//! hello; the listener creates as many QPs over its own rails, brings them to RTS against the
-//! connector's and answers (with the split setting in effect: the receiver's); the connector
-//! brings its QPs up and sends `Ready`, and only then does `accept` return, so the receiver
-//! never writes into a QP that is not ready. QP `q` of each end is on rail `q % rails` of
-//! that end, so ends with different rail counts still pair every QP. Nothing here blocks.
+//! Connection setup over `oob`, in the bring-up's three steps (`bringup`): the connector
+//! (the sender) makes its rails, clear-to-send FIFO and size records and offers them in its
+//! hello; the listener makes its rails, joins them to the connector's and answers (with the
+//! split setting in effect: the receiver's); the connector joins the answer, sends `Ready`
+//! with its probe QPs, and only then does `accept` return, so the receiver never writes into
+//! a QP that is not ready. The bootstrap connection then becomes each end's link to its peer
+//! (`peer`). Nothing here blocks.
 
-use std::{net::SocketAddr, sync::Arc, time::Duration};
+use std::{net::SocketAddr, sync::Arc};
 
+use super::bringup::{dma, rkeys, Bringup, Probes, Role};
 use super::budget::{self, EndCost};
-use super::cq::CqPoller;
 use super::failover::Mobility;
-use super::rail::{locate, Rail};
+use super::peer::PeerLink;
+use super::profile::ConnParams;
+use super::rail::Rail;
 use super::recv::{RecvState, VerbsReceiver};
 use super::send::{SendState, VerbsSender, PROBE_AT};
-use super::wire::{
-    decode_qps, encode_qps, paths, ConnInfo, CtsEntry, QpPlan, RailInfo, MAX_INLINE, MAX_QPS, SLOTS,
-};
+use super::wire::{decode_qps, encode_qps, ConnInfo, CtsEntry, QpPlan, MAX_QPS, SLOTS};
 use crate::error::{Error, Result};
-use crate::oob::{self, Channel, Handle, Hello, Message, MsgKind, Timeouts, TransportKind};
+use crate::oob::{self, Channel, Handle, Hello, Message, MsgKind, TransportKind};
 use crate::transport::{CommKeys, Connector, Listener, MAX_RAILS, MAX_RECVS};
-use crate::verbs::device::{mtu_bytes, VerbsDevice, LINK_LAYER_ETHERNET};
+use crate::verbs::device::VerbsDevice;
 use crate::verbs::dma::DmaBuffer;
-use crate::verbs::nic::{LocalPort, MemoryRegion, Nic, QueuePair};
-use crate::verbs::qp::{QpPath, RemoteQp};
+use crate::verbs::nic::Nic;
 
-/// What a connection is set up with (settings, resolved per device).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct ConnParams {
-    /// `NCCL_IB_QPS_PER_CONNECTION`, per rail (the connector's is used).
-    pub(crate) qps_per_connection: u32,
-    /// `NCCL_IB_SPLIT_DATA_ON_QPS` (the receiver's is used).
-    pub(crate) split_data: bool,
-    /// `NCCL_IB_TIMEOUT`.
-    pub(crate) timeout: u8,
-    /// `NCCL_IB_RETRY_CNT`.
-    pub(crate) retry_cnt: u8,
-    /// `NCCL_IB_TC` (or the communicator's traffic class), 0 when unset.
-    pub(crate) traffic_class: u8,
-    /// `NCCL_IB_SL`, 0 when unset.
-    pub(crate) sl: u8,
-    /// Create the loopback flush QPs (GPUDirect in use, or forced).
-    pub(crate) flush: bool,
-    /// Bounds on reaching the peer's listener and on a silent peer.
-    pub(crate) timeouts: Timeouts,
-    /// `NCCL_ERDMA_CTS_BATCH`: clear-to-send entries the receiver may hold back.
-    pub(crate) cts_batch: u32,
-    /// `NCCL_ERDMA_WORK_TIMEOUT_S`: posted work without completion for this long fails the
-    /// comm (None: never).
-    pub(crate) work_timeout: Option<Duration>,
-    /// `NCCL_IB_WQE_LATENCY_THRESHOLD_NS` (None: 0, off) and `NCCL_IB_WQE_LATENCY_REPORT`.
-    pub(crate) wqe_latency: Option<(Duration, bool)>,
-    /// The send queue depth of a sender's QPs ([`super::send::SENDER_SEND_DEPTH`]; tests make it
-    /// small):
-    /// a send that does not fit waits for room ("not now").
-    pub(crate) send_depth: u32,
-    /// `NCCL_ERDMA_FAILOVER` in effect for this connection (another NIC can carry it): how
-    /// long a path's probe may go unanswered before the connection moves; None: off.
-    pub(crate) failover: Option<Duration>,
-}
-
-/// A DMA buffer of `len` elements registered on every NIC of `nics`.
-pub(super) fn dma<T: Copy, N: Nic>(nics: &[Arc<N>], len: usize) -> Result<DmaBuffer<T, N::Mr>> {
-    DmaBuffer::new(len, nics.len(), register_on(nics))
-}
-
-/// A DMA buffer's registration `i` of `addr..addr+bytes`: on `nics[i]`, with its keys.
-pub(super) fn register_on<N: Nic>(
-    nics: &[Arc<N>],
-) -> impl Fn(usize, usize, usize) -> Result<(N::Mr, u32, u32)> + Copy + '_ {
-    |i, addr, bytes| {
-        let mr = nics[i].register(addr, bytes)?;
-        let (lkey, rkey) = (mr.lkey(), mr.rkey());
-        Ok((mr, lkey, rkey))
-    }
-}
-
-/// The NIC behind `port` as the other end needs it, with `rkey` for the connection's memory.
-fn rail_info(port: &LocalPort, rkey: u32) -> RailInfo {
-    RailInfo {
-        link_layer: port.link_layer,
-        mtu: port.active_mtu as u8,
-        port: port.port,
-        gid_index: port.gid_index,
-        lid: port.lid,
-        gid: port.gid,
-        rkey,
-        device: port.name.clone(),
-    }
-}
-
-/// This end of a connection as the other end needs it: `addr` and its key on each rail.
-pub(super) fn local_info<N: Nic>(
-    rails: &[Rail<N>],
-    addr: u64,
-    rkey: impl Fn(usize) -> u32,
-    p: &ConnParams,
-) -> ConnInfo {
-    let info = rails
-        .iter()
-        .enumerate()
-        .map(|(i, r)| rail_info(r.nic.local(), rkey(i)))
-        .collect();
-    let nqps: usize = rails.iter().map(|r| r.qps.len()).sum();
-    let qps = (0..nqps)
-        .map(|q| {
-            let (r, i) = locate(q, rails.len());
-            let qp = &rails[r].qps[i];
-            (qp.qpn(), qp.psn())
-        })
-        .collect();
-    ConnInfo {
-        addr,
-        tc: p.traffic_class,
-        sl: p.sl,
-        split: p.split_data,
-        rails: info,
-        qps,
-        probes: Vec::new(),
-    }
-}
-
-/// The path from `nic` towards `remote`: the smaller of the two ports' MTUs (so peers with
-/// different MTUs talk at the smaller one), `tc`/`sl` as agreed.
-fn path<N: Nic>(nic: &N, remote: &RailInfo, p: &ConnParams, tc: u8, sl: u8) -> QpPath {
-    let l = nic.local();
-    QpPath {
-        port: l.port,
-        roce: l.link_layer == LINK_LAYER_ETHERNET,
-        gid_index: l.gid_index,
-        mtu: u32::from(remote.mtu).min(l.active_mtu),
-        traffic_class: tc,
-        sl,
-        timeout: p.timeout,
-        retry_cnt: p.retry_cnt,
-    }
-}
-
-/// Checks that every rail pair the QPs join can talk: same link layer; a differing MTU is
-/// fine (the smaller is used) and said once.
-pub(super) fn check_links<N: Nic>(
-    rails: &[Rail<N>],
-    remote: &ConnInfo,
-    peer: impl std::fmt::Display,
-) -> Result<()> {
-    let name = |layer: u8| {
-        if layer == LINK_LAYER_ETHERNET {
-            "Ethernet (RoCE)"
-        } else {
-            "InfiniBand"
-        }
-    };
-    for q in 0..remote.qps.len().max(rails.len()) {
-        let l = rails[q % rails.len()].nic.local();
-        let r = &remote.rails[q % remote.rails.len()];
-        if r.link_layer != l.link_layer {
-            return Err(Error::usage(format!(
-                "link layer mismatch: local device {} is {}, peer {peer} device {} is {}; pick \
-                 devices of one kind on every node with NCCL_IB_HCA",
-                l.name,
-                name(l.link_layer),
-                r.device,
-                name(r.link_layer)
-            )));
-        }
-        let (ours, theirs) = (l.active_mtu, u32::from(r.mtu));
-        if ours != theirs && q < rails.len() {
-            tracing::info!(
-                "{} (MTU {}) and peer {peer} {} (MTU {}) differ: the connection uses {} bytes",
-                l.name,
-                mtu_bytes(ours),
-                r.device,
-                mtu_bytes(theirs),
-                mtu_bytes(ours.min(theirs))
-            );
-        }
-    }
-    Ok(())
-}
-
-/// Brings every QP of `rails` up against `remote` (QP `q` to the peer's QP `q`).
-pub(super) fn connect_qps<N: Nic>(
-    rails: &[Rail<N>],
-    remote: &ConnInfo,
-    p: &ConnParams,
-    tc: u8,
-    sl: u8,
-) -> Result<()> {
-    // A listener short of QPs makes fewer than the connector offered: its first ones.
-    let ours: usize = rails.iter().map(|r| r.qps.len()).sum();
-    for (q, (qpn, psn)) in remote.qps.iter().take(ours).enumerate() {
-        let (r, i) = locate(q, rails.len());
-        let rail = &rails[r];
-        let theirs = &remote.rails[q % remote.rails.len()];
-        let rq = RemoteQp {
-            qpn: *qpn,
-            psn: *psn,
-            gid: theirs.gid,
-            lid: theirs.lid,
-        };
-        rail.nic
-            .connect_qp(&rail.qps[i], &path(&*rail.nic, theirs, p, tc, sl), &rq)?;
-    }
-    Ok(())
-}
-
-/// The rails of a connection's end over `nics` as `cost` describes it: per rail a CQ, its
-/// data QPs and a loopback flush QP where `cost.flush` (probe QPs come later, per path).
-pub(super) fn make_rails<N: Nic>(
-    nics: &[Arc<N>],
-    cost: &EndCost,
-    p: &ConnParams,
-) -> Result<Vec<Rail<N>>> {
-    nics.iter()
-        .enumerate()
-        .map(|(r, nic)| {
-            let cq = nic.create_cq(cost.cqes_on(r))?;
-            let qps = (0..cost.qps_on(r))
-                .map(|i| {
-                    let send_wr = if r == 0 && i == 0 {
-                        cost.first_send_wr
-                    } else {
-                        cost.send_wr
-                    };
-                    nic.create_qp(&cq, send_wr, cost.recv_wr, MAX_INLINE)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            let flush_qp = if cost.flush {
-                let qp = nic.create_qp(&cq, SLOTS as u32, 1, MAX_INLINE)?;
-                let l = nic.local();
-                let own = RemoteQp {
-                    qpn: qp.qpn(),
-                    psn: qp.psn(),
-                    gid: l.gid,
-                    lid: l.lid,
-                };
-                let me = rail_info(l, 0);
-                nic.connect_qp(&qp, &path(&**nic, &me, p, 0, 0), &own)?;
-                Some(qp)
-            } else {
-                None
-            };
-            Ok(Rail::new(
-                Arc::clone(nic),
-                CqPoller::new(cq, p.work_timeout, probe_timeout(p.timeout), p.failover),
-                qps,
-                flush_qp,
-            ))
-        })
-        .collect()
+/// The local keys of `buf` on each rail.
+fn lkeys<T: Copy, R>(buf: &DmaBuffer<T, R>, rails: usize) -> [u32; MAX_RAILS] {
+    std::array::from_fn(|r| if r < rails { buf.lkey(r) } else { 0 })
 }
 
 /// What the sending end of a connection of `qps` data QPs over `nics` makes, its send
@@ -268,118 +46,9 @@ fn receiver_cost<N: Nic>(nics: &[Arc<N>], remote: &ConnInfo, p: &ConnParams) -> 
     EndCost::receiver(qps, nics.len().min(qps), remote.rails.len(), p.flush)
 }
 
-/// QP numbers and initial PSNs, one per QP.
-type QpIds = Vec<(u32, u32)>;
-
-/// The paths of a connection: (connector rail, listener rail) each.
-type Paths = Vec<(usize, usize)>;
-
-/// Which end of a connection this is, to read a path (connector rail, listener rail).
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(super) enum End {
-    Connector,
-    Listener,
-}
-
-impl End {
-    /// (this end's rail, the peer's rail) of `path`.
-    fn sides(self, (connector, listener): (usize, usize)) -> (usize, usize) {
-        match self {
-            End::Connector => (connector, listener),
-            End::Listener => (listener, connector),
-        }
-    }
-}
-
-/// Makes this end's probe QP of each of `paths` on its rail of the path, and tells the rail
-/// the path (the peer's rail, named as `remote` names it). Returns, per path, (rail, the
-/// path's index among the rail's), to connect them by.
-pub(super) fn make_probes<N: Nic>(
-    rails: &mut [Rail<N>],
-    paths: &[(usize, usize)],
-    end: End,
-    remote: &ConnInfo,
-) -> Result<Vec<(usize, usize)>> {
-    paths
-        .iter()
-        .map(|&path| {
-            let (mine, theirs) = end.sides(path);
-            let rail = &mut rails[mine];
-            // One probe in flight at a time, a read: no receive is ever consumed.
-            let qp = rail.nic.create_qp(&rail.cq.cq, 4, 1, MAX_INLINE)?;
-            let index = rail.add_path(qp, theirs, &remote.rails[theirs].device);
-            Ok((mine, index))
-        })
-        .collect()
-}
-
-/// Times the signaled work of every QP of `rails` where `p` asks for it (once every QP,
-/// probe QPs too, is made).
-pub(super) fn time_work<N: Nic>(rails: &mut [Rail<N>], p: &ConnParams, peer: &str) {
-    if let Some((threshold, report)) = p.wqe_latency {
-        for rail in rails {
-            rail.time_work(threshold, report, peer);
-        }
-    }
-}
-
-/// This end's probe QPs (`made`, per path), as the other end needs them.
-pub(super) fn probe_qps<N: Nic>(rails: &[Rail<N>], made: &[(usize, usize)]) -> Vec<(u32, u32)> {
-    made.iter()
-        .map(|&(r, i)| {
-            let qp = &rails[r].probe_qps[i];
-            (qp.qpn(), qp.psn())
-        })
-        .collect()
-}
-
-/// Brings this end's probe QPs (`made`, per path) up against the peer's (`theirs`, per path).
-#[allow(clippy::too_many_arguments)] // each QP's two ends, and the path's parameters
-pub(super) fn connect_probes<N: Nic>(
-    rails: &[Rail<N>],
-    made: &[(usize, usize)],
-    paths: &[(usize, usize)],
-    end: End,
-    theirs: &[(u32, u32)],
-    remote: &ConnInfo,
-    p: &ConnParams,
-    (tc, sl): (u8, u8),
-) -> Result<()> {
-    for (k, &(r, i)) in made.iter().enumerate() {
-        let rail = &rails[r];
-        let their_rail = &remote.rails[end.sides(paths[k]).1];
-        let (qpn, psn) = theirs[k];
-        let rq = RemoteQp {
-            qpn,
-            psn,
-            gid: their_rail.gid,
-            lid: their_rail.lid,
-        };
-        let path = path(&*rail.nic, their_rail, p, tc, sl);
-        rail.nic.connect_qp(&rail.probe_qps[i], &path, &rq)?;
-    }
-    Ok(())
-}
-
-/// How long a probe may go unanswered at least: eight of the device's retransmission timers
-/// (`4.096 us * 2^NCCL_IB_TIMEOUT`), so that a probe whose packets a lossy link drops a few
-/// times still comes back in time (the work timeout, where longer, bounds it otherwise).
-fn probe_timeout(ib_timeout: u8) -> Duration {
-    Duration::from_secs_f64(8.0 * 4.096e-6 * 2f64.powi(i32::from(ib_timeout)))
-}
-
-/// The remote keys of a `ConnInfo`'s memory, by rail.
-pub(super) fn rkeys(info: &ConnInfo) -> [u32; MAX_RAILS] {
-    let mut keys = [0; MAX_RAILS];
-    for (k, r) in keys.iter_mut().zip(&info.rails) {
-        *k = r.rkey;
-    }
-    keys
-}
-
 /// What the connector made before the listener answered.
-struct Unconnected<N: Nic> {
-    rails: Vec<Rail<N>>,
+struct Offered<N: Nic> {
+    bringup: Bringup<N>,
     /// What the rails were made as, and every NIC they may move to.
     cost: EndCost,
     nics: Vec<Arc<N>>,
@@ -390,9 +59,8 @@ struct Unconnected<N: Nic> {
 
 /// The connecting side, between NCCL's repeated `connect` calls.
 pub(crate) struct VerbsConnector<N: Nic = VerbsDevice> {
-    chan: Channel,
-    made: Option<Unconnected<N>>,
-    sender: Option<SendState<N>>,
+    chan: Option<Channel>,
+    made: Option<Offered<N>>,
     params: ConnParams,
 }
 
@@ -409,10 +77,12 @@ impl<N: Nic> VerbsConnector<N> {
         let mut cost = sender_cost(nics, want, &params);
         // The peer's rails are not known yet: as many as ours, as NCCL pairs like devices.
         cost.qps = budget::fit_to(nics, &cost, nics.len(), &handle.addr.to_string())?;
-        let rails = make_rails(nics, &cost, &params)?;
+        let bringup = Bringup::make(nics, &cost, params, Role::Offers)?;
         let fifo = dma::<CtsEntry, N>(nics, SLOTS * MAX_RECVS)?;
         let sizes_local = dma::<u32, N>(nics, PROBE_AT + 2)?;
-        let info = local_info(&rails, fifo.addr(0), |r| fifo.rkey(r), &params);
+        let all: Vec<Arc<N>> = nics.iter().chain(spares).cloned().collect();
+        let mobile = Mobility::new(all.clone(), cost, params).able();
+        let info = bringup.describe(fifo.addr(0), |r| fifo.rkey(r), mobile);
         let mut chan = Channel::connect(handle.addr, params.timeouts)?;
         let hello = Hello {
             nonce: handle.nonce,
@@ -421,137 +91,110 @@ impl<N: Nic> VerbsConnector<N> {
         };
         chan.queue(MsgKind::Hello, &hello.encode());
         Ok(VerbsConnector {
-            chan,
-            made: Some(Unconnected {
-                rails,
+            chan: Some(chan),
+            made: Some(Offered {
+                bringup,
                 cost,
-                nics: nics.iter().chain(spares).cloned().collect(),
+                nics: all,
                 fifo,
                 sizes_local,
                 keys,
             }),
-            sender: None,
             params,
         })
     }
 
-    /// One non-blocking step; the sending end once the listener is ready.
+    /// One non-blocking step; the sending end once the listener answered.
     fn step(&mut self) -> Result<Option<VerbsSender<N>>> {
-        if !self.chan.flush()? {
+        let Some(chan) = self.chan.as_mut() else {
+            return Err(Error::misuse(
+                "connect polled again after it made its connection".into(),
+            ));
+        };
+        if !chan.flush()? {
             return Ok(None);
         }
-        if self.sender.is_none() {
-            let Some(m) = self.chan.poll_recv()? else {
-                return Ok(None);
-            };
-            let (sender, probes) = self.accepted(m)?;
-            self.sender = Some(sender);
-            self.chan.queue(MsgKind::Ready, &encode_qps(&probes));
-            if !self.chan.flush()? {
-                return Ok(None);
-            }
-        }
-        let Some(mut s) = self.sender.take() else {
+        let Some(m) = chan.poll_recv()? else {
             return Ok(None);
         };
-        if let Some(stream) = self.chan.try_clone_stream() {
-            s.rails[0]
-                .cq
-                .watch(Channel::from_stream(stream, self.chan.peer()));
-        }
-        Ok(Some(VerbsSender::new(s)))
+        let Some(chan) = self.chan.take() else {
+            return Ok(None);
+        };
+        self.accepted(chan, m).map(Some)
     }
 
-    /// Brings the QPs up against the listener's answer; returns the sending end and this
-    /// end's probe QPs, for the `Ready`.
-    fn accepted(&mut self, m: Message) -> Result<(SendState<N>, QpIds)> {
-        let peer = self.chan.peer();
+    /// Joins the rails to the listener's answer `m`, and says `Ready` with this end's probe
+    /// QPs over `chan`, which becomes the sending end's link to its peer.
+    fn accepted(&mut self, mut chan: Channel, m: Message) -> Result<VerbsSender<N>> {
+        let addr = chan.peer();
         match m.kind {
             MsgKind::Accept => {}
             MsgKind::Reject => {
                 return Err(Error::remote(format!(
-                    "{peer} refused the connection: {}",
+                    "{addr} refused the connection: {}",
                     String::from_utf8_lossy(&m.payload)
                 )))
             }
             k => {
                 return Err(Error::remote(format!(
-                    "{peer} answered the hello with message type {k:?}"
+                    "{addr} answered the hello with message type {k:?}"
                 )))
             }
         }
         let remote = ConnInfo::decode(&m.payload)?;
         let mut made = self.made.take().ok_or_else(|| {
-            Error::misuse(format!("connect to {peer} polled again after it failed"))
+            Error::misuse(format!("connect to {addr} polled again after it failed"))
         })?;
-        check_links(&made.rails, &remote, peer)?;
-        let offered: usize = made.rails.iter().map(|r| r.qps.len()).sum();
-        let nqps = remote.qps.len();
+        let offered: usize = made.bringup.rails().iter().map(|r| r.qps.len()).sum();
+        let (rails, nqps) = (made.bringup.rails().len(), remote.qps.len());
         // The listener may take fewer (its device's limits), never fewer than our rails.
-        if nqps > offered || nqps < made.rails.len() {
+        if nqps > offered || nqps < rails {
             return Err(Error::remote(format!(
-                "{peer} answered with {nqps} QPs for our {offered}",
+                "{addr} answered with {nqps} QPs for our {offered}",
             )));
         }
+        made.bringup.keep_qps(nqps);
+        if remote.split != self.params.split_data {
+            tracing::info!(
+                "NCCL_IB_SPLIT_DATA_ON_QPS is {} here and {} at the receiver {addr}: the \
+                 connection uses the receiver's",
+                u8::from(self.params.split_data),
+                u8::from(remote.split)
+            );
+        }
+        let peer = format!("{addr} ({})", remote.devices());
+        let landing = (
+            made.sizes_local.addr(PROBE_AT),
+            lkeys(&made.sizes_local, rails),
+        );
+        made.bringup.join(&remote, landing, &peer)?;
+        chan.queue(MsgKind::Ready, &encode_qps(&made.bringup.probe_qps()));
+        // What the socket does not take now, the link sends at its next poll.
+        chan.flush()?;
+        let plan = QpPlan {
+            nqps,
+            rails,
+            split: remote.split,
+        };
         // What this end is now: the listener's QPs, dealt over our rails.
         let cost = EndCost {
             qps: nqps,
             peer_rails: remote.rails.len(),
             ..made.cost
         };
-        for (r, rail) in made.rails.iter_mut().enumerate() {
-            rail.qps.truncate(cost.qps_on(r));
-        }
-        if remote.split != self.params.split_data {
-            tracing::info!(
-                "NCCL_IB_SPLIT_DATA_ON_QPS is {} here and {} at the receiver {peer}: the \
-                 connection uses the receiver's",
-                u8::from(self.params.split_data),
-                u8::from(remote.split)
-            );
-        }
-        let p = &self.params;
-        connect_qps(&made.rails, &remote, p, p.traffic_class, p.sl)?;
-        let paths = paths(nqps, made.rails.len(), remote.rails.len());
-        if remote.probes.len() != paths.len() {
-            return Err(Error::remote(format!(
-                "{peer} answered with {} probe QPs for {} paths",
-                remote.probes.len(),
-                paths.len()
-            )));
-        }
-        let probes = make_probes(&mut made.rails, &paths, End::Connector, &remote)?;
-        let peer = format!("{peer} ({})", remote.devices());
-        time_work(&mut made.rails, p, &peer);
-        let tc_sl = (p.traffic_class, p.sl);
-        connect_probes(
-            &made.rails,
-            &probes,
-            &paths,
-            End::Connector,
-            &remote.probes,
-            &remote,
-            p,
-            tc_sl,
-        )?;
-        let ours = probe_qps(&made.rails, &probes);
-        let plan = QpPlan {
-            nqps,
-            rails: made.rails.len(),
-            split: remote.split,
-        };
-        let mobility = Mobility::new(made.nics, cost, *p);
+        let mut mobility = Mobility::new(made.nics, cost, self.params);
+        mobility.peer_mobile = remote.mobile;
         let state = SendState::new(
-            made.rails,
+            made.bringup.into_rails(),
             Arc::new(made.fifo),
             made.sizes_local,
             (remote.addr, rkeys(&remote), remote.rails.len()),
             plan,
-            peer,
+            PeerLink::new(chan, peer),
             made.keys,
             mobility,
         );
-        Ok((state, ours))
+        Ok(VerbsSender::new(state))
     }
 }
 
@@ -578,11 +221,27 @@ pub(crate) struct VerbsListener<N: Nic = VerbsDevice> {
 /// A listener's connection between its answer and the connector's `Ready`.
 struct Accepting<N: Nic> {
     chan: Channel,
-    state: RecvState<N>,
-    /// The connector's setup, and the connection's paths with this end's probe QPs of each.
-    remote: ConnInfo,
-    paths: Vec<(usize, usize)>,
-    probes: Vec<(usize, usize)>,
+    answered: Answered<N>,
+}
+
+/// What the listener made in answering: the receiving end, but for its probes' bring-up.
+struct Answered<N: Nic> {
+    peer: String,
+    rails: Vec<Rail<N>>,
+    probes: Probes,
+    /// What the receiving end is made of besides its rails.
+    parts: Parts<N>,
+}
+
+/// The receiving end's memory and plan, made with its rails.
+struct Parts<N: Nic> {
+    cts_local: DmaBuffer<CtsEntry, N::Mr>,
+    sizes_record: DmaBuffer<u32, N::Mr>,
+    flush_target: DmaBuffer<u64, N::Mr>,
+    remote_fifo: (u64, [u32; MAX_RAILS]),
+    plan: QpPlan,
+    keys: CommKeys,
+    mobility: Mobility<N>,
 }
 
 impl<N: Nic> VerbsListener<N> {
@@ -610,36 +269,20 @@ impl<N: Nic> VerbsListener<N> {
             let Some((mut chan, hello)) = self.listener.poll_hello()? else {
                 return Ok(None);
             };
-            let peer = chan.peer();
+            let addr = chan.peer();
             let remote = ConnInfo::decode(&hello.payload)?;
-            let (mut state, paths) = match self.setup_receiver(&remote, peer) {
-                Ok(s) => s,
+            let answered = match self.answer(&remote, addr) {
+                Ok((info, answered)) => {
+                    chan.queue(MsgKind::Accept, &info.encode());
+                    answered
+                }
                 Err(e) => {
                     chan.queue(MsgKind::Reject, e.to_string().as_bytes());
                     let _ = chan.flush();
                     return Err(e);
                 }
             };
-            let probes = make_probes(&mut state.rails, &paths, End::Listener, &remote)?;
-            time_work(&mut state.rails, &self.params, &state.peer);
-            // The answer carries the traffic class and service level the connector asked
-            // for, and the split setting this side uses.
-            let answer = ConnParams {
-                traffic_class: remote.tc,
-                sl: remote.sl,
-                ..self.params
-            };
-            let records = &state.sizes_record;
-            let mut info = local_info(&state.rails, records.addr(0), |r| records.rkey(r), &answer);
-            info.probes = probe_qps(&state.rails, &probes);
-            chan.queue(MsgKind::Accept, &info.encode());
-            self.accepting = Some(Accepting {
-                chan,
-                state,
-                remote,
-                paths,
-                probes,
-            });
+            self.accepting = Some(Accepting { chan, answered });
         }
         let Some(a) = self.accepting.as_mut() else {
             return Ok(None);
@@ -647,59 +290,58 @@ impl<N: Nic> VerbsListener<N> {
         if !a.chan.flush()? {
             return Ok(None);
         }
-        match a.chan.poll_recv()? {
-            None => Ok(None),
-            Some(m) if m.kind == MsgKind::Ready => {
-                let Some(mut a) = self.accepting.take() else {
-                    return Ok(None);
-                };
-                // The connector's probe QPs: this end's come up against them.
-                let theirs = decode_qps(&m.payload, a.paths.len())?;
-                let tc_sl = (a.remote.tc, a.remote.sl);
-                connect_probes(
-                    &a.state.rails,
-                    &a.probes,
-                    &a.paths,
-                    End::Listener,
-                    &theirs,
-                    &a.remote,
-                    &self.params,
-                    tc_sl,
-                )?;
-                a.state.rails[0].cq.watch(a.chan);
-                Ok(Some(VerbsReceiver::new(a.state)))
-            }
-            Some(m) => Err(Error::remote(format!(
+        let Some(m) = a.chan.poll_recv()? else {
+            return Ok(None);
+        };
+        let Some(Accepting { chan, answered: a }) = self.accepting.take() else {
+            return Ok(None);
+        };
+        if m.kind != MsgKind::Ready {
+            return Err(Error::remote(format!(
                 "{} sent message type {:?} instead of ready",
-                a.chan.peer(),
+                chan.peer(),
                 m.kind
-            ))),
+            )));
         }
+        // The connector's probe QPs: this end's come up against them.
+        let theirs = decode_qps(&m.payload, a.probes.paths())?;
+        a.probes.connect(&a.rails, &theirs)?;
+        let p = a.parts;
+        let state = RecvState::new(
+            a.rails,
+            p.cts_local,
+            p.sizes_record,
+            p.flush_target,
+            p.remote_fifo,
+            p.plan,
+            self.params.cts_batch,
+            PeerLink::new(chan, a.peer),
+            p.keys,
+            p.mobility,
+        );
+        Ok(Some(VerbsReceiver::new(state)))
     }
 
-    /// The receiving end against the connector's setup `remote`, and the connection's paths.
-    fn setup_receiver(
-        &mut self,
-        remote: &ConnInfo,
-        peer: SocketAddr,
-    ) -> Result<(RecvState<N>, Paths)> {
+    /// The receiving end against the connector's offer `remote` (from `addr`): its rails made
+    /// and joined, and the answer that describes them.
+    fn answer(&mut self, remote: &ConnInfo, addr: SocketAddr) -> Result<(ConnInfo, Answered<N>)> {
         let mut cost = receiver_cost(&self.nics, remote, &self.params);
         // Fewer QPs where the device is short (the connector then uses as many), never fewer
         // than the connector's rails.
         let least = remote.rails.len();
-        cost.qps = budget::fit_to(&self.nics, &cost, least, &peer.to_string())?;
+        cost.qps = budget::fit_to(&self.nics, &cost, least, &addr.to_string())?;
         cost.rails = self.nics.len().min(cost.qps);
         let nqps = cost.qps;
         // Every rail used carries at least one QP.
         let nics = &self.nics[..cost.rails];
-        let rails = make_rails(nics, &cost, &self.params)?;
-        check_links(&rails, remote, peer)?;
-        let paths = paths(nqps, remote.rails.len(), rails.len());
-        // The receiver uses the sender's traffic class and service level, as NCCL does.
-        connect_qps(&rails, remote, &self.params, remote.tc, remote.sl)?;
+        let mut bringup = Bringup::make(nics, &cost, self.params, Role::Answers)?;
+        let flush_target = dma(nics, 2)?;
+        let peer = format!("{addr} ({})", remote.devices());
+        let landing = (flush_target.addr(1), lkeys(&flush_target, cost.rails));
+        bringup.join(remote, landing, &peer)?;
         if remote.split != self.params.split_data {
             tracing::info!(
-                "NCCL_IB_SPLIT_DATA_ON_QPS is {} here and {} at the sender {peer}: the \
+                "NCCL_IB_SPLIT_DATA_ON_QPS is {} here and {} at the sender {addr}: the \
                  connection uses this receiver's",
                 u8::from(self.params.split_data),
                 u8::from(remote.split)
@@ -710,23 +352,37 @@ impl<N: Nic> VerbsListener<N> {
             rails: remote.rails.len(),
             split: self.params.split_data,
         };
-        let nics_all = self.nics.iter().chain(&self.spares).cloned().collect();
-        let mobility = Mobility::new(nics_all, cost, self.params);
-        let state = RecvState::new(
-            rails,
-            dma(nics, SLOTS * MAX_RECVS)?,
-            dma(nics, SLOTS * MAX_RECVS)?,
-            dma(nics, 2)?,
-            (remote.addr, rkeys(remote)),
-            plan,
-            self.params.cts_batch,
-            format!("{peer} ({})", remote.devices()),
-            self.keys.take().ok_or_else(|| {
-                Error::misuse("accept polled again after it made its connection".into())
-            })?,
-            mobility,
+        let all = self.nics.iter().chain(&self.spares).cloned().collect();
+        let mut mobility = Mobility::new(all, cost, self.params);
+        mobility.peer_mobile = remote.mobile;
+        let sizes_record = dma(nics, SLOTS * MAX_RECVS)?;
+        let info = bringup.describe(
+            sizes_record.addr(0),
+            |r| sizes_record.rkey(r),
+            mobility.able(),
         );
-        Ok((state, paths))
+        let (rails, probes) = bringup.into_parts()?;
+        let keys = self.keys.take().ok_or_else(|| {
+            Error::misuse("accept polled again after it made its connection".into())
+        })?;
+        let parts = Parts {
+            cts_local: dma(nics, SLOTS * MAX_RECVS)?,
+            sizes_record,
+            flush_target,
+            remote_fifo: (remote.addr, rkeys(remote)),
+            plan,
+            keys,
+            mobility,
+        };
+        Ok((
+            info,
+            Answered {
+                peer,
+                rails,
+                probes,
+                parts,
+            },
+        ))
     }
 }
 

@@ -1,7 +1,8 @@
 //! What the two ends of a verbs connection agree on: the setup message each sends over `oob`
-//! ([`ConnInfo`]), the clear-to-send entry a receiver RDMA-writes into the sender's FIFO
-//! ([`CtsEntry`]), the size record of a grouped receive, the work-request ids both sides post
-//! with, and how a message is split over several QPs. Pure data and arithmetic, no verbs.
+//! ([`ConnInfo`]), the messages of a move ([`MoveMsg`]), the clear-to-send entry a receiver
+//! RDMA-writes into the sender's FIFO ([`CtsEntry`]), the size record of a grouped receive,
+//! the work-request ids both sides post with, how QPs are dealt over rails ([`locate`]) and
+//! how a message is split over several QPs. Pure data and arithmetic, no verbs.
 
 use crate::error::{Error, Result};
 use crate::transport::{MAX_RAILS, MAX_RECVS, MAX_REQUESTS};
@@ -121,6 +122,13 @@ pub(crate) enum WrKind {
     Flush = 4,
     /// A liveness probe (a 1-byte read of the peer's memory).
     Probe = 5,
+    /// The immediate (and size record) of a send whose data had landed when its connection
+    /// moved, though the receiver had not seen it yet: no data, and no slot of the sender's
+    /// to complete (see `send::moving`).
+    Landed = 6,
+    /// A read through a dead NIC's flush QP that orders the writes it placed before a move
+    /// ahead of any later flush (see `recv::moving`).
+    Order = 7,
 }
 
 impl WrKind {
@@ -139,16 +147,18 @@ impl WrKind {
             3 => WrKind::Send,
             4 => WrKind::Flush,
             5 => WrKind::Probe,
+            6 => WrKind::Landed,
+            7 => WrKind::Order,
             _ => return None,
         })
     }
 
     /// The id of the last (signaled) write of send slot `slot` on connection QP `qp`, whose
     /// completion retires the `wrs` work requests posted there for it: they go back to the
-    /// QP's send queue.
+    /// QP's send queue. `Send` or `Landed`.
     #[inline]
-    pub(crate) const fn send_id(slot: usize, qp: usize, wrs: usize) -> u64 {
-        WrKind::Send.id(slot | qp << 8 | wrs << 16)
+    pub(crate) const fn send_id(self, slot: usize, qp: usize, wrs: usize) -> u64 {
+        self.id(slot | qp << 8 | wrs << 16)
     }
 
     /// The connection QP and the work requests a send's completion `wr_id` retires.
@@ -171,6 +181,8 @@ impl WrKind {
             Some(WrKind::Send) => "data RDMA write",
             Some(WrKind::Flush) => "flush RDMA read",
             Some(WrKind::Probe) => "liveness probe RDMA read",
+            Some(WrKind::Landed) => "RDMA write with immediate of a send that had landed",
+            Some(WrKind::Order) => "ordering RDMA read",
             None => "work request",
         }
     }
@@ -251,6 +263,19 @@ impl QpPlan {
     }
 }
 
+/// The rail and rail-local index of connection QP `q` over `rails` rails: QP `q` lives on
+/// rail `q % rails` of each end.
+#[inline(always)]
+pub(crate) fn locate(q: usize, rails: usize) -> (usize, usize) {
+    if rails == 1 {
+        (0, q)
+    } else if rails.is_power_of_two() {
+        (q & (rails - 1), q >> rails.trailing_zeros())
+    } else {
+        (q % rails, q / rails)
+    }
+}
+
 /// One rail (NIC) of a connection's end, as the other end needs it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct RailInfo {
@@ -276,6 +301,9 @@ pub(crate) struct ConnInfo {
     /// `NCCL_IB_SPLIT_DATA_ON_QPS`: the connector's setting in the hello, the setting in
     /// effect (the receiver's) in the accept.
     pub(crate) split: bool,
+    /// This end can move the connection to another NIC (failover on, another NIC there): an
+    /// end whose peer cannot fails a broken path as without failover.
+    pub(crate) mobile: bool,
     /// The NICs of this end; QP `q` is on rail `q % rails.len()`.
     pub(crate) rails: Vec<RailInfo>,
     /// (QP number, initial PSN) of each QP.
@@ -335,6 +363,7 @@ pub(crate) fn decode_qps(p: &[u8], want: usize) -> Result<Vec<(u32, u32)>> {
 const CONN_FIXED: usize = 16;
 const RAIL_BYTES: usize = 60;
 const FLAG_SPLIT: u8 = 1;
+const FLAG_MOBILE: u8 = 2;
 
 impl ConnInfo {
     /// Every rail's device name, `a+b`, for messages.
@@ -347,7 +376,7 @@ impl ConnInfo {
         let mut v =
             Vec::with_capacity(CONN_FIXED + RAIL_BYTES * self.rails.len() + 8 * self.qps.len());
         v.extend_from_slice(&(self.qps.len() as u16).to_le_bytes());
-        let flags = if self.split { FLAG_SPLIT } else { 0 };
+        let flags = (u8::from(self.split) * FLAG_SPLIT) | (u8::from(self.mobile) * FLAG_MOBILE);
         v.extend_from_slice(&[self.rails.len() as u8, flags, self.tc, self.sl, 0, 0]);
         v.extend_from_slice(&self.addr.to_le_bytes());
         for r in &self.rails {
@@ -423,6 +452,7 @@ impl ConnInfo {
             tc: p[4],
             sl: p[5],
             split: p[3] & FLAG_SPLIT != 0,
+            mobile: p[3] & FLAG_MOBILE != 0,
             rails,
             qps: (0..nqps)
                 .map(|i| (u32_at(qps_at + 8 * i), u32_at(qps_at + 8 * i + 4)))
@@ -432,9 +462,154 @@ impl ConnInfo {
     }
 }
 
+/// The steps of a move (`failover`'s module doc): a receiver that lost a path says `Down`;
+/// the sender `Offer`s its new rails; the receiver `Answer`s with its own and the receives it
+/// still waits for; the sender `Resume`s with its probe QPs. An end that cannot make a move
+/// the peer asks for, or that runs out of NICs in one, `Refuse`s it, saying why.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Step {
+    Down = 1,
+    Offer = 2,
+    Answer = 3,
+    Resume = 4,
+    Refuse = 5,
+}
+
+/// One message of a move: its step, the move's epoch, the rails found lost (the sender's,
+/// the receiver's: one bit each) and what the step carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct MoveMsg {
+    pub(crate) step: Step,
+    pub(crate) epoch: u32,
+    pub(crate) lost: [u8; 2],
+    pub(crate) body: Vec<u8>,
+}
+
+impl MoveMsg {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut v = Vec::with_capacity(7 + self.body.len());
+        v.push(self.step as u8);
+        v.extend_from_slice(&self.epoch.to_le_bytes());
+        v.extend_from_slice(&self.lost);
+        v.extend_from_slice(&self.body);
+        v
+    }
+
+    pub(crate) fn decode(p: &[u8]) -> Result<Self> {
+        let bad = || Error::remote(format!("invalid move message of {} bytes", p.len()));
+        if p.len() < 7 {
+            return Err(bad());
+        }
+        let step = match p[0] {
+            1 => Step::Down,
+            2 => Step::Offer,
+            3 => Step::Answer,
+            4 => Step::Resume,
+            5 => Step::Refuse,
+            _ => return Err(bad()),
+        };
+        Ok(MoveMsg {
+            step,
+            epoch: u32::from_le_bytes([p[1], p[2], p[3], p[4]]),
+            lost: [p[5], p[6]],
+            body: p[7..].to_vec(),
+        })
+    }
+}
+
+/// The receives still waiting, as an answer carries them: (slot, its clear-to-send entries).
+pub(crate) type Waiting = Vec<(usize, Vec<CtsEntry>)>;
+
+/// An answer's body: the receiver's rails (an encoded `ConnInfo`), then the waiting receives.
+pub(crate) fn encode_answer(info: &[u8], waiting: &Waiting) -> Vec<u8> {
+    let mut v = Vec::with_capacity(8 + info.len() + waiting.len() * 8 * CTS_BYTES);
+    v.extend_from_slice(&(info.len() as u32).to_le_bytes());
+    v.extend_from_slice(info);
+    v.extend_from_slice(&(waiting.len() as u16).to_le_bytes());
+    for (slot, entries) in waiting {
+        v.push(*slot as u8);
+        v.push(entries.len() as u8);
+        for e in entries {
+            v.extend_from_slice(&e.to_bytes());
+        }
+    }
+    v
+}
+
+/// [`encode_answer`] back: the `ConnInfo` bytes and the waiting receives (each a slot of the
+/// connection with 1 to `MAX_RECVS` entries).
+pub(crate) fn decode_answer(p: &[u8]) -> Result<(&[u8], Waiting)> {
+    let bad = || Error::remote(format!("invalid move answer of {} bytes", p.len()));
+    let len = p.get(..4).ok_or_else(bad)?;
+    let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
+    let info = p.get(4..4usize.saturating_add(len)).ok_or_else(bad)?;
+    let mut at = 4 + len;
+    let n = p.get(at..at + 2).ok_or_else(bad)?;
+    let n = u16::from_le_bytes([n[0], n[1]]) as usize;
+    at += 2;
+    if n > SLOTS {
+        return Err(bad());
+    }
+    let mut waiting = Vec::with_capacity(n);
+    for _ in 0..n {
+        let head = p.get(at..at + 2).ok_or_else(bad)?;
+        let (slot, k) = (head[0] as usize, head[1] as usize);
+        if slot >= SLOTS || !(1..=MAX_RECVS).contains(&k) {
+            return Err(bad());
+        }
+        at += 2;
+        let mut entries = Vec::with_capacity(k);
+        for _ in 0..k {
+            let raw = p.get(at..at + CTS_BYTES).ok_or_else(bad)?;
+            entries.push(CtsEntry::from_bytes(raw));
+            at += CTS_BYTES;
+        }
+        waiting.push((slot, entries));
+    }
+    if at != p.len() {
+        return Err(bad());
+    }
+    Ok((info, waiting))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn move_messages_and_answers_round_trip_and_refuse_bad_bytes() {
+        let m = MoveMsg {
+            step: Step::Refuse,
+            epoch: 7,
+            lost: [1, 2],
+            body: b"why".to_vec(),
+        };
+        assert_eq!(MoveMsg::decode(&m.encode()).unwrap(), m);
+        assert!(MoveMsg::decode(&[9, 0, 0, 0, 0, 0, 0]).is_err());
+        let e = CtsEntry::new(0x1000, 4096, [5; MAX_RAILS], 3, 2, 41);
+        let waiting = vec![(3, vec![e, e]), (4, vec![e])];
+        let body = encode_answer(b"info", &waiting);
+        let (info, back) = decode_answer(&body).unwrap();
+        assert_eq!(info, b"info");
+        assert_eq!(back.len(), 2);
+        assert_eq!(back[0].1[1].to_bytes(), e.to_bytes());
+        assert!(decode_answer(&body[..body.len() - 1]).is_err());
+        let far = encode_answer(b"", &vec![(SLOTS, vec![e])]);
+        assert!(decode_answer(&far).is_err(), "a slot the connection lacks");
+        let empty = encode_answer(b"", &vec![(1, vec![])]);
+        assert!(decode_answer(&empty).is_err(), "a receive of no buffer");
+    }
+
+    #[test]
+    fn qps_are_dealt_over_the_rails() {
+        assert_eq!(locate(0, 1), (0, 0));
+        assert_eq!(locate(5, 1), (0, 5));
+        let two: Vec<(usize, usize)> = (0..4).map(|q| locate(q, 2)).collect();
+        assert_eq!(two, [(0, 0), (1, 0), (0, 1), (1, 1)]);
+        assert_eq!(locate(7, 3), (1, 2));
+        let four: Vec<(usize, usize)> = (6..10).map(|q| locate(q, 4)).collect();
+        assert_eq!(four, [(2, 1), (3, 1), (0, 2), (1, 2)]);
+    }
 
     #[test]
     fn modulo_masks_powers_of_two_and_divides_the_rest() {
@@ -519,6 +694,8 @@ mod tests {
             WrKind::Send,
             WrKind::Flush,
             WrKind::Probe,
+            WrKind::Landed,
+            WrKind::Order,
         ] {
             for slot in [0, 1, SLOTS - 1] {
                 let id = kind.id(slot);
@@ -580,6 +757,7 @@ mod tests {
             tc: 106,
             sl: 3,
             split: true,
+            mobile: true,
             rails: vec![rail("rxe0", 42), rail("rxe1", 43)],
             qps: vec![(17, 100), (18, 200), (19, 300), (20, 400)],
             probes: vec![(31, 7), (32, 8)],
@@ -589,9 +767,11 @@ mod tests {
         assert_eq!(info.devices(), "rxe0+rxe1");
         let off = ConnInfo {
             split: false,
+            mobile: false,
             ..info.clone()
         };
-        assert!(!ConnInfo::decode(&off.encode()).unwrap().split);
+        let back = ConnInfo::decode(&off.encode()).unwrap();
+        assert!(!back.split && !back.mobile);
         assert!(ConnInfo::decode(&bytes[..CONN_FIXED]).is_err());
         assert!(ConnInfo::decode(&bytes[..bytes.len() - 1]).is_err());
         let mut zero = bytes.clone();

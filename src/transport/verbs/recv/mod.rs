@@ -15,18 +15,25 @@
 //! `iflush` (GPUDirect): on each rail, a 1-byte RDMA READ through a QP connected to itself,
 //! which completes only after the NIC's earlier writes to GPU memory are visible.
 //!
-//! A connection that loses a NIC moves (`moving`, see `failover`): the receiver's completions
-//! decide what the sender sends again, and the gate leaves its CQs to the locked calls.
+//! A fault on a rail a move can mend moves the connection (`moving`, see `failover`): the
+//! receiver's completions decide what the sender sends again; meanwhile every call locks, and
+//! afterwards the gate polls the new rails' CQs. Closing, the receiver tells the sender how
+//! many of its receives had landed (`Bye`), so that sends whose data came complete there.
 
 mod moving;
+mod slot;
 
 use parking_lot::Mutex;
 
-use super::failover::Mobility;
+use super::bringup::Probes;
+use super::budget::RECEIVER_SEND_DEPTH;
+use super::failover::{Mobility, Moving};
+use super::fault::{Cause, Fault};
 use super::gate::{GatePoll, RecvGate};
-use super::rail::{self, locate, Rail};
+use super::peer::PeerLink;
+use super::rail::{self, Rail};
 use super::wire::{
-    cts_index, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_BYTES, SLOTS, TRUNCATED,
+    cts_index, locate, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_BYTES, SLOTS, TRUNCATED,
 };
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
@@ -38,11 +45,11 @@ use crate::verbs::device::VerbsDevice;
 use crate::verbs::dma::{DmaBuffer, FixedWrite, SendChain, WcBatch, WC_RECV_RDMA_WITH_IMM};
 use crate::verbs::nic::{Nic, QueuePair};
 
-/// A receive's QPs: (first, how many), and its sequence number (which rotates its pieces).
-type QpSpan = (usize, usize, u64);
+use slot::{flushed, landed, FlushSlot, RecvSlot};
 
-/// A rail whose CQ the gate polled, finding completions, and the batch holding them.
-type Found<'a> = Option<(usize, &'a mut WcBatch)>;
+/// A rail whose CQ the gate polled, finding completions (of the gate's generation `.1`), and
+/// the batch holding them.
+type Found<'a> = Option<(usize, u32, &'a mut WcBatch)>;
 
 /// Clear-to-send entries are held back (to be posted together) only while the sender holds
 /// at least this many posted receives it can fill.
@@ -52,48 +59,42 @@ pub(crate) const CTS_HOLD_MIN: u64 = 2;
 /// hand out, in whichever `test` comes next.
 const CTS_SIGNAL_EVERY: u32 = SLOTS as u32 / 2;
 const _: () = assert!(CTS_SIGNAL_EVERY.is_power_of_two());
-/// Send queue depth of a receiver's first QP, the one its clear-to-sends go out on: up to
-/// `SLOTS` receives announced and not finished, each by its own write at worst, plus the
-/// unsignaled writes since the last signaled one, with room to spare. One below a power of two
-/// (see [`super::send::SENDER_SEND_DEPTH`]). Its other QPs send nothing.
-pub(crate) const RECEIVER_SEND_DEPTH: u32 = 2 * SLOTS as u32 - 1;
+// The first QP's send queue holds every receive's clear-to-send and the unsignaled ones.
 const _: () = assert!(RECEIVER_SEND_DEPTH >= SLOTS as u32 + CTS_SIGNAL_EVERY + 8);
 /// Request ids of flushes start here (receives are 0..32).
 pub(crate) const FLUSH_ID_BASE: usize = SLOTS;
 
-#[derive(Debug, Clone, Copy)]
-struct RecvSlot {
-    /// Posted and not yet reported done.
-    busy: bool,
-    n: usize,
-    /// WRITE_WITH_IMMs still to come (one per QP the receive uses): when the last arrives,
-    /// the gate learns the receive no longer waits.
-    imm_pending: u32,
-    /// The size of a single receive, from its immediate.
-    size0: u32,
-    /// The QPs it uses (for the rails' counters, and to post it again after a move).
-    span: QpSpan,
-    /// Each buffer's registration handle: its keys are looked up again after a move.
-    mhandles: [u64; MAX_RECVS],
+/// Where the receiver is in a move (`moving`; the protocol is in `failover`).
+enum Movement {
+    /// Carrying data on its rails.
+    Still,
+    /// It stopped its QPs after a fault it saw, said `Down`, and waits for the offer.
+    Down(Moving),
+    /// It answered the offer with its new rails, which the sender may already write into;
+    /// its `Resume` (with the probe QPs these come up against) is awaited.
+    Answered(Moving, Box<Probes>),
 }
 
-impl RecvSlot {
-    const FREE: RecvSlot = RecvSlot {
-        busy: false,
-        n: 0,
-        imm_pending: 0,
-        size0: 0,
-        span: (0, 0, 0),
-        mhandles: [0; MAX_RECVS],
-    };
+/// The rails a move left, kept until the reads through their loopback flush QPs (flushes
+/// posted before the move, and one that orders every write the dead NIC placed ahead of any
+/// later flush) have completed, with the registrations those reads use.
+struct Draining<N: Nic> {
+    rails: Vec<Rail<N>>,
+    /// Held until the rails go: the reads land there.
+    _regs: OldRegs<N>,
+    /// Ordering reads still to complete; flush slots (bits) whose reads were posted there;
+    /// how long they are waited for.
+    reads: u32,
+    flushing: u32,
+    until: std::time::Instant,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum FlushSlot {
-    Free,
-    /// Reads (one per rail) still to complete.
-    Pending(u32),
-    Done,
+/// The comm's buffers' registrations on the NICs a move left: clear-to-send staging, size
+/// records, flush target, one per old rail each.
+struct OldRegs<N: Nic> {
+    flush: Vec<N::Mr>,
+    /// The clear-to-send staging's and the size records', held until the rails go.
+    _others: [Vec<N::Mr>; 2],
 }
 
 /// Everything a receive comm owns.
@@ -139,16 +140,17 @@ pub(crate) struct RecvState<N: Nic> {
     keys: CommKeys,
     failure: Failure,
     traffic: Traffic,
-    pub(crate) peer: String,
-    /// Where the connection may move, and the move under way.
+    /// The bootstrap connection: the peer's moves, its exit.
+    link: PeerLink,
+    /// Where the connection may move.
     mobility: Mobility<N>,
-    /// A move is under way or was made: the gate's CQs are the first rails', so it answers
-    /// no test any more.
-    gate_off: bool,
+    movement: Movement,
     /// Each flush's buffer (address, handle), to post it again after a move.
     flush_of: [(u64, u64); SLOTS],
-    /// A move's probe QPs, paths and the sender's rails, until the sender resumes.
-    moving_probes: Option<moving::Answered>,
+    /// The rails the last move left, until their flush reads are done.
+    draining: Option<Draining<N>>,
+    /// A rail failed under this comm: its QPs go to the reaper at close.
+    broken: bool,
 }
 
 impl<N: Nic> RecvState<N> {
@@ -162,7 +164,7 @@ impl<N: Nic> RecvState<N> {
         remote_fifo: (u64, [u32; MAX_RAILS]),
         plan: QpPlan,
         cts_batch: u32,
-        peer: String,
+        link: PeerLink,
         keys: CommKeys,
         mobility: Mobility<N>,
     ) -> Self {
@@ -190,23 +192,31 @@ impl<N: Nic> RecvState<N> {
             keys,
             failure: Failure::default(),
             traffic: Traffic::default(),
-            peer,
+            link,
             mobility,
-            gate_off: false,
+            movement: Movement::Still,
             flush_of: [(0, 0); SLOTS],
-            moving_probes: None,
+            draining: None,
+            broken: false,
         }
     }
 
-    /// Whether the comm has work only a locked call does: a clear-to-send held back, or a
-    /// failure (its own, or the peer gone) to report. The gate answers no test then.
+    /// Whether the connection carries data on its rails (no move under way).
+    #[inline]
+    fn still(&self) -> bool {
+        matches!(self.movement, Movement::Still)
+    }
+
+    /// Whether the comm has work only a locked call does: a clear-to-send held back, a
+    /// failure (its own, or the peer gone) to report, a move to step. The gate answers no test
+    /// then.
     fn needs_lock(&self) -> bool {
-        self.cts_posted != self.seq || self.lost() || self.gate_off
+        self.cts_posted != self.seq || self.lost() || !self.still()
     }
 
     /// Whether the comm has failed or its peer is gone: a receive still waiting never ends.
     fn lost(&self) -> bool {
-        self.failure.is_set() || self.rails[0].cq.peer_gone
+        self.failure.is_set() || self.link.ended().is_some()
     }
 
     /// `irecv`: the request id is the slot.
@@ -219,14 +229,15 @@ impl<N: Nic> RecvState<N> {
         mhandles: &[u64],
     ) -> Result<Option<usize>> {
         if gate.lock_is_wanted() {
-            // Failed, or the peer gone (or only a clear-to-send held). No CQ poll here:
+            // Failed, the peer gone, moving (or only a clear-to-send held). No CQ poll here:
             // `test` polls, and a free slot depends only on `test`.
             self.failure.check()?;
-            if self.rails[0].cq.peer_gone {
-                let e = self.rails[0].cq.gone_error(&self.peer);
+            if let Some(gone) = self.link.ended() {
+                let e = gone.error.clone();
                 return Err(self.failure.fail(e));
             }
-            if self.mobility.moving() {
+            if !self.still() {
+                // Posted after the move, on the new rails.
                 return Ok(None);
             }
         }
@@ -245,7 +256,12 @@ impl<N: Nic> RecvState<N> {
         self.announce(slot, bufs, tags, mhandles)?;
         let r = self.post_receive(gate, slot, bufs);
         self.polled = false;
-        self.failure.record(r)?;
+        if let Err(e) = r {
+            // Not posted (a move began, or the comm failed): NCCL asks again.
+            let r = self.post_failed(gate, e);
+            self.failure.record(r)?;
+            return Ok(None);
+        }
         Ok(Some(slot))
     }
 
@@ -298,7 +314,12 @@ impl<N: Nic> RecvState<N> {
         // call) then announces several receives.
         let pending = self.seq - self.cts_posted;
         if pending >= self.cts_batch || self.announced() < CTS_HOLD_MIN || !self.polled {
-            self.post_pending_cts()?;
+            if let Err(e) = self.post_pending_cts() {
+                // The receive is posted; its clear-to-send goes after the move (or the comm
+                // failed).
+                let r = self.post_failed(gate, e);
+                self.failure.record(r)?;
+            }
         }
         Ok(())
     }
@@ -327,14 +348,18 @@ impl<N: Nic> RecvState<N> {
         sizes: &mut impl SizeSink,
         found: Found<'_>,
     ) -> Tested {
-        // Drained whatever becomes of the request: the completions are off the CQ.
-        let drained = found.map(|(rail, wc)| {
-            self.rails[rail].cq.polled_unlocked(wc);
-            match self.drain_rail(gate, rail, wc) {
-                Err(e) => self.rail_failed(gate, (rail, wc), e),
-                ok => ok,
-            }
-        });
+        // Drained whatever becomes of the request: the completions are off the CQ. (Polled
+        // from rails a move has since replaced only where two threads drive one comm, which
+        // NCCL never does: then they are the dead rails', and nothing of theirs counts.)
+        let drained = found
+            .filter(|&(_, generation, _)| generation == gate.generation())
+            .map(|(rail, _, wc)| {
+                self.rails[rail].cq.polled_unlocked(wc);
+                match self.drain_rail(gate, rail, wc) {
+                    Err(f) => self.on_fault(gate, f),
+                    Ok(()) => Ok(()),
+                }
+            });
         if !self.slots.get(id).is_some_and(|st| st.busy) {
             if let Some(r) = drained {
                 let _ = self.failure.record(r);
@@ -377,7 +402,10 @@ impl<N: Nic> RecvState<N> {
         let r = self.progress(gate);
         let _ = self.failure.record(r);
         if gate.waits(id) {
-            let e = self.rails[0].cq.gone_error(&self.peer);
+            let e = match self.link.ended() {
+                Some(gone) => gone.error.clone(),
+                None => Error::remote(format!("peer {} is gone", self.link.peer())),
+            };
             return Tested::Failed(self.failure.fail(e));
         }
         self.finish_receive(id, sizes)
@@ -424,7 +452,7 @@ impl<N: Nic> RecvState<N> {
     fn truncated(&self) -> Error {
         Error::truncated(format!(
             "{} sent more bytes than the receive posted for them",
-            self.peer
+            self.link.peer()
         ))
     }
 
@@ -476,11 +504,16 @@ impl<N: Nic> RecvState<N> {
         let addr = bufs[last].addr() as u64;
         // While the connection moves its QPs are stopped: the flush is posted once it is over
         // (and a NULL here would tell NCCL none is needed).
-        let posted = if self.mobility.moving() {
-            0
+        let posted = if self.still() {
+            match self.post_flush(fslot, addr, &mem) {
+                Ok(posted) => posted,
+                Err(e) => {
+                    self.failure.record(Err(e))?;
+                    0
+                }
+            }
         } else {
-            let r = self.post_flush(fslot, addr, &mem);
-            self.failure.record(r)?
+            0
         };
         self.flush_slots[fslot] = FlushSlot::Pending(posted);
         self.flush_of[fslot] = (addr, mhandles[last]);
@@ -513,11 +546,15 @@ impl<N: Nic> RecvState<N> {
         let Some(f) = id.checked_sub(FLUSH_ID_BASE) else {
             return Err(not_in_flight("receive", id));
         };
-        if matches!(self.flush_slots.get(f), Some(FlushSlot::Pending(_))) {
+        if matches!(self.flush_slots.get(f), Some(FlushSlot::Pending(_))) || self.draining.is_some()
+        {
             let r = self.progress(gate);
             let _ = self.failure.record(r);
+            self.drain_old();
         }
         match self.flush_slots.get(f) {
+            // Reported done only once the reads that order a dead NIC's writes are in.
+            Some(FlushSlot::Done) if self.draining.is_some() => Ok(None),
             Some(FlushSlot::Done) => {
                 self.flush_slots[f] = FlushSlot::Free;
                 Ok(Some(0))
@@ -586,39 +623,59 @@ impl<N: Nic> RecvState<N> {
         Ok(())
     }
 
-    /// Polls every rail's CQ once and hands out what arrived. A rail that fails moves the
-    /// connection where it can.
+    /// Polls every rail's CQ once and hands out what arrived, and hears the peer when its
+    /// turn comes. A fault moves the connection where it can; while it moves, this steps the
+    /// move instead.
     #[inline(always)]
     fn progress(&mut self, gate: &RecvGate<N>) -> Result<()> {
-        if self.gate_off && self.step_move(gate)? {
-            // Moving: the QPs are stopped.
+        if !self.still() && self.step_move(gate)? {
+            // Moving: the rails are not polled until the sender resumes.
             return Ok(());
         }
+        if let Err(f) = self.poll_rails(gate) {
+            return self.on_fault(gate, f);
+        }
+        if self.rails[0].cq.checks_due() {
+            self.listen(gate)?;
+        }
+        Ok(())
+    }
+
+    /// Polls every rail's CQ once and hands out what arrived.
+    #[inline(always)]
+    fn poll_rails(&mut self, gate: &RecvGate<N>) -> std::result::Result<(), Fault> {
         let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
-            if let Err(e) = self.poll_rail(gate, r, &mut wc) {
-                return self.rail_failed(gate, (r, &wc), e);
+            if self.rails[r].poll(&mut wc)? {
+                self.drain_rail(gate, r, &mut wc)?;
             }
         }
         Ok(())
     }
 
-    /// Polls rail `r`'s CQ once and hands out what arrived.
-    #[inline(always)]
-    fn poll_rail(&mut self, gate: &RecvGate<N>, r: usize, wc: &mut WcBatch) -> Result<()> {
-        if self.rails[r].poll(wc)? {
-            self.drain_rail(gate, r, wc)?;
-        }
-        Ok(())
+    /// A post failed with `e`: where a rail's CQ says why (its path failed), that fault; else
+    /// the device's error. Either goes where faults go.
+    #[cold]
+    fn post_failed(&mut self, gate: &RecvGate<N>, e: Error) -> Result<()> {
+        let f = match self.poll_rails(gate) {
+            Err(f) => f,
+            Ok(()) => Fault::new(Cause::Device, e),
+        };
+        self.on_fault(gate, f)
     }
 
-    /// Hands what rail `r`'s poll put in `wc` to the receives, flushes and probes it
-    /// completes.
+    /// Hands what rail `r`'s poll put in `wc` to the receives and flushes it completes.
     #[inline(always)]
-    fn drain_rail(&mut self, gate: &RecvGate<N>, r: usize, wc: &mut WcBatch) -> Result<()> {
+    fn drain_rail(
+        &mut self,
+        gate: &RecvGate<N>,
+        r: usize,
+        wc: &mut WcBatch,
+    ) -> std::result::Result<(), Fault> {
         let waiting = self.seq != self.finished;
         let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);
-        let probe = self.rails[r].drain(wc, &self.peer, waiting, |c| {
+        let peer = self.link.peer();
+        self.rails[r].drain(wc, peer, waiting, |c| {
             let slot = WrKind::slot(c.wr_id());
             if c.opcode() == WC_RECV_RDMA_WITH_IMM {
                 // A sender's write landed, consuming one of our receives (the only requests
@@ -628,63 +685,19 @@ impl<N: Nic> RecvState<N> {
             }
             match WrKind::of(c.wr_id()) {
                 Some(WrKind::Flush) => {
-                    flush_slots[slot] = match flush_slots[slot] {
-                        FlushSlot::Pending(n) if n > 1 => FlushSlot::Pending(n - 1),
-                        _ => FlushSlot::Done,
-                    };
+                    flushed(&mut flush_slots[slot]);
                     true
                 }
                 Some(WrKind::Cts) => true,
                 _ => false,
             }
-        })?;
-        if probe != 0 {
-            self.post_probes(r, probe)?;
-        }
-        Ok(())
-    }
-
-    /// 1-byte reads of the sender's FIFO over the paths `which` (bits of rail `r`'s pairs):
-    /// work that completes at once on a live path, for the watchdog.
-    #[cold]
-    fn post_probes(&mut self, r: usize, which: u8) -> Result<()> {
-        let rail = &mut self.rails[r];
-        for p in (0..rail.pairs.len()).filter(|p| which & (1 << p) != 0) {
-            let (qp, remote_rail) = (rail.pairs[p].qp, rail.pairs[p].remote_rail);
-            self.chain.clear();
-            self.chain.read(
-                self.flush_target.addr(1),
-                1,
-                self.flush_target.lkey(r),
-                self.remote_fifo.0,
-                self.remote_fifo.1[remote_rail],
-            );
-            self.chain.finish(WrKind::Probe.id(p), 0);
-            self.chain.post(&*rail.nic, &rail.probe_qps[qp])?;
-            let qpn = rail.probe_qps[qp].qpn();
-            rail.signaled(qpn, WrKind::Probe.id(p));
-        }
-        Ok(())
-    }
-}
-
-/// A sender's WRITE_WITH_IMM (immediate `imm`) landed in receive `slot`, `st`.
-#[inline(always)]
-fn landed<N: Nic>(st: &mut RecvSlot, gate: &RecvGate<N>, slot: usize, imm: u32) {
-    if st.n == 1 {
-        st.size0 = imm;
-    }
-    if st.imm_pending > 1 {
-        st.imm_pending -= 1;
-    } else {
-        st.imm_pending = 0;
-        gate.arrived(slot);
+        })
     }
 }
 
 #[cold]
 fn too_many_flushes() -> Error {
-    Error::usage(format!(
+    Error::misuse(format!(
         "iflush: {SLOTS} flushes already in flight on this comm (NCCL allows {SLOTS} requests)"
     ))
 }
@@ -726,6 +739,34 @@ impl<N: Nic> VerbsReceiver<N> {
     pub(crate) fn rail_stats(&self) -> Vec<rail::RailStats> {
         self.state.lock().rails.iter().map(|r| r.stats).collect()
     }
+
+    /// The NIC each rail is on now.
+    #[cfg(test)]
+    pub(crate) fn rail_nics(&self) -> Vec<String> {
+        let s = self.state.lock();
+        s.rails.iter().map(|r| r.name().to_string()).collect()
+    }
+
+    /// Runs `f` while holding the comm's lock (calls that need it wait meanwhile).
+    #[cfg(test)]
+    pub(crate) fn with_lock_held(&self, f: impl FnOnce()) {
+        let _s = self.state.lock();
+        f();
+    }
+}
+
+impl<N: Nic> Drop for VerbsReceiver<N> {
+    fn drop(&mut self) {
+        let s = self.state.get_mut();
+        // The sender completes the sends whose data landed here, though it closes now.
+        let landed = s.landed_below(&self.gate);
+        s.link.bye(Some(landed));
+        if s.broken {
+            // A failed NIC's QPs may take long to destroy: not in NCCL's close.
+            super::failover::stop(&s.rails, false);
+            super::reaper::bury(std::mem::take(&mut s.rails));
+        }
+    }
 }
 
 impl<N: Nic> VerbsReceiver<N> {
@@ -739,7 +780,7 @@ impl<N: Nic> VerbsReceiver<N> {
 
 impl<N: Nic> Endpoint for VerbsReceiver<N> {
     fn peer(&self) -> String {
-        self.state.lock().peer.clone()
+        self.state.lock().link.peer().to_string()
     }
 
     fn traffic(&self) -> Traffic {
@@ -782,7 +823,7 @@ impl<N: Nic> Receiver for VerbsReceiver<N> {
         let mut wc = WcBatch::new();
         let found = match self.gate.poll(id, &mut wc) {
             GatePoll::Idle => return Tested::Pending,
-            GatePoll::Found(rail) => Some((rail, &mut wc)),
+            GatePoll::Found(rail, generation) => Some((rail, generation, &mut wc)),
             GatePoll::Lock => None,
         };
         self.test_locked(id, sizes, found)

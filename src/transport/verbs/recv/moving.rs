@@ -1,223 +1,244 @@
-//! The receiver's half of a move (the protocol is in `failover`): it stops its QPs and takes
-//! what its CQs still hold as final; on the sender's offer it builds its rails again, posts
-//! again the receives still waiting and answers with their clear-to-send entries; on the
-//! sender's `Resume` it probes and announces again as before.
+//! The receiver's half of a move (the protocol is in `failover`): a fault it saw, or the
+//! sender's offer, stops its QPs, and what its CQs already hold is final; on the offer it
+//! makes its rails again, joins the sender's, posts again the receives still waiting and
+//! answers with their clear-to-send entries; on `Resume` it brings its probes up and carries
+//! data again. None of it waits: each step is taken by a later call.
+//!
+//! A receiver using GPUDirect keeps the dead NIC's loopback flush QPs going after the stop:
+//! the flushes posted there complete there, and one more read through each orders every write
+//! that NIC placed in GPU memory before any later flush, which goes through the new NIC (a
+//! read through another PCIe function does not order them), is reported done.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use super::{FlushSlot, RecvGate, RecvState, SLOTS};
+use super::slot::{flushed, landed, FlushSlot};
+use super::{Draining, Movement, OldRegs, RecvGate, RecvState, SLOTS};
 use crate::error::{Error, Result};
-use crate::transport::verbs::failover::{self, encode_answer, MoveMsg, Phase, Step, Waiting};
-use crate::transport::verbs::rail::locate;
-use crate::transport::verbs::setup::{
-    check_links, connect_probes, connect_qps, local_info, make_probes, make_rails, probe_qps,
-    register_on, rkeys, time_work, End,
+use crate::transport::verbs::bringup::{register_on, rkeys, Bringup, Role};
+use crate::transport::verbs::failover::{self, Moving};
+use crate::transport::verbs::fault::Fault;
+use crate::transport::verbs::rail::Rail;
+use crate::transport::verbs::reaper;
+use crate::transport::verbs::wire::{
+    cts_index, decode_qps, encode_answer, locate, ConnInfo, CtsEntry, MoveMsg, Step, Waiting,
+    WrKind,
 };
-use crate::transport::verbs::wire::{cts_index, decode_qps, paths, ConnInfo, CtsEntry, WrKind};
-use crate::verbs::dma::{Completion, FixedWrite, WcBatch, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS};
-use crate::verbs::nic::Nic;
+use crate::transport::MAX_RAILS;
+use crate::verbs::dma::{FixedWrite, SendChain, WcBatch, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS};
+use crate::verbs::nic::{MemoryRegion, Nic};
 
-/// How long the receiver waits for its stopped QPs' receives to complete as flushed.
-const SALVAGE_BOUND: Duration = Duration::from_secs(2);
-/// Or for this long without a completion: a receive completes within microseconds of its data
-/// or not at all once its QP is stopped, and not every device flushes a stopped QP's receives
-/// at once (Soft-RoCE with its link down may take seconds).
-const SALVAGE_QUIET: Duration = Duration::from_millis(20);
-
-/// What the receiver keeps between its answer and the sender's `Resume`: its probe QPs (per
-/// path: rail, index), the paths, and the sender's rails.
-pub(crate) struct Answered {
-    probes: Vec<(usize, usize)>,
-    paths: Vec<(usize, usize)>,
-    remote: ConnInfo,
+/// What the CQs of stopped `rails` hold now (polled until empty): each completion's work
+/// request id, and the immediate of a receive that landed.
+fn old_completions<N: Nic>(rails: &[Rail<N>]) -> Vec<(u64, Option<u32>)> {
+    let mut out = Vec::new();
+    let mut wc = WcBatch::new();
+    for rail in rails {
+        while let Ok(n @ 1..) = wc.poll(&*rail.nic, &rail.cq.cq) {
+            out.extend(wc.iter().map(|c| {
+                let landed = c.status() == WC_SUCCESS && c.opcode() == WC_RECV_RDMA_WITH_IMM;
+                (c.wr_id(), landed.then(|| c.write_imm()))
+            }));
+            if n < WcBatch::CAPACITY {
+                break;
+            }
+        }
+    }
+    out
 }
 
 impl<N: Nic> RecvState<N> {
-    /// Rail `r` failed with `e`, or the peer's message came (then `e` only says so), its last
-    /// poll in `wc`: moves the connection where it can, else returns the error (the comm
-    /// fails with it).
+    /// A rail met `f`: the connection moves where a move can mend it and both ends can move;
+    /// else `f` fails the comm. The peer is heard first: it may have moved already, or left.
     #[cold]
     #[inline(never)]
-    pub(super) fn rail_failed(
-        &mut self,
-        gate: &RecvGate<N>,
-        (r, wc): (usize, &WcBatch),
-        e: Error,
-    ) -> Result<()> {
-        // The drain stopped at the failed completion: those after it in the batch are still
-        // to hand out, or a receive that arrived would be asked for again.
-        if self.mobility.enabled() {
-            let failed = wc.iter().position(|c| c.status() != WC_SUCCESS);
-            for c in wc.iter().skip(failed.map_or(usize::MAX, |f| f + 1)) {
-                self.salvage(gate, c);
-            }
+    pub(super) fn on_fault(&mut self, gate: &RecvGate<N>, f: Fault) -> Result<()> {
+        self.broken = true;
+        self.listen(gate)?;
+        if !self.still() || self.link.ended().is_some() {
+            // A move the peer began; or the peer left (`test` fails what did not land).
+            return Ok(());
         }
-        let mail = self.rails[0].cq.mail.take();
-        if self.rails[0].cq.peer_gone || self.mobility.moving() {
-            return Err(e);
+        if !f.movable() {
+            return Err(f.error);
         }
-        match mail {
-            Some(m) => {
-                let m = MoveMsg::decode(&m.payload)?;
-                if m.step != Step::Offer || !self.mobility.enabled() {
-                    return Err(Error::remote(format!(
-                        "peer {} moved the connection off a failed NIC, but failover is off \
-                         here (NCCL_ERDMA_FAILOVER=0, or no other NIC) or it came out of turn",
-                        self.peer
-                    )));
-                }
-                let why = format!("peer {} lost a path of the connection", self.peer);
-                self.stop(gate, m.epoch, m.lost, &why)?;
-                self.accept_offer(gate, &m)
-            }
-            None if self.mobility.enabled() && failover::movable(self.rails[r].failed_status) => {
-                let (nqps, peer_rails) = (self.plan.nqps, self.plan.rails);
-                let [mine, theirs] = failover::lost_with(r, nqps, self.rails.len(), peer_rails);
-                let epoch = self.mobility.epoch + 1;
-                self.stop(gate, epoch, [theirs, mine], &e.to_string())?;
-                self.mobility.send(Step::Down, Vec::new())
-            }
-            None => Err(e),
+        if !self.mobility.enabled() {
+            let why = self.mobility.why_unmoved();
+            return Err(failover::unmoved(f, why, self.link.peer()));
         }
-    }
-
-    /// Stops every QP and takes what the CQs still hold: a receive whose completion is there
-    /// has arrived, any other is posted again after the move.
-    fn stop(&mut self, gate: &RecvGate<N>, epoch: u32, lost: [u8; 2], why: &str) -> Result<()> {
-        failover::stop(&self.rails);
-        let Some(chan) = self.rails[0].cq.unwatch() else {
-            return Err(Error::remote(why.to_string()));
-        };
-        self.mobility.begin(epoch, lost, chan, why);
-        self.mobility.phase = Phase::Asked;
-        self.gate_off = true;
-        gate.lock_wanted(true);
-        // Every receive still posted completes, as flushed or arrived.
-        let mut posted: u32 = (0..SLOTS)
-            .filter(|&s| self.slots[s].busy && gate.waits(s))
-            .map(|s| self.slots[s].imm_pending)
-            .sum();
-        let start = Instant::now();
-        let mut last = start;
-        let mut wc = WcBatch::new();
-        while posted > 0 && last.elapsed() < SALVAGE_QUIET && start.elapsed() < SALVAGE_BOUND {
-            for r in 0..self.rails.len() {
-                let rail = &self.rails[r];
-                if wc.poll(&*rail.nic, &rail.cq.cq)? == 0 {
-                    continue;
-                }
-                last = Instant::now();
-                for c in wc.iter() {
-                    if WrKind::of(c.wr_id()) == Some(WrKind::Recv) {
-                        posted = posted.saturating_sub(1);
-                    }
-                    self.salvage(gate, c);
-                }
-            }
-        }
+        let rail = f.rail.unwrap_or(0);
+        let (nqps, peer_rails) = (self.plan.nqps, self.plan.rails);
+        let [mine, theirs] = failover::lost_with(rail, nqps, self.rails.len(), peer_rails);
+        let moving = Moving::new(
+            self.mobility.epoch + 1,
+            [theirs, mine],
+            f.error.to_string(),
+            &self.mobility.params,
+        );
+        self.mobility.epoch = moving.epoch;
+        self.stop(gate);
+        self.link.send(&moving.message(Step::Down, Vec::new()));
+        self.movement = Movement::Down(moving);
         Ok(())
     }
 
-    /// Takes completion `c` of a stopped QP: a receive whose data arrived has arrived.
-    fn salvage(&mut self, gate: &RecvGate<N>, c: Completion<'_>) {
-        let recv = WrKind::of(c.wr_id()) == Some(WrKind::Recv);
-        if recv && c.status() == WC_SUCCESS && c.opcode() == WC_RECV_RDMA_WITH_IMM {
-            let slot = WrKind::slot(c.wr_id());
-            super::landed(&mut self.slots[slot], gate, slot, c.write_imm());
+    /// Reads what the peer sent: a move it begins.
+    #[cold]
+    pub(super) fn listen(&mut self, gate: &RecvGate<N>) -> Result<()> {
+        while let Some(msg) = self.link.poll() {
+            self.heard(gate, msg)?;
+        }
+        self.drain_old();
+        Ok(())
+    }
+
+    /// Move message `msg` came.
+    fn heard(&mut self, gate: &RecvGate<N>, msg: MoveMsg) -> Result<()> {
+        let peer = self.link.peer();
+        let epoch = self.mobility.epoch;
+        match (&self.movement, msg.step) {
+            (Movement::Still, Step::Offer) if msg.epoch > epoch && self.mobility.able() => {
+                self.mobility.epoch = msg.epoch;
+                let why = format!("peer {peer} lost a path of the connection");
+                let moving = Moving::new(msg.epoch, msg.lost, why, &self.mobility.params);
+                self.stop(gate);
+                self.accept_offer(gate, moving, &msg)
+            }
+            (Movement::Still, Step::Offer) if msg.epoch > epoch => {
+                let e = failover::cannot_move(peer);
+                Err(failover::refuse(&mut self.link, msg.epoch, e))
+            }
+            (Movement::Down(m), Step::Offer) if msg.epoch == m.epoch => {
+                let moving = m.clone();
+                self.accept_offer(gate, moving, &msg)
+            }
+            (Movement::Answered(m, _), Step::Resume) if msg.epoch == m.epoch => {
+                self.resume(&msg.body)
+            }
+            (_, Step::Refuse) if msg.epoch >= epoch => Err(failover::refused(peer, &msg.body)),
+            // A message of an older move.
+            _ if msg.epoch < epoch => Ok(()),
+            (Movement::Still, _) => Err(failover::out_of_turn(peer, &msg, "carried data")),
+            _ => Err(failover::out_of_turn(peer, &msg, "was moving")),
         }
     }
 
-    /// Steps the move under way: true while it is.
+    /// Steps the move under way: true while the rails are not to be polled (until the sender
+    /// resumes).
     #[cold]
     #[inline(never)]
     pub(super) fn step_move(&mut self, gate: &RecvGate<N>) -> Result<bool> {
-        if !self.mobility.moving() {
-            return Ok(false);
+        // The peer's messages first: one polled late still finishes the move.
+        self.listen(gate)?;
+        let moving = match &self.movement {
+            Movement::Still => return Ok(false),
+            Movement::Down(m) | Movement::Answered(m, _) => m,
+        };
+        if self.link.ended().is_some() {
+            // `test` fails what did not land, with the peer's leaving.
+            return Ok(true);
         }
-        self.mobility.check_bound(&self.peer)?;
-        match self.mobility.poll(&self.peer)? {
-            Some(m) if m.step == Step::Offer && self.mobility.phase == Phase::Asked => {
-                self.accept_offer(gate, &m)?;
-            }
-            Some(m) if m.step == Step::Resume && self.mobility.phase == Phase::Answered => {
-                self.resume(&m.body)?;
-            }
-            _ => {}
-        }
-        Ok(self.mobility.moving())
+        moving.check_bound(self.link.peer())?;
+        Ok(true)
     }
 
-    /// The sender offered its new rails (`m`): this end's are built and brought up against
-    /// them, the receives still waiting posted on them, and the answer sent.
-    fn accept_offer(&mut self, gate: &RecvGate<N>, m: &MoveMsg) -> Result<()> {
+    /// Stops every QP (but the flush QPs) and takes what the CQs already hold: a receive
+    /// whose completion is there has landed; any other is posted again after the move. A
+    /// completion that comes later is not taken: the sender sends its immediate again.
+    fn stop(&mut self, gate: &RecvGate<N>) {
+        self.broken = true;
+        failover::stop(&self.rails, true);
+        for (wr_id, arrived) in old_completions(&self.rails) {
+            let slot = WrKind::slot(wr_id);
+            match (WrKind::of(wr_id), arrived) {
+                (Some(WrKind::Recv), Some(imm)) => {
+                    landed(&mut self.slots[slot], gate, slot, imm);
+                }
+                (Some(WrKind::Flush), _) => flushed(&mut self.flush_slots[slot]),
+                _ => {}
+            }
+        }
+    }
+
+    /// The sender offered its new rails (`m`) for move `moving`: this end's are made and
+    /// joined to them, the receives still waiting posted on them, and the answer sent. The
+    /// old rails go to the reaper once their flush reads are in.
+    fn accept_offer(&mut self, gate: &RecvGate<N>, mut moving: Moving, m: &MoveMsg) -> Result<()> {
         let remote = ConnInfo::decode(&m.body)?;
-        let lost = [
-            self.mobility.lost[0] | m.lost[0],
-            self.mobility.lost[1] | m.lost[1],
-        ];
-        self.mobility.lost = lost;
+        moving.lost = [moving.lost[0] | m.lost[0], moving.lost[1] | m.lost[1]];
         let before = self.mobility.order;
         let rails_n = self.rails.len();
-        let Some(nics) = self.mobility.pick(rails_n, lost[1]) else {
-            return Err(Error::remote(format!(
-                "no other NIC of this link layer is left to carry the connection to peer {}",
-                self.peer
-            )));
+        let Some(nics) = self.mobility.pick(rails_n, moving.lost[1]) else {
+            let e = failover::no_nic_left(&moving.why, self.link.peer());
+            return Err(failover::refuse(&mut self.link, moving.epoch, e));
         };
-        let (old, new) = self.mobility.describe(&before, rails_n, lost[1]);
+        let (old, new) = self.mobility.describe(&before, rails_n, moving.lost[1]);
         tracing::warn!(
             "{}; moving the connection to peer {} {}",
-            self.mobility.why,
-            self.peer,
+            moving.why,
+            self.link.peer(),
             failover::moved(&old, &new)
         );
-        let (cost, p) = (self.mobility.cost, self.mobility.rebuild_params());
-        let mut rails = make_rails(&nics, &cost, &p)?;
-        check_links(&rails, &remote, &self.peer)?;
         if remote.qps.len() != self.plan.nqps {
-            return Err(Error::remote(format!(
+            let e = Error::remote(format!(
                 "{} offered {} QPs for the connection's {}",
-                self.peer,
+                self.link.peer(),
                 remote.qps.len(),
                 self.plan.nqps
-            )));
+            ));
+            return Err(failover::refuse(&mut self.link, moving.epoch, e));
         }
-        connect_qps(&rails, &remote, &p, remote.tc, remote.sl)?;
-        let paths = paths(self.plan.nqps, remote.rails.len(), rails.len());
-        let probes = make_probes(&mut rails, &paths, End::Listener, &remote)?;
-        time_work(&mut rails, &p, &self.peer);
-        let register = register_on(&nics);
-        let regs = (
-            self.cts_local.register_again(rails_n, register)?,
-            self.sizes_record.register_again(rails_n, register)?,
-            self.flush_target.register_again(rails_n, register)?,
-        );
+        let made = (|| {
+            let p = self.mobility.rebuild_params();
+            let cost = self
+                .mobility
+                .fitted(&nics, self.plan.nqps, self.link.peer())?;
+            let mut new = Bringup::make(&nics, &cost, p, Role::Answers)?;
+            let register = register_on(&nics);
+            let regs = (
+                self.cts_local.register_again(rails_n, register)?,
+                self.sizes_record.register_again(rails_n, register)?,
+                self.flush_target.register_again(rails_n, register)?,
+            );
+            let mut lkeys = [0; MAX_RAILS];
+            for (k, reg) in lkeys.iter_mut().zip(&regs.2) {
+                *k = reg.1;
+            }
+            let landing = (self.flush_target.addr(1), lkeys);
+            new.join(&remote, landing, self.link.peer())?;
+            Ok((new, regs))
+        })();
+        let (new, regs) = match made {
+            Ok(made) => made,
+            Err(e) => return Err(failover::refuse(&mut self.link, moving.epoch, e)),
+        };
+        let records = self.sizes_record.addr(0);
+        let info = new.describe(records, |r| regs.1[r].2, self.mobility.able());
+        let (rails, probes) = new.into_parts()?;
+        // Read before the waiting receives' entries are keyed for the new NICs.
+        let target = self.order_target();
         let old_rails = std::mem::replace(&mut self.rails, rails);
-        let old_regs = (
-            self.cts_local.adopt(regs.0),
-            self.sizes_record.adopt(regs.1),
-            self.flush_target.adopt(regs.2),
-        );
-        drop(old_rails);
-        drop(old_regs);
+        let old_regs = OldRegs {
+            flush: self.flush_target.adopt(regs.2),
+            _others: [
+                self.cts_local.adopt(regs.0),
+                self.sizes_record.adopt(regs.1),
+            ],
+        };
+        if let Some(cqs) = gate.follow(&self.rails) {
+            reaper::bury(cqs);
+        }
         self.keys.reorder(self.mobility.order);
+        self.mobility.peer_mobile = remote.mobile;
         self.remote_fifo = (remote.addr, rkeys(&remote));
         self.cts_write = FixedWrite::new(self.cts_local.lkey(0), self.remote_fifo.1[0]);
         self.cts_unsignaled = 0;
         let waiting = self.post_again(gate)?;
         // Every receive posted is announced by the answer.
         self.cts_posted = self.seq;
-        let records = &self.sizes_record;
-        let mut info = local_info(&self.rails, records.addr(0), |r| records.rkey(r), &p);
-        info.probes = probe_qps(&self.rails, &probes);
-        self.mobility
-            .send(Step::Answer, encode_answer(&info.encode(), &waiting))?;
-        self.mobility.phase = Phase::Answered;
-        self.moving_probes = Some(Answered {
-            probes,
-            paths,
-            remote,
-        });
+        self.link
+            .send(&moving.message(Step::Answer, encode_answer(&info.encode(), &waiting)));
+        self.leave(old_rails, old_regs, target);
+        self.movement = Movement::Answered(moving, Box::new(probes));
         Ok(())
     }
 
@@ -225,7 +246,8 @@ impl<N: Nic> RecvState<N> {
     /// NICs; returns them, as the answer carries them.
     fn post_again(&mut self, gate: &RecvGate<N>) -> Result<Waiting> {
         let mut waiting = Waiting::new();
-        // Oldest first, as the sender is best served.
+        // Oldest first: the sender writes them again in this order, each QP's receives
+        // consumed in the order they are posted.
         for seq in self.seq.saturating_sub(SLOTS as u64)..self.seq {
             let slot = (seq % SLOTS as u64) as usize;
             let st = self.slots[slot];
@@ -253,41 +275,120 @@ impl<N: Nic> RecvState<N> {
         Ok(waiting)
     }
 
-    /// The sender is up (`body`: its probe QPs): this end's probes come up, the flushes
-    /// pending go out again, and the connection works as before.
+    /// The old `rails` (and `regs`, the comm's buffers' registrations on their NICs) after a
+    /// move: to the reaper, once the reads through their flush QPs are in. One more read
+    /// through each, of `target` (a byte of the last receive's buffer, which the NIC wrote),
+    /// orders the NIC's writes ahead of any later flush.
+    fn leave(
+        &mut self,
+        rails: Vec<Rail<N>>,
+        regs: OldRegs<N>,
+        target: Option<(u64, [u32; MAX_RAILS])>,
+    ) {
+        if let Some(old) = self.draining.take() {
+            reaper::bury(old);
+        }
+        let mut reads = 0;
+        let mut chain = SendChain::new();
+        for (r, rail) in rails.iter().enumerate() {
+            let (Some(qp), Some((addr, rkeys)), Some(mr)) =
+                (&rail.flush_qp, target, regs.flush.get(r))
+            else {
+                continue;
+            };
+            chain.clear();
+            chain.read(self.flush_target.addr(0), 1, mr.lkey(), addr, rkeys[r]);
+            chain.finish(WrKind::Order.id(0), 0);
+            match chain.post(&*rail.nic, qp) {
+                Ok(()) => reads += 1,
+                Err(e) => tracing::debug!("ordering read on {}: {e}", rail.name()),
+            }
+        }
+        let flushing = (0..SLOTS)
+            .filter(|&f| matches!(self.flush_slots[f], FlushSlot::Pending(n) if n > 0))
+            .fold(0u32, |m, f| m | 1 << f);
+        if reads == 0 && flushing == 0 {
+            reaper::bury((rails, regs));
+            return;
+        }
+        let wait = self
+            .mobility
+            .params
+            .failover
+            .unwrap_or(std::time::Duration::from_secs(1));
+        self.draining = Some(Draining {
+            rails,
+            _regs: regs,
+            reads,
+            flushing,
+            until: Instant::now() + wait,
+        });
+    }
+
+    /// A byte the dead NIC wrote: the first buffer of the last receive posted (its address,
+    /// and its keys by rail), where it is not empty.
+    fn order_target(&self) -> Option<(u64, [u32; MAX_RAILS])> {
+        let last = self.seq.checked_sub(1)?;
+        let e = self
+            .cts_local
+            .get(cts_index((last % SLOTS as u64) as usize, 0));
+        (e.size > 0).then_some((e.addr, e.rkeys))
+    }
+
+    /// Polls the rails a move left for their flush reads; once they are in (or waited for
+    /// long enough: a NIC that answers nothing writes nothing more, and its flushes are
+    /// taken as done), they go to the reaper.
+    pub(super) fn drain_old(&mut self) {
+        let Some(mut d) = self.draining.take() else {
+            return;
+        };
+        for (wr_id, _) in old_completions(&d.rails) {
+            let f = WrKind::slot(wr_id);
+            match WrKind::of(wr_id) {
+                Some(WrKind::Flush) if d.flushing & (1 << f) != 0 => {
+                    flushed(&mut self.flush_slots[f]);
+                    if self.flush_slots[f] == FlushSlot::Done {
+                        d.flushing &= !(1 << f);
+                    }
+                }
+                Some(WrKind::Order) => d.reads = d.reads.saturating_sub(1),
+                _ => {}
+            }
+        }
+        let waited = Instant::now() > d.until;
+        if d.reads == 0 && d.flushing == 0 || waited {
+            for f in (0..SLOTS).filter(|f| d.flushing & (1 << f) != 0) {
+                self.flush_slots[f] = FlushSlot::Done;
+            }
+            reaper::bury(d);
+        } else {
+            self.draining = Some(d);
+        }
+    }
+
+    /// The sender is up (`body`: its probe QPs): this end's probes come up, the flushes asked
+    /// for meanwhile go out, and the connection carries data again.
     fn resume(&mut self, body: &[u8]) -> Result<()> {
-        let Some(a) = self.moving_probes.take() else {
+        let Movement::Answered(moving, probes) =
+            std::mem::replace(&mut self.movement, Movement::Still)
+        else {
             return Ok(());
         };
-        let theirs = decode_qps(body, a.paths.len())?;
-        let p = self.mobility.params;
-        let tc_sl = (a.remote.tc, a.remote.sl);
-        connect_probes(
-            &self.rails,
-            &a.probes,
-            &a.paths,
-            End::Listener,
-            &theirs,
-            &a.remote,
-            &p,
-            tc_sl,
-        )?;
+        let theirs = decode_qps(body, probes.paths())?;
+        probes.connect(&self.rails, &theirs)?;
         self.flush_again()?;
-        if let Some((chan, took)) = self.mobility.end() {
-            self.rails[0].cq.watch(chan);
-            tracing::info!(
-                "connection to peer {} moved in {} ms",
-                self.peer,
-                took.as_millis()
-            );
-        }
+        tracing::info!(
+            "connection to peer {} moved in {} ms",
+            self.link.peer(),
+            moving.took().as_millis()
+        );
         Ok(())
     }
 
-    /// Posts again, on every rail, each flush not completed when the connection moved.
+    /// Posts, on every rail, each flush asked for while the connection moved.
     fn flush_again(&mut self) -> Result<()> {
         for f in 0..SLOTS {
-            if !matches!(self.flush_slots[f], FlushSlot::Pending(_)) {
+            if self.flush_slots[f] != FlushSlot::Pending(0) {
                 continue;
             }
             let (addr, mhandle) = self.flush_of[f];
@@ -300,5 +401,16 @@ impl<N: Nic> RecvState<N> {
             };
         }
         Ok(())
+    }
+
+    /// The receives numbered below this had all landed (what the sender is told at close).
+    pub(super) fn landed_below(&self, gate: &RecvGate<N>) -> u64 {
+        (self.seq.saturating_sub(SLOTS as u64)..self.seq)
+            .find(|&seq| {
+                let slot = (seq % SLOTS as u64) as usize;
+                let st = &self.slots[slot];
+                st.busy && st.span.2 == seq && gate.waits(slot)
+            })
+            .unwrap_or(self.seq)
     }
 }

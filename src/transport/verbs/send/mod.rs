@@ -11,24 +11,25 @@
 //! slot that never came, so the receiver learns of it whichever send was too large), the
 //! slot is posted at once and the comm fails from then on.
 //!
-//! A connection that loses a NIC moves (`moving`, see `failover`): meanwhile nothing is
-//! sent, and afterwards the slots the receiver still waits for are sent again.
+//! A fault on a rail a move can mend moves the connection (`moving`, see `failover`):
+//! meanwhile nothing is posted, and afterwards the slots the receiver still waits for are
+//! sent again before anything else. A peer that closes after its receives landed (its
+//! `Bye` says how many) completes the sends it got.
 
 mod moving;
+mod slot;
 
-use std::sync::{
-    atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed},
-    Arc,
-};
+use std::sync::Arc;
 
 use parking_lot::Mutex;
 
-use super::cq::IDLE_LOOK_EVERY;
-use super::failover::Mobility;
-use super::rail::{self, locate, Rail};
-use super::wire::{
-    cts_index, modulo, piece, CtsEntry, QpPlan, WrKind, CTS_SEQ_OFFSET, SLOTS, TRUNCATED,
-};
+use super::budget::slot_wrs;
+use super::failover::{Mobility, Moving};
+use super::fault::{Cause, Fault};
+use super::gate::{cts_landed, SendGate, NOT_AWAITED};
+use super::peer::PeerLink;
+use super::rail::{self, Rail};
+use super::wire::{cts_index, locate, modulo, piece, CtsEntry, QpPlan, WrKind, SLOTS, TRUNCATED};
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::transport::{
@@ -38,105 +39,36 @@ use crate::verbs::device::VerbsDevice;
 use crate::verbs::dma::{DmaBuffer, SendChain, WcBatch, WriteImm};
 use crate::verbs::nic::{Nic, QueuePair};
 
+use slot::{Replay, SendSlot};
+
 /// Where in `sizes_local` a probe's byte lands (after the size records).
 pub(crate) const PROBE_AT: usize = SLOTS * MAX_RECVS;
 
-/// The send queue depth of a sender's QPs: room for a single-buffer send in nearly every slot
-/// twice over (one write each), or for seven sends of 8-buffer receives (9 writes each). A
-/// send the queue has no room for now is "not now" (NCCL tries it again), so the depth
-/// bounds memory, not what NCCL may have in flight. One below a power of two: providers make
-/// a queue's ring a power of two, rxe after adding one, so 64 would take a ring of 128.
-pub(crate) const SENDER_SEND_DEPTH: u32 = 2 * SLOTS as u32 - 1;
-
-/// The shallowest send queue a sender can use: one slot of an 8-buffer receive's sends.
-pub(crate) const MIN_SEND_DEPTH: u32 = slot_wrs(MAX_RECVS);
-
-/// Work requests the writes of a slot of `n` sends may take on one QP: one per send, and
-/// the write of the sizes of a grouped receive. A send queue shallower than this for
-/// `MAX_RECVS` could never post an 8-buffer receive's slot.
-const fn slot_wrs(n: usize) -> u32 {
-    (n + 1) as u32
-}
-
-/// The sends matched to one receive slot.
-#[derive(Debug, Clone, Copy)]
-struct SendSlot {
-    busy: bool,
-    /// One bit per buffer of the receive.
-    all: u8,
-    matched: u8,
-    tested: u8,
-    cqe_pending: u32,
-    posted: bool,
-    sizes: [usize; MAX_RECVS],
-    addrs: [u64; MAX_RECVS],
-    /// Each send's registration handle: its keys are looked up again after a move.
-    mhandles: [u64; MAX_RECVS],
-    /// Each send's local key on each rail of the connection.
-    lkeys: [[u32; MAX_RAILS]; MAX_RECVS],
-    /// Bytes the receive's first buffer holds, which decides striping (both ends know it
-    /// from the first entry).
-    room: usize,
-    trunc: u8,
-    /// Entries whose buffer is not host memory (GPU memory registered for GPUDirect).
-    device_mem: u8,
-}
-
-impl SendSlot {
-    const FREE: SendSlot = SendSlot {
-        busy: false,
-        all: 0,
-        matched: 0,
-        tested: 0,
-        cqe_pending: 0,
-        posted: false,
-        sizes: [0; MAX_RECVS],
-        addrs: [0; MAX_RECVS],
-        mhandles: [0; MAX_RECVS],
-        lkeys: [[0; MAX_RAILS]; MAX_RECVS],
-        room: 0,
-        trunc: 0,
-        device_mem: 0,
-    };
-
-    fn start(&mut self, n: usize) {
-        // Only the bookkeeping is reset: the per-message arrays are written as each send
-        // matches, and only the first n are read.
-        self.busy = true;
-        self.all = ((1u16 << n) - 1) as u8;
-        self.matched = 0;
-        self.tested = 0;
-        self.cqe_pending = 0;
-        self.posted = false;
-        self.trunc = 0;
-        self.device_mem = 0;
-    }
-
-    /// Every buffer of the receive has its send.
-    fn complete(&self) -> bool {
-        self.matched == self.all
-    }
-
-    /// The slot's writes are all done.
-    fn done(&self) -> bool {
-        self.posted && self.cqe_pending == 0
-    }
-
-    /// The most bytes a write of this slot may carry inline, given the QP's limit. Inline
-    /// data is copied by the CPU at post time, so nothing is inlined when a buffer of the
-    /// slot is GPU memory: the CPU cannot read a device address (NCCL's IB transport never
-    /// inlines data either).
-    fn max_inline(&self, qp_limit: u32) -> u32 {
-        if self.device_mem == 0 {
-            qp_limit
-        } else {
-            0
-        }
-    }
-}
-
 /// The receiver's size records: address, key on each of its rails, how many rails.
 pub(crate) type RemoteRecords = (u64, [u32; MAX_RAILS], usize);
+
+/// Registrations of a buffer on the NICs a move takes: (registration, lkey, rkey) per rail.
+type Regs<N> = Vec<(<N as Nic>::Mr, u32, u32)>;
+
+/// Where the sender is in a move (`moving`; the protocol is in `failover`).
+enum Movement<N: Nic> {
+    /// Carrying data on its rails.
+    Still,
+    /// Its QPs are stopped, its rails made again on the NICs left and offered; the
+    /// receiver's answer is awaited.
+    Offered(Box<Offered<N>>),
+    /// Moved: the slots the receiver still waited for are sent again, oldest first, before
+    /// any later send.
+    Replaying(Replay),
+}
+
+/// What a move has made, until the receiver answers.
+struct Offered<N: Nic> {
+    moving: Moving,
+    new: super::bringup::Bringup<N>,
+    sizes_regs: Regs<N>,
+    fifo_regs: Regs<N>,
+}
 
 /// Everything a send comm owns.
 pub(crate) struct SendState<N: Nic> {
@@ -161,20 +93,15 @@ pub(crate) struct SendState<N: Nic> {
     sq_room: [u32; 256],
     failure: Failure,
     traffic: Traffic,
-    pub(crate) peer: String,
-    /// Where the connection may move, and the move under way.
+    /// The bootstrap connection: the peer's moves, its `Bye`, its exit.
+    link: PeerLink,
+    /// Where the connection may move.
     mobility: Mobility<N>,
-    /// A move is under way or slots wait to be sent again: `progress` steps it first.
-    mobile_work: bool,
-    /// [`NOT_AWAITED`] while a move is under way (no clear-to-send is awaited), else 0: what
-    /// the gate's `awaited` is or-ed with.
-    hold_sends: u64,
-    /// Slots (bits) to send again on the new QPs, oldest first.
-    replay: u32,
-    /// The rails and registrations a move has made, until the receiver answers.
-    moving_to: Option<moving::NewPath<N>>,
+    movement: Movement<N>,
     /// The FIFO's registrations on the NICs a move took (its own are on the first ones).
     fifo_regs: Vec<N::Mr>,
+    /// A rail failed under this comm: its QPs go to the reaper at close.
+    broken: bool,
 }
 
 impl<N: Nic> SendState<N> {
@@ -186,17 +113,11 @@ impl<N: Nic> SendState<N> {
         sizes_local: DmaBuffer<u32, N::Mr>,
         remote_sizes: RemoteRecords,
         plan: QpPlan,
-        peer: String,
+        link: PeerLink,
         keys: CommKeys,
         mobility: Mobility<N>,
     ) -> Self {
-        let mut sq_room = [0; 256];
-        for (q, room) in sq_room.iter_mut().enumerate().take(plan.nqps) {
-            let (r, i) = locate(q, plan.rails);
-            *room = rails[r].qps[i].max_send_wr();
-            debug_assert!(*room >= slot_wrs(MAX_RECVS));
-        }
-        SendState {
+        let mut s = SendState {
             rails,
             fifo,
             sizes_local,
@@ -207,16 +128,42 @@ impl<N: Nic> SendState<N> {
             chain: SendChain::new(),
             single: WriteImm::default(),
             keys,
-            sq_room,
+            sq_room: [0; 256],
             failure: Failure::default(),
             traffic: Traffic::default(),
-            peer,
+            link,
             mobility,
-            mobile_work: false,
-            hold_sends: 0,
-            replay: 0,
-            moving_to: None,
+            movement: Movement::Still,
             fifo_regs: Vec::new(),
+            broken: false,
+        };
+        s.reset_room();
+        s
+    }
+
+    /// Every QP's send queue empty: its whole depth is room.
+    fn reset_room(&mut self) {
+        for q in 0..self.plan.nqps {
+            let (r, i) = locate(q, self.plan.rails);
+            self.sq_room[q] = self.rails[r].qps[i].max_send_wr();
+            debug_assert!(self.sq_room[q] >= slot_wrs(MAX_RECVS));
+        }
+    }
+
+    /// Whether the connection carries data on its rails (no move, and nothing to send again).
+    #[inline]
+    fn still(&self) -> bool {
+        matches!(self.movement, Movement::Still)
+    }
+
+    /// What the gate is to say: the entry the next send waits for ([`NOT_AWAITED`] while
+    /// the connection moves), and whether every `isend` looks around (failed, or moving).
+    #[inline]
+    fn gate_view(&self) -> (u64, bool) {
+        if self.still() {
+            (self.awaited(), self.failure.is_set())
+        } else {
+            (NOT_AWAITED, true)
         }
     }
 
@@ -227,7 +174,7 @@ impl<N: Nic> SendState<N> {
         let r = self.progress(false);
         self.failure.record(r)?;
         // A move begun by the drain stopped the QPs: nothing is posted until it is over.
-        Ok(!self.mobility.moving() && fits(self))
+        Ok(self.still() && fits(self))
     }
 
     /// Whether every QP the writes of the slot of `n` sends for receive `seq` take has room
@@ -263,9 +210,9 @@ impl<N: Nic> SendState<N> {
         mhandle: u64,
     ) -> Result<Option<usize>> {
         self.failure.check()?;
-        if awaited != self.awaited() {
-            // The gate read what an earlier call left (NCCL drives a comm from one thread,
-            // so this is never expected).
+        if !self.still() || awaited != self.awaited() {
+            // Moving (nothing is posted before the move and what it sends again), or the
+            // gate read what an earlier call left.
             return Ok(None);
         }
         let slot = (self.seq % SLOTS as u64) as usize;
@@ -343,16 +290,19 @@ impl<N: Nic> SendState<N> {
             st.matched = st.all;
         }
         if self.slots[slot].complete() {
-            let r = self.post_slot(slot, n);
-            self.failure.record(r)?;
+            if let Err(e) = self.post_slot(slot, n) {
+                // Matched, so the request goes back: the slot is posted after the move (or
+                // the comm failed).
+                let r = self.post_failed(e);
+                self.failure.record(r)?;
+            }
         }
         if truncated {
             // No request goes back, so this slot is never tested and never free again: the
             // comm fails from here on (every later call returns the error rather than
             // waiting on the slot).
-            return Err(self
-                .failure
-                .fail(truncation_error(buf.len(), tag, &self.peer, room)));
+            let e = truncation_error(buf.len(), tag, self.link.peer(), room);
+            return Err(self.failure.fail(e));
         }
         Ok(Some(base + e))
     }
@@ -382,7 +332,7 @@ impl<N: Nic> SendState<N> {
         // Inline data is copied by the CPU at post: never from GPU memory.
         let max_inline = if mem.host { qp_r.max_inline() } else { 0 };
         let qpn = qp_r.qpn();
-        let id = WrKind::send_id(slot, qp, 1);
+        let id = WrKind::Send.send_id(slot, qp, 1);
         let post = self.single.post(
             &*rail.nic,
             qp_r,
@@ -391,7 +341,12 @@ impl<N: Nic> SendState<N> {
             id,
             max_inline,
         );
-        self.failure.record(post)?;
+        if let Err(e) = post {
+            // Not posted: after the move (or the comm failed), NCCL asks again.
+            let r = self.post_failed(e);
+            self.failure.record(r)?;
+            return Ok(None);
+        }
         self.sq_room[qp] -= 1;
         rail.signaled(qpn, id);
         rail.stats.bytes += u64::from(len);
@@ -404,7 +359,7 @@ impl<N: Nic> SendState<N> {
         // What a move needs to send it again.
         st.addrs[0] = buf.addr() as u64;
         st.mhandles[0] = mhandle;
-        self.posted(slot, 1)?;
+        self.posted(slot, 1);
         Ok(Some(cts_index(slot, 0)))
     }
 
@@ -435,21 +390,21 @@ impl<N: Nic> SendState<N> {
         if let Err(e) = self.failure.check() {
             return Tested::Failed(e);
         }
-        if self.rails[0].cq.peer_gone {
-            let e = self.rails[0].cq.gone_error(&self.peer);
+        if let Some(gone) = self.link.ended() {
+            let e = gone.error.clone();
             return Tested::Failed(self.failure.fail(e));
         }
         Tested::Pending
     }
 
-    /// An idle isend's look around: drains the CQs (the watchdog and peer watch ride along)
+    /// An idle isend's look around: drains the CQs (the watchdog and peer link ride along)
     /// and returns the comm's failure or a vanished peer as the error.
     fn look_around(&mut self) -> Result<()> {
         let r = self.progress(true);
         self.failure.record(r)?;
         self.failure.check()?;
-        if self.rails[0].cq.peer_gone {
-            let e = self.rails[0].cq.gone_error(&self.peer);
+        if let Some(gone) = self.link.ended() {
+            let e = gone.error.clone();
             return Err(self.failure.fail(e));
         }
         Ok(())
@@ -459,96 +414,98 @@ impl<N: Nic> SendState<N> {
     fn protocol_error(&mut self, n: usize) -> Result<Option<usize>> {
         let e = Error::remote(format!(
             "protocol error: clear-to-send from {} announces {n} buffers",
-            self.peer
+            self.link.peer()
         ));
         Err(self.failure.fail(e))
     }
 
-    /// Polls every rail's CQ once and hands out what arrived; `waiting`: a send waits for
-    /// its clear-to-send. A rail that fails moves the connection where it can.
+    /// Polls every rail's CQ once and hands out what arrived (`waiting`: a send waits for
+    /// its clear-to-send), and hears the peer when its turn comes. A fault moves the
+    /// connection where it can; while it moves, this steps the move instead.
     #[inline(always)]
     fn progress(&mut self, waiting: bool) -> Result<()> {
-        if self.mobile_work && self.step_move()? {
+        if !self.still() && self.step_move()? {
             // Moving: the QPs are stopped.
             return Ok(());
         }
+        if let Err(f) = self.poll_rails(waiting) {
+            return self.on_fault(f);
+        }
+        if self.rails[0].cq.checks_due() {
+            self.listen()?;
+        }
+        Ok(())
+    }
+
+    /// Polls every rail's CQ once and hands out what arrived.
+    #[inline(always)]
+    fn poll_rails(&mut self, waiting: bool) -> std::result::Result<(), Fault> {
         let mut wc = WcBatch::new();
         for r in 0..self.rails.len() {
-            if let Err(e) = self.poll_rail(r, &mut wc, waiting) {
-                return self.rail_failed(r, e);
+            if self.rails[r].poll(&mut wc)? {
+                self.drain_rail(r, &mut wc, waiting)?;
             }
         }
         Ok(())
     }
 
-    /// Polls rail `r`'s CQ once and hands out what arrived.
+    /// Hands what rail `r`'s poll put in `wc` to the slots it completes (and their room back
+    /// to the send queues).
     #[inline(always)]
-    fn poll_rail(&mut self, r: usize, wc: &mut WcBatch, waiting: bool) -> Result<()> {
-        if self.rails[r].poll(wc)? {
-            self.drain_rail(r, wc, waiting)?;
-        }
-        Ok(())
-    }
-
-    /// Hands what rail `r`'s poll put in `wc` to the slots and probes it completes.
-    #[inline(always)]
-    fn drain_rail(&mut self, r: usize, wc: &mut WcBatch, waiting: bool) -> Result<()> {
+    fn drain_rail(
+        &mut self,
+        r: usize,
+        wc: &mut WcBatch,
+        waiting: bool,
+    ) -> std::result::Result<(), Fault> {
         let (slots, sq_room) = (&mut self.slots, &mut self.sq_room);
-        let probe =
-            self.rails[r].drain(wc, &self.peer, waiting, |c| match WrKind::of(c.wr_id()) {
-                Some(WrKind::Send) => {
-                    let st = &mut slots[WrKind::slot(c.wr_id())];
-                    st.cqe_pending = st.cqe_pending.saturating_sub(1);
-                    let (q, wrs) = WrKind::send_retires(c.wr_id());
-                    sq_room[usize::from(q)] += wrs;
-                    true
-                }
-                _ => false,
-            })?;
-        if probe != 0 {
-            self.post_probes(r, probe)?;
-        }
-        Ok(())
+        let peer = self.link.peer();
+        self.rails[r].drain(wc, peer, waiting, |c| match WrKind::of(c.wr_id()) {
+            Some(WrKind::Send) => {
+                let st = &mut slots[WrKind::slot(c.wr_id())];
+                st.cqe_pending = st.cqe_pending.saturating_sub(1);
+                let (q, wrs) = WrKind::send_retires(c.wr_id());
+                sq_room[usize::from(q)] += wrs;
+                true
+            }
+            Some(WrKind::Landed) => {
+                // A slot done before the move: only the room comes back.
+                let (q, wrs) = WrKind::send_retires(c.wr_id());
+                sq_room[usize::from(q)] += wrs;
+                true
+            }
+            _ => false,
+        })
     }
 
-    /// 1-byte reads of the receiver's size records over the paths `which` (bits of rail
-    /// `r`'s pairs): work that completes at once on a live path, for the watchdog.
+    /// A post failed with `e`: where a rail's CQ says why (its path failed), that fault; else
+    /// the device's error. Either goes where faults go.
     #[cold]
-    fn post_probes(&mut self, r: usize, which: u8) -> Result<()> {
-        let (addr, rkeys, _) = self.remote_sizes;
-        let rail = &mut self.rails[r];
-        for p in (0..rail.pairs.len()).filter(|p| which & (1 << p) != 0) {
-            let (qp, remote_rail) = (rail.pairs[p].qp, rail.pairs[p].remote_rail);
-            self.chain.clear();
-            self.chain.read(
-                self.sizes_local.addr(PROBE_AT),
-                1,
-                self.sizes_local.lkey(r),
-                addr,
-                rkeys[remote_rail],
-            );
-            self.chain.finish(WrKind::Probe.id(p), 0);
-            self.chain.post(&*rail.nic, &rail.probe_qps[qp])?;
-            let qpn = rail.probe_qps[qp].qpn();
-            rail.signaled(qpn, WrKind::Probe.id(p));
-        }
-        Ok(())
+    fn post_failed(&mut self, e: Error) -> Result<()> {
+        let f = match self.poll_rails(false) {
+            Err(f) => f,
+            Ok(()) => Fault::new(Cause::Device, e),
+        };
+        self.on_fault(f)
     }
 
     /// Posts the writes of a fully matched slot of `n` messages.
     fn post_slot(&mut self, slot: usize, n: usize) -> Result<()> {
-        let used = self.write_slot(slot, n, self.seq)?;
-        self.posted(slot, used)
+        let used = self.write_slot(slot, n, self.seq, WrKind::Send)?;
+        self.posted(slot, used);
+        Ok(())
     }
 
     /// Posts the writes of fully matched `slot` of `n` messages, for the receive numbered
-    /// `seq`; returns how many are signaled.
-    fn write_slot(&mut self, slot: usize, n: usize, seq: u64) -> Result<usize> {
+    /// `seq`; returns how many are signaled. `kind`: `Send`, or `Landed` for a slot whose
+    /// data landed before a move, of which only the immediates (and size record) go again.
+    fn write_slot(&mut self, slot: usize, n: usize, seq: u64, kind: WrKind) -> Result<usize> {
         let plan = self.plan;
         let (first_qp, used) = plan.qps(seq, self.slots[slot].room);
         let base = cts_index(slot, 0);
         let st = &self.slots[slot];
         let remote_rails = self.remote_sizes.2;
+        let data = kind == WrKind::Send;
         if n > 1 {
             for i in 0..n {
                 let v = if st.trunc & (1 << i) != 0 {
@@ -567,10 +524,7 @@ impl<N: Nic> SendState<N> {
             let chain = &mut self.chain;
             chain.clear();
             let mut bytes = 0;
-            for i in 0..n {
-                if st.trunc & (1 << i) != 0 {
-                    continue;
-                }
+            for i in (0..n).filter(|i| data && st.trunc & (1 << i) == 0) {
                 // Matched entries have landed and stay put until this slot completes.
                 let (addr, rkey) = self.fifo.read(base + i, |e| (e.addr, e.rkeys[remote_rail]));
                 let (off, len) = piece(st.sizes[i], k, used);
@@ -608,7 +562,7 @@ impl<N: Nic> SendState<N> {
                 );
             }
             let qp = &rail.qps[qi];
-            let id = WrKind::send_id(slot, q, chain.len());
+            let id = kind.send_id(slot, q, chain.len());
             chain.finish(id, st.max_inline(qp.max_inline()));
             chain.post(&*rail.nic, qp)?;
             self.sq_room[q] -= chain.len() as u32;
@@ -621,12 +575,30 @@ impl<N: Nic> SendState<N> {
 
     /// Records that `slot`'s writes are posted, `cqes` of them signaled.
     #[inline(always)]
-    fn posted(&mut self, slot: usize, cqes: usize) -> Result<()> {
+    fn posted(&mut self, slot: usize, cqes: usize) {
         let st = &mut self.slots[slot];
         st.cqe_pending = cqes as u32;
         st.posted = true;
         self.seq += 1;
-        Ok(())
+    }
+
+    /// Where the peer said, closing, that its receives below `landed` had landed: every slot
+    /// posted for one of them is done, whether or not its acknowledgement came.
+    #[cold]
+    fn landed_below(&mut self, landed: u64) {
+        for slot in 0..SLOTS {
+            let seq = self.seq_of(slot);
+            let st = &mut self.slots[slot];
+            if st.posted && st.cqe_pending > 0 && seq < landed {
+                st.cqe_pending = 0;
+            }
+        }
+    }
+
+    /// The receive number of posted `slot`: the last one before `seq` to use it.
+    fn seq_of(&self, slot: usize) -> u64 {
+        let back = (self.seq as usize + 2 * SLOTS - 1 - slot) % SLOTS;
+        self.seq.wrapping_sub(1 + back as u64)
     }
 }
 
@@ -636,62 +608,6 @@ fn truncation_error(len: usize, tag: i32, peer: &str, room: u32) -> Error {
         "send of {len} bytes (tag {tag}) to {peer} is larger than the {room}-byte receive \
          posted for it"
     ))
-}
-
-/// The sequence number + 1 of the receive clear-to-send entry `i` of `fifo` announces, once
-/// the receiver's write has placed it (and the fields before it).
-#[inline]
-fn cts_landed<R>(fifo: &DmaBuffer<CtsEntry, R>, i: usize) -> u64 {
-    fifo.get_u64(i, CTS_SEQ_OFFSET)
-}
-
-/// What `SendState::awaited` says while nothing may be sent: a value no entry ever holds
-/// (that would take 2^64 receives), so the one comparison answers "not yet".
-const NOT_AWAITED: u64 = u64::MAX;
-
-/// What an `isend` reads without taking the comm's lock: the FIFO, and what the last locked
-/// call left. One progress thread drives a comm, so these are its own writes; were they
-/// stale, `isend` decides again under the lock.
-struct SendGate<R> {
-    fifo: Arc<DmaBuffer<CtsEntry, R>>,
-    /// `SendState::awaited` as the last locked call left it.
-    awaited: AtomicU64,
-    /// `isend` calls that found nothing to post.
-    idle_calls: AtomicU32,
-    /// The comm has failed: every `isend` goes on to return the error.
-    failed: AtomicBool,
-}
-
-impl<R> SendGate<R> {
-    /// The clear-to-send the next send waits for, once it has landed: one load of the FIFO
-    /// decides "not yet", as in NCCL's IB transport. (An entry's sequence number is read
-    /// first and alone, the rest only once it matches.)
-    #[inline]
-    fn landed(&self) -> Option<u64> {
-        let awaited = self.awaited.load(Relaxed);
-        let slot = (awaited.wrapping_sub(1) % SLOTS as u64) as usize;
-        (cts_landed(&self.fifo, cts_index(slot, 0)) == awaited).then_some(awaited)
-    }
-
-    /// Counts an `isend` that finds nothing to post: whether it should look around, as every
-    /// [`IDLE_LOOK_EVERY`]th such call does and every call on a failed comm. That keeps
-    /// completions, the peer watch and the watchdog moving without a CQ poll on every "not
-    /// yet".
-    #[inline]
-    fn idle_call_looks(&self) -> bool {
-        // Load and store, not an atomic add: one thread counts, and a lost count is harmless.
-        let n = self.idle_calls.load(Relaxed).wrapping_add(1);
-        self.idle_calls.store(n, Relaxed);
-        n % IDLE_LOOK_EVERY == 0 || self.failed.load(Relaxed)
-    }
-
-    /// Records what a locked call left. While the connection moves no clear-to-send is
-    /// awaited, and every `isend` looks around (which steps the move).
-    fn publish<N: Nic<Mr = R>>(&self, s: &SendState<N>) {
-        self.awaited.store(s.awaited() | s.hold_sends, Relaxed);
-        self.failed
-            .store(s.failure.is_set() | s.mobile_work, Relaxed);
-    }
 }
 
 /// The sending end of a verbs connection: its state behind the comm's lock, and the gate an
@@ -704,16 +620,18 @@ pub(crate) struct VerbsSender<N: Nic = VerbsDevice> {
 
 impl<N: Nic> VerbsSender<N> {
     pub(crate) fn new(state: SendState<N>) -> Self {
-        let gate = SendGate {
-            fifo: Arc::clone(&state.fifo),
-            awaited: AtomicU64::new(state.awaited()),
-            idle_calls: AtomicU32::new(0),
-            failed: AtomicBool::new(false),
-        };
+        let gate = SendGate::new(Arc::clone(&state.fifo), state.awaited());
         VerbsSender {
             state: Mutex::new(state),
             gate,
         }
+    }
+
+    /// Records in the gate what the locked call on `s` left.
+    #[inline]
+    fn publish(&self, s: &SendState<N>) {
+        let (awaited, look) = s.gate_view();
+        self.gate.publish(awaited, look);
     }
 
     /// An `isend` with nothing to post: "not yet", after a look around when one is due.
@@ -727,13 +645,13 @@ impl<N: Nic> VerbsSender<N> {
     }
 
     /// [`SendState::look_around`], under the lock. Out of line: one idle `isend` in
-    /// [`IDLE_LOOK_EVERY`] comes here, and the others are the gate's load and a count.
+    /// [`super::cq::IDLE_LOOK_EVERY`] comes here.
     #[cold]
     #[inline(never)]
     fn look_around(&self) -> Result<Option<usize>> {
         let mut s = self.state.lock();
         let r = s.look_around();
-        self.gate.publish(&s);
+        self.publish(&s);
         r.map(|()| None)
     }
 
@@ -744,7 +662,7 @@ impl<N: Nic> VerbsSender<N> {
         let mut s = self.state.lock();
         assert!(s.slots.iter().all(|st| !st.busy) && s.rails.iter().all(|r| r.in_flight == 0));
         s.seq = seq;
-        self.gate.publish(&s);
+        self.publish(&s);
     }
 
     /// The QP numbers of the connection, in connection order.
@@ -763,6 +681,20 @@ impl<N: Nic> VerbsSender<N> {
     #[cfg(test)]
     pub(crate) fn rail_stats(&self) -> Vec<rail::RailStats> {
         self.state.lock().rails.iter().map(|r| r.stats).collect()
+    }
+
+    /// The NIC each rail is on now.
+    #[cfg(test)]
+    pub(crate) fn rail_nics(&self) -> Vec<String> {
+        let s = self.state.lock();
+        s.rails.iter().map(|r| r.name().to_string()).collect()
+    }
+
+    /// Runs `f` while holding the comm's lock (calls that need it wait meanwhile).
+    #[cfg(test)]
+    pub(crate) fn with_lock_held(&self, f: impl FnOnce()) {
+        let _s = self.state.lock();
+        f();
     }
 
     /// Slow completions and stalls the latency of each rail counted.
@@ -788,7 +720,7 @@ impl<N: Nic> VerbsSender<N> {
 
 impl<N: Nic> Endpoint for VerbsSender<N> {
     fn peer(&self) -> String {
-        self.state.lock().peer.clone()
+        self.state.lock().link.peer().to_string()
     }
 
     fn traffic(&self) -> Traffic {
@@ -813,10 +745,11 @@ impl<N: Nic> VerbsSender<N> {
     ) -> Result<Option<usize>> {
         let mut s = self.state.lock();
         let r = s.isend(awaited, buf, tag, mhandle);
-        self.gate.publish(&s);
+        self.publish(&s);
         drop(s);
         match r {
-            // Landed, but not for this send yet (another tag, an entry of a group to come).
+            // Landed, but not for this send yet (another tag, an entry of a group to come,
+            // a move under way).
             Ok(None) => self.not_yet(),
             r => r,
         }
@@ -834,15 +767,25 @@ impl<N: Nic> Sender for VerbsSender<N> {
         }
     }
 
-    /// Under the lock (a send has no idle test: NCCL tests a send once it was posted).
+    /// Under the lock (a send has no idle test: NCCL tests a send once it was posted). The
+    /// gate learns what the call left, a move it began included.
     #[inline(never)]
     fn test(&self, id: usize) -> Tested {
         let mut s = self.state.lock();
         let r = s.test(id);
-        // A send not done yet freed no slot and found the comm alive: nothing to publish.
-        if !matches!(r, Tested::Pending) {
-            self.gate.publish(&s);
-        }
+        self.publish(&s);
         r
+    }
+}
+
+impl<N: Nic> Drop for VerbsSender<N> {
+    fn drop(&mut self) {
+        let s = self.state.get_mut();
+        s.link.bye(None);
+        if s.broken {
+            // A failed NIC's QPs may take long to destroy: not in NCCL's close.
+            super::failover::stop(&s.rails, false);
+            super::reaper::bury(std::mem::take(&mut s.rails));
+        }
     }
 }

@@ -1,207 +1,251 @@
-//! The sender's half of a move (the protocol is in `failover`): it stops its QPs, builds its
-//! rails again on the NICs left and offers them; on the receiver's answer it brings them up,
-//! counts done every posted send the receiver does not wait for, and sends the others again.
+//! The sender's half of a move (the protocol is in `failover`): a fault it saw, or the
+//! receiver's `Down`, stops its QPs; it makes its rails again on the NICs left and offers
+//! them; on the receiver's answer it joins the receiver's rails, counts done every posted send
+//! the receiver does not wait for, and sends the others again before anything else.
 
-use super::{SendState, SLOTS};
-use crate::error::{Error, Result};
-use crate::transport::verbs::failover::{self, decode_answer, Phase, Step};
-use crate::transport::verbs::rail::{locate, Rail};
-use crate::transport::verbs::setup::{
-    check_links, connect_probes, connect_qps, local_info, make_probes, make_rails, probe_qps,
-    register_on, rkeys, time_work, End,
+use super::slot::Replay;
+use super::{Movement, Offered, SendState, PROBE_AT, SLOTS};
+use crate::error::Result;
+use crate::transport::verbs::bringup::{register_on, rkeys, Bringup, Role};
+use crate::transport::verbs::failover::{self, Moving};
+use crate::transport::verbs::fault::Fault;
+use crate::transport::verbs::reaper;
+use crate::transport::verbs::wire::{
+    cts_index, decode_answer, encode_qps, ConnInfo, MoveMsg, Step, WrKind,
 };
-use crate::transport::verbs::wire::{cts_index, encode_qps, paths, ConnInfo};
-use crate::transport::MAX_RECVS;
-use crate::verbs::nic::{Nic, QueuePair};
-
-/// Registrations of a buffer on the NICs a move takes: (registration, lkey, rkey) per rail.
-type Regs<N> = Vec<(<N as Nic>::Mr, u32, u32)>;
-
-/// What a move has made, until the receiver answers.
-pub(crate) struct NewPath<N: Nic> {
-    rails: Vec<Rail<N>>,
-    sizes_regs: Regs<N>,
-    fifo_regs: Regs<N>,
-}
+use crate::transport::{MAX_RAILS, MAX_RECVS};
+use crate::verbs::nic::Nic;
 
 impl<N: Nic> SendState<N> {
-    /// Rail `r` failed with `e`, or the peer's message came (then `e` only says so): moves the
-    /// connection where it can, else returns the error (the comm fails with it).
+    /// A rail met `f`: the connection moves where a move can mend it and both ends can move;
+    /// else `f` fails the comm. The peer is heard first: it may have moved already, or left
+    /// (then the sends it said had landed complete, and the rest fail with its leaving).
     #[cold]
     #[inline(never)]
-    pub(super) fn rail_failed(&mut self, r: usize, e: Error) -> Result<()> {
-        let mail = self.rails[0].cq.mail.take();
-        if self.rails[0].cq.peer_gone || self.mobility.moving() {
-            return Err(e);
+    pub(super) fn on_fault(&mut self, f: Fault) -> Result<()> {
+        self.broken = true;
+        self.listen()?;
+        if !self.still() {
+            // The peer's `Down` came: the move it asked for is under way.
+            return Ok(());
         }
-        let (epoch, lost, why) = match mail {
-            Some(m) => {
-                let m = failover::MoveMsg::decode(&m.payload)?;
-                if m.step != Step::Down || !self.mobility.enabled() {
-                    return Err(refused(&self.peer, self.mobility.enabled()));
-                }
-                let why = format!("peer {} lost a path of the connection", self.peer);
-                (m.epoch, m.lost, why)
-            }
-            None if self.mobility.enabled() && failover::movable(self.rails[r].failed_status) => {
-                let (nqps, peer_rails) = (self.plan.nqps, self.remote_sizes.2);
-                let lost = failover::lost_with(r, nqps, self.rails.len(), peer_rails);
-                (self.mobility.epoch + 1, lost, e.to_string())
-            }
-            None => return Err(e),
-        };
-        self.begin_move(epoch, lost, &why)
+        if self.link.ended().is_some() {
+            // A peer that closed after its data landed is no error of the sends it got:
+            // `test` fails only the others, with its leaving.
+            return Ok(());
+        }
+        if !f.movable() {
+            return Err(f.error);
+        }
+        if !self.mobility.enabled() {
+            let why = self.mobility.why_unmoved();
+            return Err(failover::unmoved(f, why, self.link.peer()));
+        }
+        let rail = f.rail.unwrap_or(0);
+        let lost = failover::lost_with(rail, self.plan.nqps, self.rails.len(), self.remote_sizes.2);
+        self.begin_move(self.mobility.epoch + 1, lost, f.error.to_string())
     }
 
-    /// Stops the QPs, builds the rails again on the NICs left and offers them to the receiver.
-    fn begin_move(&mut self, epoch: u32, lost: [u8; 2], why: &str) -> Result<()> {
-        failover::stop(&self.rails);
-        let Some(chan) = self.rails[0].cq.unwatch() else {
-            return Err(Error::remote(why.to_string()));
-        };
-        let before = self.mobility.order;
-        self.mobility.begin(epoch, lost, chan, why);
-        self.mobility.phase = Phase::Asked;
-        self.mobile_work = true;
-        self.hold_sends = super::NOT_AWAITED;
+    /// Reads what the peer sent: a move it begins, its `Bye`.
+    #[cold]
+    pub(super) fn listen(&mut self) -> Result<()> {
+        while let Some(msg) = self.link.poll() {
+            self.heard(msg)?;
+        }
+        if let Some(landed) = self.link.landed() {
+            self.landed_below(landed);
+        }
+        Ok(())
+    }
+
+    /// A move message `msg` came (outside of a move's own steps).
+    fn heard(&mut self, msg: MoveMsg) -> Result<()> {
+        let peer = self.link.peer();
+        match msg.step {
+            Step::Down if msg.epoch > self.mobility.epoch && self.mobility.able() => {
+                let why = format!("peer {peer} lost a path of the connection");
+                self.begin_move(msg.epoch, msg.lost, why)
+            }
+            Step::Down if msg.epoch > self.mobility.epoch => {
+                let e = failover::cannot_move(peer);
+                Err(failover::refuse(&mut self.link, msg.epoch, e))
+            }
+            Step::Refuse => Err(failover::refused(peer, &msg.body)),
+            // A `Down` that crossed the offer of its move, or older.
+            Step::Down => Ok(()),
+            _ => Err(failover::out_of_turn(peer, &msg, "carried data")),
+        }
+    }
+
+    /// Stops the QPs, makes the rails again on the NICs left and offers them to the receiver.
+    pub(super) fn begin_move(&mut self, epoch: u32, lost: [u8; 2], why: String) -> Result<()> {
+        self.broken = true;
+        failover::stop(&self.rails, false);
+        self.mobility.epoch = epoch;
+        let moving = Moving::new(epoch, lost, why, &self.mobility.params);
         let rails = self.rails.len();
+        let before = self.mobility.order;
         let Some(nics) = self.mobility.pick(rails, lost[0]) else {
-            return Err(no_nic_left(why, &self.peer));
+            let e = failover::no_nic_left(&moving.why, self.link.peer());
+            return Err(failover::refuse(&mut self.link, epoch, e));
         };
         let (old, new) = self.mobility.describe(&before, rails, lost[0]);
         tracing::warn!(
-            "{why}; moving the connection to peer {} {}",
-            self.peer,
+            "{}; moving the connection to peer {} {}",
+            moving.why,
+            self.link.peer(),
             failover::moved(&old, &new)
         );
-        let (cost, p) = (self.mobility.cost, self.mobility.rebuild_params());
-        let new_rails = make_rails(&nics, &cost, &p)?;
-        let register = register_on(&nics);
-        let sizes_regs = self.sizes_local.register_again(rails, register)?;
-        let fifo_regs = self.fifo.register_again(rails, register)?;
-        let info = local_info(&new_rails, self.fifo.addr(0), |r| fifo_regs[r].2, &p);
-        self.mobility.send(Step::Offer, info.encode())?;
-        self.moving_to = Some(NewPath {
-            rails: new_rails,
+        let made = (|| {
+            let p = self.mobility.rebuild_params();
+            let cost = self
+                .mobility
+                .fitted(&nics, self.plan.nqps, self.link.peer())?;
+            let new = Bringup::make(&nics, &cost, p, Role::Offers)?;
+            let register = register_on(&nics);
+            let sizes_regs = self.sizes_local.register_again(rails, register)?;
+            let fifo_regs = self.fifo.register_again(rails, register)?;
+            Ok((new, sizes_regs, fifo_regs))
+        })();
+        let (new, sizes_regs, fifo_regs) = match made {
+            Ok(made) => made,
+            Err(e) => return Err(failover::refuse(&mut self.link, epoch, e)),
+        };
+        let info = new.describe(self.fifo.addr(0), |r| fifo_regs[r].2, self.mobility.able());
+        let offer = moving.message(Step::Offer, info.encode());
+        self.link.send(&offer);
+        self.movement = Movement::Offered(Box::new(Offered {
+            moving,
+            new,
             sizes_regs,
             fifo_regs,
-        });
+        }));
         Ok(())
     }
 
-    /// Steps the move under way (true while it is) and sends again what is due.
+    /// Steps the move under way: true while the QPs are stopped (the answer awaited).
     #[cold]
     #[inline(never)]
     pub(super) fn step_move(&mut self) -> Result<bool> {
-        if self.mobility.moving() {
-            self.mobility.check_bound(&self.peer)?;
-            match self.mobility.poll(&self.peer)? {
-                Some(m) if m.step == Step::Answer => self.finish_move(&m.body)?,
-                // A `Down` of this move that crossed the offer.
-                Some(_) | None => return Ok(true),
+        if let Movement::Offered(o) = &self.movement {
+            let epoch = o.moving.epoch;
+            // The peer's messages first: one polled late still finishes the move.
+            while let Some(msg) = self.link.poll() {
+                let peer = self.link.peer();
+                match msg.step {
+                    Step::Answer if msg.epoch == epoch => {
+                        self.finish_move(&msg.body)?;
+                        break;
+                    }
+                    Step::Refuse if msg.epoch == epoch => {
+                        return Err(failover::refused(peer, &msg.body));
+                    }
+                    // A `Down` that crossed the offer, or a message of an older move.
+                    Step::Down if msg.epoch <= epoch => {}
+                    _ if msg.epoch < epoch => {}
+                    _ => return Err(failover::out_of_turn(peer, &msg, "offered a move")),
+                }
+            }
+            if let Movement::Offered(o) = &self.movement {
+                if self.link.ended().is_some() {
+                    // The peer closed: what it said had landed is done; `test` fails the
+                    // rest with its leaving.
+                    if let Some(landed) = self.link.landed() {
+                        self.landed_below(landed);
+                    }
+                    return Ok(true);
+                }
+                o.moving.check_bound(self.link.peer())?;
+                return Ok(true);
             }
         }
         self.replay_due()?;
-        self.mobile_work = self.replay != 0;
-        Ok(false)
+        Ok(matches!(self.movement, Movement::Offered(_)))
     }
 
-    /// The receiver answered (`body`): the new rails come up against its, and the sends it
-    /// waits for are due again.
+    /// The receiver answered (`body`): the new rails come up against its, the old go to the
+    /// reaper, and the sends it waits for are due again.
     fn finish_move(&mut self, body: &[u8]) -> Result<()> {
-        let Some(new) = self.moving_to.take() else {
-            return Err(Error::remote(format!(
-                "{}: failover answer out of turn",
-                self.peer
-            )));
+        let Movement::Offered(o) = std::mem::replace(&mut self.movement, Movement::Still) else {
+            return Ok(());
         };
+        let Offered {
+            moving,
+            mut new,
+            sizes_regs,
+            fifo_regs,
+        } = *o;
         let (info, waiting) = decode_answer(body)?;
         let remote = ConnInfo::decode(info)?;
-        let mut rails = new.rails;
-        let p = self.mobility.params;
-        check_links(&rails, &remote, &self.peer)?;
         let nqps = self.plan.nqps;
-        let paths = paths(nqps, rails.len(), remote.rails.len());
-        if remote.qps.len() != nqps || remote.probes.len() != paths.len() {
-            return Err(Error::remote(format!(
-                "{} answered the move with {} QPs and {} probes for {nqps} and {}",
-                self.peer,
-                remote.qps.len(),
-                remote.probes.len(),
-                paths.len()
+        if remote.qps.len() != nqps {
+            return Err(crate::error::Error::remote(format!(
+                "{} answered the move with {} QPs for {nqps}",
+                self.link.peer(),
+                remote.qps.len()
             )));
         }
-        let tc_sl = (p.traffic_class, p.sl);
-        connect_qps(&rails, &remote, &p, tc_sl.0, tc_sl.1)?;
-        let probes = make_probes(&mut rails, &paths, End::Connector, &remote)?;
-        time_work(&mut rails, &p, &self.peer);
-        let theirs = &remote.probes;
-        connect_probes(
-            &rails,
-            &probes,
-            &paths,
-            End::Connector,
-            theirs,
-            &remote,
-            &p,
-            tc_sl,
-        )?;
-        let ours = probe_qps(&rails, &probes);
-        let old = std::mem::replace(&mut self.rails, rails);
-        let old_regs = self.sizes_local.adopt(new.sizes_regs);
-        self.fifo_regs = new.fifo_regs.into_iter().map(|(mr, _, _)| mr).collect();
-        self.remote_sizes = (remote.addr, rkeys(&remote), remote.rails.len());
-        self.keys.reorder(self.mobility.order);
-        for q in 0..nqps {
-            let (r, i) = locate(q, self.plan.rails);
-            self.sq_room[q] = self.rails[r].qps[i].max_send_wr();
+        let mut lkeys = [0; MAX_RAILS];
+        for (k, reg) in lkeys.iter_mut().zip(&sizes_regs) {
+            *k = reg.1;
         }
+        let landing = (self.sizes_local.addr(PROBE_AT), lkeys);
+        new.join(&remote, landing, self.link.peer())?;
+        let ours = new.probe_qps();
+        let old_rails = std::mem::replace(&mut self.rails, new.into_rails());
+        let old_sizes = self.sizes_local.adopt(sizes_regs);
+        let fresh = fifo_regs.into_iter().map(|(mr, _, _)| mr).collect();
+        let old_fifo = std::mem::replace(&mut self.fifo_regs, fresh);
+        reaper::bury((old_rails, old_sizes, old_fifo));
+        self.remote_sizes = (remote.addr, rkeys(&remote), remote.rails.len());
+        self.mobility.peer_mobile = remote.mobile;
+        self.keys.reorder(self.mobility.order);
+        self.reset_room();
         // The receives still waiting, keyed for the new NICs, as if their entries had landed.
         let mut waits = [None; SLOTS];
         for (slot, entries) in &waiting {
-            let slot = *slot % SLOTS;
             for (i, e) in entries.iter().enumerate() {
-                self.fifo.set(cts_index(slot, i), *e);
+                self.fifo.set(cts_index(*slot, i), *e);
             }
-            waits[slot] = entries.first().map(|e| e.seq.wrapping_sub(1));
+            waits[*slot] = entries.first().map(|e| e.seq.wrapping_sub(1));
         }
-        self.settle(&waits)?;
-        self.mobility.send(Step::Resume, encode_qps(&ours))?;
-        self.hold_sends = 0;
-        if let Some((chan, took)) = self.mobility.end() {
-            self.rails[0].cq.watch(chan);
-            tracing::info!(
-                "connection to peer {} moved in {} ms; {} slots sent again",
-                self.peer,
-                took.as_millis(),
-                self.replay.count_ones()
-            );
-        }
-        drop(old);
-        drop(old_regs);
+        let replay = self.settle(&waits)?;
+        self.link
+            .send(&moving.message(Step::Resume, encode_qps(&ours)));
+        tracing::info!(
+            "connection to peer {} moved in {} ms; {} slots sent again whole, {} their \
+             immediate only",
+            self.link.peer(),
+            moving.took().as_millis(),
+            replay.whole.count_ones(),
+            replay.landed.count_ones()
+        );
+        self.movement = Movement::Replaying(replay);
         Ok(())
     }
 
-    /// Counts done every posted send whose receive is not in `waits` (the receive numbers
-    /// waiting, by slot), marks the others to send again, and looks every matched send's keys
-    /// up again for the new NICs.
-    fn settle(&mut self, waits: &[Option<u64>; SLOTS]) -> Result<()> {
+    /// What the receiver's answer means for each slot posted (`waits`: the receive numbers
+    /// it still waits for, by slot): a send it does not wait for has landed (done); one it
+    /// waits for is sent again, whole where no acknowledgement came, else only its immediate
+    /// (the data is there, the receiver did not see it land). The sends still to be written
+    /// are keyed again for the new NICs.
+    fn settle(&mut self, waits: &[Option<u64>; SLOTS]) -> Result<Replay> {
+        let mut replay = Replay::default();
         for (slot, waits) in waits.iter().enumerate() {
             let seq = self.seq_of(slot);
             let st = &mut self.slots[slot];
-            if !st.busy {
-                continue;
-            }
-            if st.posted && !st.done() {
-                if *waits == Some(seq) {
-                    self.replay |= 1 << slot;
-                } else {
-                    st.cqe_pending = 0;
-                }
+            let named = *waits == Some(seq);
+            if st.posted && named && st.done() {
+                replay.landed |= 1 << slot;
+            } else if st.posted && named {
+                replay.whole |= 1 << slot;
+            } else if st.posted {
+                st.cqe_pending = 0;
             }
             // Only sends still to be written need keys (NCCL may have released the others'
             // registrations).
-            if st.posted && self.replay & (1 << slot) == 0 {
+            let writes = st.busy && (!st.posted || replay.whole & (1 << slot) != 0);
+            if !writes {
                 continue;
             }
             let st = *st;
@@ -216,52 +260,51 @@ impl<N: Nic> SendState<N> {
                 st.device_mem = st.device_mem & !(1 << e) | u8::from(!mem.host) << e;
             }
         }
-        Ok(())
+        Ok(replay)
     }
 
-    /// The receive number of busy `slot`: the last one before `seq` to use it.
-    fn seq_of(&self, slot: usize) -> u64 {
-        let back = (self.seq as usize + 2 * SLOTS - 1 - slot) % SLOTS;
-        self.seq.wrapping_sub(1 + back as u64)
-    }
-
-    /// Sends again, oldest first, the slots due whose QPs have room.
+    /// Sends again, oldest first, the slots due whose QPs have room; once none is left, the
+    /// slot a failed post left matched but unposted goes out, and the connection carries
+    /// data again.
     fn replay_due(&mut self) -> Result<()> {
-        while self.replay != 0 {
-            let Some(slot) = (0..SLOTS)
-                .filter(|s| self.replay & (1 << s) != 0)
-                .min_by_key(|&s| self.seq_of(s))
-            else {
-                break;
-            };
+        let Movement::Replaying(mut replay) = self.movement else {
+            return Ok(());
+        };
+        while let Some(slot) = (0..SLOTS)
+            .filter(|s| (replay.whole | replay.landed) & (1 << s) != 0)
+            .min_by_key(|&s| self.seq_of(s))
+        {
             let (seq, st) = (self.seq_of(slot), self.slots[slot]);
-            let n = st.all.count_ones() as usize;
-            if !self.room_for_slot(seq, n, st.room) {
+            if !self.room_for_slot(seq, st.n(), st.room) {
                 break;
             }
-            let used = self.write_slot(slot, n, seq)?;
-            self.slots[slot].cqe_pending = used as u32;
-            self.replay &= !(1 << slot);
+            let whole = replay.whole & (1 << slot) != 0;
+            let kind = if whole { WrKind::Send } else { WrKind::Landed };
+            let used = match self.write_slot(slot, st.n(), seq, kind) {
+                Ok(used) => used,
+                Err(e) => {
+                    self.movement = Movement::Replaying(replay);
+                    return self.post_failed(e);
+                }
+            };
+            if whole {
+                self.slots[slot].cqe_pending = used as u32;
+            }
+            replay.whole &= !(1 << slot);
+            replay.landed &= !(1 << slot);
+        }
+        if !replay.is_empty() {
+            self.movement = Movement::Replaying(replay);
+            return Ok(());
+        }
+        self.movement = Movement::Still;
+        let slot = (self.seq % SLOTS as u64) as usize;
+        let st = self.slots[slot];
+        if st.busy && st.complete() && !st.posted {
+            if let Err(e) = self.post_slot(slot, st.n()) {
+                return self.post_failed(e);
+            }
         }
         Ok(())
     }
-}
-
-#[cold]
-fn no_nic_left(why: &str, peer: &str) -> Error {
-    Error::remote(format!(
-        "{why}; no other NIC of this link layer is left to carry the connection to peer {peer}"
-    ))
-}
-
-#[cold]
-fn refused(peer: &str, enabled: bool) -> Error {
-    let why = if enabled {
-        "out of turn"
-    } else {
-        "but failover is off here (NCCL_ERDMA_FAILOVER=0, or no other NIC)"
-    };
-    Error::remote(format!(
-        "peer {peer} moved the connection off a failed NIC {why}"
-    ))
 }

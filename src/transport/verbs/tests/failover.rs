@@ -97,6 +97,8 @@ fn a_stream_survives_its_nic_cut_for_good_and_runs_on_the_spare() {
     let stats = c.send.rail_stats();
     assert_eq!(stats.len(), 1);
     assert!(stats[0].messages >= 30, "{stats:?}");
+    assert_eq!(c.send.rail_nics(), ["tx1"]);
+    assert_eq!(c.recv.rail_nics(), ["rx1"]);
 }
 
 #[test]
@@ -356,4 +358,72 @@ fn a_flush_in_flight_when_the_nic_dies_completes_after_the_move() {
         assert!(Instant::now() < deadline, "the flush never completed");
     }
     through(&c, 64, 4);
+}
+
+/// How many of `calls` (each idle) return at once while another thread holds the comm's
+/// lock (taken by `hold`) for 300 ms.
+fn quick_calls_while_locked(hold: impl FnOnce(&dyn Fn()) + Send, calls: impl Fn()) -> usize {
+    let (held, release) = (std::sync::Barrier::new(2), Duration::from_millis(300));
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            hold(&|| {
+                held.wait();
+                std::thread::sleep(release);
+            })
+        });
+        held.wait();
+        let t0 = Instant::now();
+        let mut quick = 0;
+        while t0.elapsed() < release / 2 {
+            let t = Instant::now();
+            calls();
+            if t.elapsed() < Duration::from_millis(50) {
+                quick += 1;
+            } else {
+                break;
+            }
+        }
+        quick
+    })
+}
+
+#[test]
+fn a_moved_connection_answers_idle_calls_without_its_lock_and_frees_the_dead_nic() {
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    through(&c, 64, 2);
+    assert_eq!(c.send.rail_nics(), ["tx1"]);
+    assert_eq!(c.recv.rail_nics(), ["rx1"]);
+    // What the connection held on the NICs it left is freed (off the data path).
+    super::super::reaper::settle();
+    for nic in [&c.tx_nics[0], &c.rx_nics[0]] {
+        let held = nic.held();
+        assert_eq!(
+            (held.qps, held.cqs),
+            (0, 0),
+            "{} still holds {held:?}",
+            nic.local().name
+        );
+    }
+    // A receive waiting for its data: its tests are answered by the gate, on the new CQs.
+    let mut dst = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut dst], &[5]);
+    let quick = quick_calls_while_locked(
+        |f| c.recv.with_lock_held(f),
+        || assert_eq!(c.test_recv(r).unwrap(), None),
+    );
+    assert!(quick >= 32, "only {quick} idle tests took no lock");
+    let mut src = c.buf(true, 64, 3);
+    let s = c.send_buf(&mut src, 5);
+    wait_both(&c, s, r).unwrap();
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(64, 3));
+    // A send whose clear-to-send has not come: the gate answers, without the lock.
+    let mut idle = c.buf(true, 8, 4);
+    let (buf, mh) = (idle.whole(), idle.mh);
+    let quick = quick_calls_while_locked(
+        |f| c.send.with_lock_held(f),
+        || assert_eq!(c.send.isend(buf, 9, mh).unwrap(), None),
+    );
+    assert!(quick >= 32, "only {quick} idle isends took no lock");
 }

@@ -15,9 +15,11 @@ use std::{
     time::{Duration, Instant},
 };
 
+use super::budget::SENDER_SEND_DEPTH;
+use super::profile::ConnParams;
 use super::recv::{VerbsReceiver, FLUSH_ID_BASE};
-use super::send::{VerbsSender, SENDER_SEND_DEPTH};
-use super::setup::{ConnParams, VerbsConnector, VerbsListener};
+use super::send::VerbsSender;
+use super::setup::{VerbsConnector, VerbsListener};
 use super::wire::{SLOTS, SPLIT_ALIGN};
 use crate::buffer::{TestMem, UserBuffer};
 use crate::error::{Error, ErrorKind, Result};

@@ -1,0 +1,148 @@
+//! A connection's link to its peer: the bootstrap TCP connection, kept after setup. A move's
+//! messages go both ways over it, and the peer's last word when it closes its comm (`Bye`,
+//! with how many of its receives had landed); by it the peer's exit (the socket closes) or its
+//! host's silence (keepalive, `NCCL_ERDMA_PEER_TIMEOUT_S`) is seen. Each end owns one and
+//! nothing else reads the socket. Nothing here blocks: what cannot be written now goes out
+//! at a later poll.
+
+use crate::error::Error;
+use crate::oob::{Channel, MsgKind, PEER_SILENT};
+
+use super::fault::{Cause, Fault};
+use super::wire::MoveMsg;
+
+/// See the module doc.
+pub(crate) struct PeerLink {
+    chan: Channel,
+    /// The peer, for messages: its address and its devices.
+    peer: String,
+    /// What ended the link, once something did.
+    ended: Option<Fault>,
+    /// From the peer's `Bye`: its receives numbered below this had landed when it closed.
+    landed: Option<u64>,
+    /// This end said `Bye`.
+    said_bye: bool,
+}
+
+impl PeerLink {
+    /// The link over `chan` (set up, between messages) to `peer`.
+    pub(crate) fn new(chan: Channel, peer: String) -> Self {
+        PeerLink {
+            chan,
+            peer,
+            ended: None,
+            landed: None,
+            said_bye: false,
+        }
+    }
+
+    /// The peer, for messages.
+    pub(crate) fn peer(&self) -> &str {
+        &self.peer
+    }
+
+    /// Sends what is queued and reads what came: the next message of a move, if one did. The
+    /// peer's `Bye` and the end of the link are kept ([`Self::landed`], [`Self::ended`]).
+    pub(crate) fn poll(&mut self) -> Option<MoveMsg> {
+        if self.ended.is_some() {
+            return None;
+        }
+        if let Err(e) = self.chan.flush() {
+            self.end(Cause::PeerGone, &e.to_string());
+            return None;
+        }
+        loop {
+            let m = match self.chan.recv_io() {
+                Ok(Some(m)) => m,
+                Ok(None) => return None,
+                Err(e) if e.kind() == std::io::ErrorKind::TimedOut => {
+                    self.end(Cause::PeerSilent, &e.to_string());
+                    return None;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidData => {
+                    self.end(Cause::Protocol, &e.to_string());
+                    return None;
+                }
+                Err(e) => {
+                    self.end(Cause::PeerGone, &e.to_string());
+                    return None;
+                }
+            };
+            match m.kind {
+                MsgKind::Failover => match MoveMsg::decode(&m.payload) {
+                    Ok(msg) => return Some(msg),
+                    Err(e) => {
+                        self.end(Cause::Protocol, &e.to_string());
+                        return None;
+                    }
+                },
+                MsgKind::Bye => {
+                    self.landed = <[u8; 8]>::try_from(&m.payload[..])
+                        .ok()
+                        .map(u64::from_le_bytes);
+                }
+                kind => {
+                    self.end(
+                        Cause::Protocol,
+                        &format!("message type {kind:?} after setup"),
+                    );
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Sends `msg` (what the socket does not take now goes out at a later poll).
+    pub(crate) fn send(&mut self, msg: &MoveMsg) {
+        if self.ended.is_some() {
+            return;
+        }
+        self.chan.queue(MsgKind::Failover, &msg.encode());
+        if let Err(e) = self.chan.flush() {
+            self.end(Cause::PeerGone, &e.to_string());
+        }
+    }
+
+    /// Says `Bye` as this end closes, with `landed` for a receiver (its receives below it had
+    /// landed): once, and only what the socket takes now.
+    pub(crate) fn bye(&mut self, landed: Option<u64>) {
+        if self.said_bye || self.ended.is_some() {
+            return;
+        }
+        self.said_bye = true;
+        let body = landed.map_or(Vec::new(), |n| n.to_le_bytes().to_vec());
+        self.chan.queue(MsgKind::Bye, &body);
+        let _ = self.chan.flush();
+    }
+
+    /// What ended the link: the peer gone or silent, or a message the protocol does not
+    /// allow.
+    pub(crate) fn ended(&self) -> Option<&Fault> {
+        self.ended.as_ref()
+    }
+
+    /// The peer said in its `Bye` that its receives below this number had landed.
+    pub(crate) fn landed(&self) -> Option<u64> {
+        self.landed
+    }
+
+    /// Ends the link for `cause` (`why`: what the socket said).
+    #[cold]
+    fn end(&mut self, cause: Cause, why: &str) {
+        let peer = &self.peer;
+        let e = match cause {
+            Cause::PeerSilent => Error::remote(format!(
+                "peer {peer} stopped answering with requests still in flight{PEER_SILENT}"
+            )),
+            Cause::Protocol => Error::remote(format!(
+                "peer {peer} broke the connection's protocol: {why} (is the same plugin \
+                 version on every node?)"
+            )),
+            _ => Error::remote(format!(
+                "peer {peer} closed its connection (its process exited or closed the comm) \
+                 with requests still in flight"
+            )),
+        };
+        self.ended = Some(Fault::new(cause, e));
+    }
+}
