@@ -12,13 +12,16 @@
 # `cluster: RESULT case=... host=N ...` line per host (what the plugin did, time to
 # completion or error, bytes verified) and one `cluster-tier: PASS|FAIL case (seconds)` line.
 # The last case powers host 2 off (a host vanishing). The exit code is non-zero if a case
-# failed on either host, or the pair did not boot. After a case that failed, both hosts check
-# that their three links still reach the peer (ARP); when one has died (`cluster-tier: LOST
-# case`, with the links' counters), that case and the rest run again on a freshly booted
-# pair, three rounds at most.
+# failed on either host, or the pair did not boot. Before each case, and after a case
+# that failed, both hosts check that their three links still reach the peer (ARP); when one
+# has died (`cluster-tier: LOST`, with the links' counters) the cases not yet run go again on
+# a freshly booted pair, three rounds at most: a case the links died before is run again,
+# one that failed before they were found dead counts as failed (a rerun never turns a
+# failure into a pass). The tier says how many cases it reran, and why.
 #
 # Without arguments every case runs, in the order of tests/cluster; CASE names pick some.
-# Environment: CLUSTER_TIER_CASE_TIMEOUT (seconds per case and host, 300),
+# Environment: CLUSTER_TIER_CASE_TIMEOUT (seconds per case and host, 300), SOAK_ROUNDS (the
+# soak case's rounds, 6; its time limit grows with them),
 # CLUSTER_TIER_LOSE_LINKS_AFTER=CASE (tests the rerun: in round 1, host 2's raila drops
 # everything after CASE), and scripts/vm/cluster-vm.sh's CLUSTER_VM_* settings
 # (CLUSTER_VM_TIMEOUT: each round).
@@ -78,6 +81,9 @@ fi
   exit 1
 }
 case_timeout=${CLUSTER_TIER_CASE_TIMEOUT:-300}
+soak_rounds=${SOAK_ROUNDS:-6}
+soak_timeout=$((60 + 30 * soak_rounds))
+((soak_timeout > case_timeout)) || soak_timeout=$case_timeout
 
 # What each host runs: the cases it is given, in order, one process each, with a result line
 # per case. Before the first case, and after each that fails (but the one that powers host 2
@@ -123,7 +129,7 @@ links_ok() {
   for n in \$left; do echo -n " \${n%%:*}"; done
   return 1
 }
-lost() { # CASE WHY
+lost() { # CASE WHY: the links died before CASE ran (it runs again), or "after CASE" (failed)
   echo "cluster-tier: LOST \$1 (\$2)"
   for n in mgmt raila railb; do
     ip -s link show dev "\$n"
@@ -134,10 +140,14 @@ lost() { # CASE WHY
   exit 99
 }
 reset
-dead=\$(links_ok) || lost "\$1" "before it: no ARP answer from the peer on\$dead within 30 s"
 for c in "\$@"; do
+  # Links that died after the last case (a qemu link that stops carrying frames) are found
+  # before this one runs: it runs again on a fresh pair, and its result is not lost to them.
+  dead=\$(links_ok) || lost "\$c" "before it: no ARP answer from the peer on\$dead within 30 s"
   t0=\$(date +%s.%N)
-  if timeout -k 5 $case_timeout ./$exe_name --exact "\$c" --ignored --nocapture --test-threads=1 \\
+  limit=$case_timeout
+  [[ \$c == soak* ]] && limit=$soak_timeout
+  if timeout -k 5 \$limit ./$exe_name --exact "\$c" --ignored --nocapture --test-threads=1 \\
       >"/tmp/\$c.log" 2>&1; then
     status=PASS
   else
@@ -145,7 +155,7 @@ for c in "\$@"; do
     failed=\$((failed + 1))
   fi
   t1=\$(date +%s.%N)
-  grep -oE 'cluster: RESULT.*' "/tmp/\$c.log" || true
+  grep -oE '(cluster: RESULT|soak: round).*' "/tmp/\$c.log" || true
   if [[ \$status == FAIL ]]; then
     tail -n 40 "/tmp/\$c.log"
   fi
@@ -153,14 +163,14 @@ for c in "\$@"; do
   # Test hook of this script's rerun: the links "die" after this case in the first round.
   if [[ \$c == "\${CLUSTER_TIER_LOSE_LINKS_AFTER:-}" && \$CLUSTER_TIER_ROUND == 1 && \$CLUSTER_HOST_ID == 2 ]]; then
     tc qdisc add dev raila root netem loss 100%
-    status=FAIL
-  fi
-  # A case that passed has shown the links work (if they die at its end, the next case fails
-  # and finds out); after one that failed, links that died are the likelier cause.
-  if [[ \$status == FAIL && \$c != *vanish* ]]; then
-    dead=\$(links_ok) || lost "\$c" "it failed, and no ARP answer came from the peer on\$dead within 30 s"
   fi
   echo "cluster-tier: \$status \$c (\$(awk -v a="\$t0" -v b="\$t1" 'BEGIN { printf "%.1f", b - a }') s)"
+  # A case that passed has shown the links work (if they die at its end, the next case fails
+  # and finds out); after one that failed, the links are checked so that the cases after it
+  # run on a pair whose links work. The failure stands either way.
+  if [[ \$status == FAIL && \$c != *vanish* ]]; then
+    dead=\$(links_ok) || lost "after \$c" "it failed, then no ARP answer came from the peer on\$dead within 30 s"
+  fi
 done
 exit \$failed
 INNER
@@ -178,14 +188,24 @@ for ((round = 1; ; round++)); do
   echo "== cluster-tier: two hosts (scripts/vm/cluster-vm.sh), ${#todo[@]} cases (round $round)"
   log=$work/run-$round.log
   rc=0
-  cmd="CLUSTER_TIER_ROUND=$round CLUSTER_TIER_LOSE_LINKS_AFTER=${CLUSTER_TIER_LOSE_LINKS_AFTER:-} bash run-cases.sh ${todo[*]}"
+  cmd="CLUSTER_TIER_ROUND=$round CLUSTER_TIER_LOSE_LINKS_AFTER=${CLUSTER_TIER_LOSE_LINKS_AFTER:-} SOAK_ROUNDS=$soak_rounds bash run-cases.sh ${todo[*]}"
   bash scripts/vm/cluster-vm.sh "$stage" "$cmd" "$cmd" | tee "$log" || rc=$?
-  cut=${#todo[@]} # the position in todo of the first case lost
-  while read -r c; do
+  # The position in todo of the first case not run on working links: the one the links died
+  # before, or the one after a case that failed and left them dead.
+  cut=${#todo[@]}
+  why=
+  while read -r when c; do
     for i in "${!todo[@]}"; do
-      if [[ ${todo[i]} == "$c" ]] && ((i < cut)); then cut=$i; fi
+      [[ ${todo[i]} == "$c" ]] || continue
+      next=$i
+      [[ $when == after ]] && next=$((i + 1))
+      if ((next < cut)); then
+        cut=$next
+        why="links dead $when $c"
+      fi
     done
-  done < <(sed -n 's/^\[h[12]\] cluster-tier: LOST \([^ ]*\) .*/\1/p' "$log")
+  done < <(sed -n -e 's/^\[h[12]\] cluster-tier: LOST after \([^ ]*\) .*/after \1/p' \
+    -e 's/^\[h[12]\] cluster-tier: LOST \([^ ]*\) .*/before \1/p' "$log")
   round_fails=0
   for ((i = 0; i < cut; i++)); do
     c=${todo[i]}
@@ -201,7 +221,7 @@ for ((round = 1; ; round++)); do
     if ((rc != 0 && round_fails == 0)); then fails=$((fails + 1)); fi # the pair failed (boot, time limit)
     break
   fi
-  reruns+=("${todo[cut]}")
+  reruns+=("${todo[cut]} ($why)")
   if ((round == rounds)); then
     echo "cluster-tier: the links died in $rounds rounds; ${#todo[@]} - $cut cases left unrun count as failed"
     fails=$((fails + ${#todo[@]} - cut))
@@ -210,7 +230,11 @@ for ((round = 1; ; round++)); do
   echo "cluster-tier: the links to the peer died at ${todo[cut]} (LOST lines above); rerunning it and the $((${#todo[@]} - cut - 1)) after it on a fresh pair"
   todo=("${todo[@]:cut}")
 done
-how="${reruns[*]:+; links lost at ${reruns[*]}, rerun on a fresh pair}"
+how=
+if ((${#reruns[@]} > 0)); then
+  how="; reran on a fresh pair from: $(printf '%s; ' "${reruns[@]}")"
+  echo "cluster-tier: ${#reruns[@]} rerun(s) on a freshly booted pair: ${reruns[*]}"
+fi
 if ((fails == 0)); then
   result PASS "cases" "$t" "$passes of ${#cases[@]} passed on both hosts$how"
 else

@@ -76,6 +76,8 @@ pub(crate) struct VerbsDevice {
     pub(crate) ctx: Arc<Context>,
     /// The one protection domain of the device.
     pub(crate) pd: Arc<Pd>,
+    /// A registration for connections that may move here failed (see `Nic::takes_moves`).
+    pub(crate) refuses_moves: std::sync::atomic::AtomicBool,
 }
 
 /// What kind of device a port is, for the settings that depend on it.
@@ -422,6 +424,7 @@ pub(crate) fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<Verb
                 dmabuf,
                 ctx: Arc::clone(&ctx),
                 pd: Arc::clone(&pd),
+                refuses_moves: Default::default(),
             });
         }
     }
@@ -529,6 +532,18 @@ unsafe impl Nic for VerbsDevice {
 
     fn counters(&self) -> Option<String> {
         VerbsDevice::counters(self)
+    }
+
+    fn takes_moves(&self) -> bool {
+        !self
+            .refuses_moves
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn refuse_moves(&self) -> bool {
+        !self
+            .refuses_moves
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
     }
 }
 

@@ -109,6 +109,13 @@ pub(crate) unsafe trait Nic: Send + Sync + 'static {
     fn counters(&self) -> Option<String> {
         None
     }
+    /// Whether a connection may move to this NIC: no longer once a registration made for the
+    /// connections that may move here failed here (the NIC is broken or out of registrations),
+    /// so that no connection moves where its memory has no keys.
+    fn takes_moves(&self) -> bool;
+    /// A registration for connections that may move here failed here: none moves here any
+    /// more. Whether that is news.
+    fn refuse_moves(&self) -> bool;
 }
 
 impl QueuePair for Qp {

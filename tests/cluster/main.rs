@@ -11,6 +11,7 @@
 
 mod failover;
 mod peer;
+mod soak;
 mod traffic;
 
 use std::time::{Duration, Instant};

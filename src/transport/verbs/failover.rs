@@ -76,10 +76,10 @@ impl<N: Nic> Mobility<N> {
         }
     }
 
-    /// NICs not lost yet.
+    /// NICs not lost yet, and able to take the connection (its memory has keys there).
     fn alive(&self) -> usize {
         (0..self.nics.len())
-            .filter(|&k| self.dead & (1 << k) == 0)
+            .filter(|&k| self.dead & (1 << k) == 0 && self.nics[k].takes_moves())
             .count()
     }
 
@@ -113,7 +113,7 @@ impl<N: Nic> Mobility<N> {
         for r in (0..rails).filter(|r| lost & (1 << r) != 0) {
             self.dead |= 1 << self.order[r];
         }
-        let alive = |k: usize| self.dead & (1 << k) == 0;
+        let alive = |k: usize| self.dead & (1 << k) == 0 && self.nics[k].takes_moves();
         let mut order = self.order;
         for r in (0..rails).filter(|r| lost & (1 << r) != 0) {
             let used = |k: usize| order[..rails].contains(&(k as u8));
@@ -349,5 +349,23 @@ mod tests {
         assert!(m.pick(2, 0b11).is_none());
         assert_eq!(lost_with(1, 4, 2, 2), [0b10, 0b10]);
         assert_eq!(lost_with(0, 2, 1, 2), [0b01, 0b11]);
+    }
+
+    #[test]
+    fn no_move_goes_to_a_nic_that_refuses_moves() {
+        let f = Fabric::new();
+        let nics = vec![f.nic("a"), f.nic("b"), f.nic("c")];
+        let cost = EndCost::sender(1, 1, 63);
+        let p = ConnParams {
+            failover: Some(Duration::from_millis(100)),
+            ..super::super::tests::params()
+        };
+        let mut m = Mobility::new(nics.clone(), cost, p);
+        // b failed a registration: a's rail goes to c.
+        assert!(nics[1].refuse_moves() && !nics[1].refuse_moves());
+        assert_eq!(m.pick(1, 0b1).unwrap()[0].local().name, "c");
+        // c lost too: nothing is left that takes the connection.
+        assert!(!m.able());
+        assert!(m.pick(1, 0b1).is_none());
     }
 }

@@ -58,7 +58,7 @@ use crate::verbs::device::{self as vdev, VerbsDevice};
 use crate::verbs::dma::ACCESS_RDMA;
 use crate::verbs::VerbsLib;
 
-use mr_cache::MrCache;
+use mr_cache::{register_across, MrCache};
 
 pub(crate) use recv::VerbsReceiver;
 pub(crate) use send::VerbsSender;
@@ -98,6 +98,19 @@ pub(crate) struct VerbsTransport {
     /// What `open` found and decided (the devices are read from `devices` when asked).
     facts: TransportFacts,
     registry: Arc<Registry>,
+}
+
+/// A registration's keys, (lkey, rkey) on each NIC in order; `host`: host memory.
+fn mem_keys(keys: &[(u32, u32)], host: bool) -> MemKeys {
+    let mut out = MemKeys {
+        rails: keys.len() as u8,
+        host,
+        ..MemKeys::default()
+    };
+    for (r, k) in keys.iter().enumerate() {
+        out.set(r, *k);
+    }
+    out
 }
 
 /// What fusion needs to know of `d`.
@@ -241,12 +254,14 @@ impl VerbsTransport {
         CommKeys::new(Arc::clone(&self.registry), dev)
     }
 
-    /// The ports of device `dev` (checked), then its spares: the NICs its registrations
-    /// are made on.
-    fn members(&self, dev: usize) -> Result<Vec<usize>> {
+    /// The ports registrations for device `dev` (checked) are made on: how many are its own,
+    /// and its own followed by its spares (indexes into `ports`, and their NICs).
+    fn members(&self, dev: usize) -> Result<(usize, Vec<usize>, Nics)> {
         let devices = self.devices.read();
         let d = device(&devices, dev)?;
-        Ok(d.members.iter().chain(&d.spares).copied().collect())
+        let ports: Vec<usize> = d.members.iter().chain(&d.spares).copied().collect();
+        let nics = ports.iter().map(|&i| Arc::clone(&self.ports[i].verbs));
+        Ok((d.members.len(), ports.clone(), nics.collect()))
     }
 
     /// The verbs devices behind device `dev`: its rails, and the spares they may move to.
@@ -379,18 +394,13 @@ impl Transport for VerbsTransport {
         len: usize,
         host: bool,
     ) -> Result<(MemKeys, Option<Hold>)> {
-        let members = self.members(dev)?;
-        let mut keys = MemKeys {
-            rails: members.len() as u8,
-            host,
-            ..MemKeys::default()
-        };
-        let mut held = Vec::with_capacity(members.len());
-        for (r, &i) in members.iter().enumerate() {
+        let (members, ports, nics) = self.members(dev)?;
+        let (keys, held) = register_across(&nics, members, |r| {
+            let i = ports[r];
             let cache = &self.ports[i].cache;
             let (mr, hit) = cache.register(addr, len)?;
             tracing::debug!(
-                "regMr {addr:#x}+{len} on device {dev} rail {}: cache {} (hits {}, misses {}, \
+                "regMr {addr:#x}+{len} on device {dev} NIC {}: cache {} (hits {}, misses {}, \
                  MRs {})",
                 self.infos[i].name,
                 if hit { "hit" } else { "miss" },
@@ -398,10 +408,10 @@ impl Transport for VerbsTransport {
                 cache.misses.load(std::sync::atomic::Ordering::Relaxed),
                 cache.len()
             );
-            keys.set(r, (mr.lkey(), mr.rkey()));
-            held.push(mr);
-        }
-        Ok((keys, Some(Box::new(held))))
+            let (lkey, rkey) = (mr.lkey(), mr.rkey());
+            Ok((mr, lkey, rkey))
+        })?;
+        Ok((mem_keys(&keys, host), Some(Box::new(held))))
     }
 
     fn register_dmabuf(
@@ -412,15 +422,9 @@ impl Transport for VerbsTransport {
         offset: u64,
         fd: i32,
     ) -> Result<(MemKeys, Hold)> {
-        let (mut rails, spares) = self.rails(dev)?;
-        rails.extend(spares);
-        let mut keys = MemKeys {
-            rails: rails.len() as u8,
-            host: false,
-            ..MemKeys::default()
-        };
-        let mut held = Vec::with_capacity(rails.len());
-        for (r, d) in rails.iter().enumerate() {
+        let (members, _, nics) = self.members(dev)?;
+        let (keys, held) = register_across(&nics, members, |r| {
+            let d = &nics[r];
             if !d.dmabuf {
                 return Err(Error::misuse(format!(
                     "DMA-BUF registration is not supported on {}; NCCL should not have asked",
@@ -429,9 +433,9 @@ impl Transport for VerbsTransport {
             }
             let mr =
                 d.pd.reg_dmabuf_mr(offset, len, addr as u64, fd, ACCESS_RDMA)?;
-            keys.set(r, (mr.lkey(), mr.rkey()));
-            held.push(mr);
-        }
-        Ok((keys, Box::new(held)))
+            let (lkey, rkey) = (mr.lkey(), mr.rkey());
+            Ok((mr, lkey, rkey))
+        })?;
+        Ok((mem_keys(&keys, false), Box::new(held)))
     }
 }

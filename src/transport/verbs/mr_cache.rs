@@ -1,7 +1,8 @@
-//! Memory registration cache of one device, keyed by page range, as NCCL's IB transport
-//! keeps it: a registration reuses any MR that fully covers its page-aligned range (a hit),
+//! Memory registration cache of one NIC, keyed by page range, as NCCL's IB transport keeps
+//! it: a registration reuses any MR that fully covers its page-aligned range (a hit),
 //! otherwise registers exactly that range (a miss). Entries are refcounted; the last
-//! [`CachedMr`] of a range to drop deregisters it.
+//! [`CachedMr`] of a range to drop deregisters it. And a device's registration across its
+//! NICs and spares ([`register_across`]).
 
 use std::sync::{
     atomic::{AtomicU64, Ordering},
@@ -114,6 +115,43 @@ impl<N: Nic> MrCache<N> {
     }
 }
 
+/// A registration across a device's NICs: the (lkey, rkey) on each, and what holds them.
+pub(crate) type Across<H> = (Vec<(u32, u32)>, Vec<H>);
+
+/// Registers with `register` on each NIC of `nics`: a device's own (`nics[..members]`), where
+/// a failure fails the registration, and its spares, where one is a WARN and the spare takes
+/// no more moves (a broken or full spare must not fail the registrations of healthy devices,
+/// and no connection may move where its memory has no keys). Returns the (lkey, rkey) on each
+/// NIC, (0, 0) where a spare failed, and what holds the registrations.
+pub(crate) fn register_across<N: Nic, H>(
+    nics: &[Arc<N>],
+    members: usize,
+    mut register: impl FnMut(usize) -> Result<(H, u32, u32)>,
+) -> Result<Across<H>> {
+    let mut keys = Vec::with_capacity(nics.len());
+    let mut held = Vec::with_capacity(nics.len());
+    for (i, nic) in nics.iter().enumerate() {
+        match register(i) {
+            Ok((h, lkey, rkey)) => {
+                keys.push((lkey, rkey));
+                held.push(h);
+            }
+            Err(e) if i >= members => {
+                if nic.refuse_moves() {
+                    tracing::warn!(
+                        "registering memory on {}, a NIC connections may move to, failed ({e}): \
+                         no connection moves to it from now on",
+                        nic.local().name
+                    );
+                }
+                keys.push((0, 0));
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok((keys, held))
+}
+
 impl<N: Nic> Drop for CachedMr<N> {
     fn drop(&mut self) {
         let mut entries = self.cache.entries.lock();
@@ -141,6 +179,38 @@ mod tests {
         assert_eq!(page_range(0x1fff, 1, 0x1000), (0x1000, 0x2000));
         assert_eq!(page_range(0x1fff, 2, 0x1000), (0x1000, 0x3000));
         assert_eq!(page_range(0x5000, 0, 0x1000), (0x5000, 0x6000));
+    }
+
+    #[test]
+    fn a_spare_that_cannot_register_takes_no_moves_and_fails_no_registration() {
+        use crate::verbs::limits::DeviceLimits;
+        let f = Fabric::new();
+        let own = f.nic("own");
+        let full = DeviceLimits {
+            max_mr: 0,
+            ..DeviceLimits::UNLIMITED
+        };
+        let spare = f.nic_with_limits("spare", full);
+        let nics = [Arc::clone(&own), Arc::clone(&spare)];
+        let buf = [0u8; 64];
+        let (addr, len) = (buf.as_ptr() as usize, buf.len());
+        let register = |i: usize| {
+            let mr = nics[i].register(addr, len)?;
+            let keys = (mr.lkey(), mr.rkey());
+            Ok((mr, keys.0, keys.1))
+        };
+        let (keys, held) = register_across(&nics, 1, register).unwrap();
+        assert_eq!(held.len(), 1);
+        assert_ne!(keys[0], (0, 0));
+        assert_eq!(keys[1], (0, 0));
+        assert!(own.takes_moves() && !spare.takes_moves());
+        // The device's own NIC failing fails the registration.
+        let (_, mine) = (0, [Arc::clone(&spare)]);
+        let failed = register_across(&mine, 1, |i| {
+            let mr = mine[i].register(addr, len)?;
+            Ok((mr, 0, 0))
+        });
+        assert!(failed.is_err());
     }
 
     #[test]

@@ -89,6 +89,7 @@ impl Fabric {
             index,
             limits,
             usage: Arc::default(),
+            refuses_moves: Default::default(),
             local: LocalPort {
                 name: name.to_string(),
                 port: 1,
@@ -230,6 +231,7 @@ pub(crate) struct FakeNic {
     local: LocalPort,
     limits: DeviceLimits,
     usage: Arc<Usage>,
+    refuses_moves: std::sync::atomic::AtomicBool,
 }
 
 impl FakeNic {
@@ -605,6 +607,18 @@ unsafe impl Nic for FakeNic {
             .iter()
             .find(|(nic, qpn, _)| *nic == self.index && qpn.is_none_or(|q| qpns.contains(&q)))
             .map(|(_, _, what)| format!("{}: {what}", self.local.name))
+    }
+
+    fn takes_moves(&self) -> bool {
+        !self
+            .refuses_moves
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn refuse_moves(&self) -> bool {
+        !self
+            .refuses_moves
+            .swap(true, std::sync::atomic::Ordering::Relaxed)
     }
 
     fn status_str(&self, status: u32) -> String {
