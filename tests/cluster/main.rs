@@ -409,15 +409,17 @@ fn netem_bit_corruption() {
     through_netem("netem_bit_corruption", "corrupt 1%", 48);
 }
 
-/// Every size up to 4 MiB both ways through `loss` on host 2's rail A, with a watchdog far
-/// shorter than the slowest writes take there (`NCCL_ERDMA_WORK_TIMEOUT_S=1` against 268 ms
-/// retransmission timers: every lost tail of a write costs one): slow is not dead, the probes
-/// answer, and every byte arrives.
+/// Every size up to 4 MiB both ways through `loss` on host 2's rail A, with a watchdog shorter
+/// than the slowest writes take there (`NCCL_ERDMA_WORK_TIMEOUT_S=5` against 268 ms
+/// retransmission timers: every lost tail of a write costs one, and a 4 MiB write at 5% loss
+/// takes seconds): slow is not dead, the probes answer, and every byte arrives. (Work that
+/// makes no progress of its own fails after ten work timeouts, whatever the probes say: a
+/// timeout of 1 s would fail the slowest writes here.)
 fn lossy_rail_every_size_both_ways(case: &str, loss: &str) {
     set(&[
         ("NCCL_IB_HCA", "=rxe0"),
         ("NCCL_IB_TIMEOUT", "16"),
-        ("NCCL_ERDMA_WORK_TIMEOUT_S", "1"),
+        ("NCCL_ERDMA_WORK_TIMEOUT_S", "5"),
     ]);
     let mut p = Peer::meet(case, Link::Mgmt);
     let net = open();

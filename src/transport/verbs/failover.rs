@@ -256,7 +256,7 @@ pub(crate) fn out_of_turn(peer: &str, msg: &MoveMsg, state: &str) -> Error {
 #[cold]
 pub(crate) fn unmoved(f: Fault, why: Option<&str>, peer: &str) -> Error {
     let Some(why) = why else {
-        return f.error;
+        return f.into_error();
     };
     let msg = format!("{}; {why} (peer {peer})", f.error);
     match f.cause {

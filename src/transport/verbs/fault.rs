@@ -29,29 +29,48 @@ pub(crate) enum Cause {
     Protocol,
 }
 
-/// A fault, on rail `rail` of the connection where it belongs to one.
+/// A fault, on rail `rail` of the connection where it belongs to one. Boxed: the data path
+/// passes `Result<_, Fault>` along, as small as a `Result<_, Error>`.
 #[derive(Debug, Clone)]
-pub(crate) struct Fault {
+pub(crate) struct Fault(Box<What>);
+
+/// What a [`Fault`] holds.
+#[derive(Debug, Clone)]
+pub(crate) struct What {
     pub(crate) rail: Option<usize>,
     pub(crate) cause: Cause,
     /// What NCCL is told, should the fault end the comm.
     pub(crate) error: Error,
 }
 
+impl std::ops::Deref for Fault {
+    type Target = What;
+
+    fn deref(&self) -> &What {
+        &self.0
+    }
+}
+
 impl Fault {
     /// A fault of the connection as a whole.
+    #[cold]
     pub(crate) fn new(cause: Cause, error: Error) -> Self {
-        Fault {
+        Fault(Box::new(What {
             rail: None,
             cause,
             error,
-        }
+        }))
     }
 
     /// The fault, as one of rail `r`.
     pub(crate) fn on_rail(mut self, r: usize) -> Self {
-        self.rail = Some(r);
+        self.0.rail = Some(r);
         self
+    }
+
+    /// The error NCCL is told.
+    pub(crate) fn into_error(self) -> Error {
+        self.0.error
     }
 
     /// Whether moving the connection to other NICs can mend it: the path or the NIC failed

@@ -103,9 +103,11 @@ pub(crate) enum GatePoll {
 /// the QPs in the comm's state.
 type GateCq<N> = (Arc<N>, <N as Nic>::Cq);
 
-/// The rails' CQs, and which move made them (0: setup).
+/// The rails' CQs (rail 0's, which every comm has, and the others'), and which move made
+/// them (0: setup).
 struct GateCqs<N: Nic> {
-    cqs: Box<[GateCq<N>]>,
+    first: GateCq<N>,
+    others: Box<[GateCq<N>]>,
     generation: u32,
 }
 
@@ -153,8 +155,12 @@ impl<N: Nic> RecvGate<N> {
             return GatePoll::Lock;
         }
         self.cqs.read(|rails| {
-            for (r, cq) in rails.cqs.iter().enumerate() {
-                match poll_rail(cq, wc, r, rails.generation) {
+            match poll_rail(&rails.first, wc, 0, rails.generation) {
+                GatePoll::Idle => {}
+                found_or_lock => return found_or_lock,
+            }
+            for (r, cq) in rails.others.iter().enumerate() {
+                match poll_rail(cq, wc, r + 1, rails.generation) {
                     GatePoll::Idle => {}
                     found_or_lock => return found_or_lock,
                 }
@@ -226,7 +232,8 @@ impl<N: Nic> RecvGate<N> {
 fn gate_cqs<N: Nic>(rails: &[Rail<N>], generation: u32) -> GateCqs<N> {
     let cq = |r: &Rail<N>| (Arc::clone(&r.nic), r.cq.cq.clone());
     GateCqs {
-        cqs: rails.iter().map(cq).collect(),
+        first: cq(&rails[0]),
+        others: rails[1..].iter().map(cq).collect(),
         generation,
     }
 }

@@ -135,7 +135,7 @@ impl<N: Nic> Rail<N> {
     /// whether a completion retires signaled work of this side (then it leaves `in_flight`,
     /// and is the rail's progress); a probe's completion is the rail's own. Then runs the
     /// slow checks when due, `waiting`: whether the comm waits for its peer, and posts the
-    /// probes due.
+    /// probes due. Whether the slow checks ran (the comm's own slow checks ride on rail 0's).
     #[inline(always)]
     pub(crate) fn drain(
         &mut self,
@@ -143,7 +143,7 @@ impl<N: Nic> Rail<N> {
         peer: &str,
         waiting: bool,
         mut on: impl FnMut(Completion<'_>) -> bool,
-    ) -> Result<(), Fault> {
+    ) -> Result<bool, Fault> {
         let mut done = 0;
         let pairs = &mut self.pairs;
         let handed = self.cq.hand_out(&self.nic, wc, |c| {
@@ -170,9 +170,9 @@ impl<N: Nic> Rail<N> {
             Err(e) => return Err(self.fault(Fault::new(Cause::Device, e))),
         }
         if !self.cq.checks_due() {
-            return Ok(());
+            return Ok(false);
         }
-        self.slow_checks(peer, waiting)
+        self.slow_checks(peer, waiting).map(|()| true)
     }
 
     /// The slow checks of the rail, and the probes they find due.

@@ -356,8 +356,10 @@ impl<N: Nic> RecvState<N> {
             .map(|(rail, _, wc)| {
                 self.rails[rail].cq.polled_unlocked(wc);
                 match self.drain_rail(gate, rail, wc) {
+                    Ok(false) => Ok(()),
+                    Ok(true) if rail == 0 => self.listen(gate),
+                    Ok(true) => Ok(()),
                     Err(f) => self.on_fault(gate, f),
-                    Ok(()) => Ok(()),
                 }
             });
         if !self.slots.get(id).is_some_and(|st| st.busy) {
@@ -632,25 +634,26 @@ impl<N: Nic> RecvState<N> {
             // Moving: the rails are not polled until the sender resumes.
             return Ok(());
         }
-        if let Err(f) = self.poll_rails(gate) {
-            return self.on_fault(gate, f);
+        match self.poll_rails(gate) {
+            Ok(false) => Ok(()),
+            // The peer is heard when rail 0's slow checks run.
+            Ok(true) => self.listen(gate),
+            Err(f) => self.on_fault(gate, f),
         }
-        if self.rails[0].cq.checks_due() {
-            self.listen(gate)?;
-        }
-        Ok(())
     }
 
-    /// Polls every rail's CQ once and hands out what arrived.
+    /// Polls every rail's CQ once and hands out what arrived; whether rail 0's slow checks
+    /// ran.
     #[inline(always)]
-    fn poll_rails(&mut self, gate: &RecvGate<N>) -> std::result::Result<(), Fault> {
+    fn poll_rails(&mut self, gate: &RecvGate<N>) -> std::result::Result<bool, Fault> {
         let mut wc = WcBatch::new();
+        let mut checked = false;
         for r in 0..self.rails.len() {
             if self.rails[r].poll(&mut wc)? {
-                self.drain_rail(gate, r, &mut wc)?;
+                checked |= self.drain_rail(gate, r, &mut wc)? && r == 0;
             }
         }
-        Ok(())
+        Ok(checked)
     }
 
     /// A post failed with `e`: where a rail's CQ says why (its path failed), that fault; else
@@ -659,7 +662,7 @@ impl<N: Nic> RecvState<N> {
     fn post_failed(&mut self, gate: &RecvGate<N>, e: Error) -> Result<()> {
         let f = match self.poll_rails(gate) {
             Err(f) => f,
-            Ok(()) => Fault::new(Cause::Device, e),
+            Ok(_) => Fault::new(Cause::Device, e),
         };
         self.on_fault(gate, f)
     }
@@ -671,7 +674,7 @@ impl<N: Nic> RecvState<N> {
         gate: &RecvGate<N>,
         r: usize,
         wc: &mut WcBatch,
-    ) -> std::result::Result<(), Fault> {
+    ) -> std::result::Result<bool, Fault> {
         let waiting = self.seq != self.finished;
         let (slots, flush_slots) = (&mut self.slots, &mut self.flush_slots);
         let peer = self.link.peer();

@@ -59,7 +59,7 @@ impl<N: Nic> RecvState<N> {
             return Ok(());
         }
         if !f.movable() {
-            return Err(f.error);
+            return Err(f.into_error());
         }
         if !self.mobility.enabled() {
             let why = self.mobility.why_unmoved();

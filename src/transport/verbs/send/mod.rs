@@ -428,25 +428,26 @@ impl<N: Nic> SendState<N> {
             // Moving: the QPs are stopped.
             return Ok(());
         }
-        if let Err(f) = self.poll_rails(waiting) {
-            return self.on_fault(f);
+        match self.poll_rails(waiting) {
+            Ok(false) => Ok(()),
+            // The peer is heard when rail 0's slow checks run.
+            Ok(true) => self.listen(),
+            Err(f) => self.on_fault(f),
         }
-        if self.rails[0].cq.checks_due() {
-            self.listen()?;
-        }
-        Ok(())
     }
 
-    /// Polls every rail's CQ once and hands out what arrived.
+    /// Polls every rail's CQ once and hands out what arrived; whether rail 0's slow checks
+    /// ran.
     #[inline(always)]
-    fn poll_rails(&mut self, waiting: bool) -> std::result::Result<(), Fault> {
+    fn poll_rails(&mut self, waiting: bool) -> std::result::Result<bool, Fault> {
         let mut wc = WcBatch::new();
+        let mut checked = false;
         for r in 0..self.rails.len() {
             if self.rails[r].poll(&mut wc)? {
-                self.drain_rail(r, &mut wc, waiting)?;
+                checked |= self.drain_rail(r, &mut wc, waiting)? && r == 0;
             }
         }
-        Ok(())
+        Ok(checked)
     }
 
     /// Hands what rail `r`'s poll put in `wc` to the slots it completes (and their room back
@@ -457,7 +458,7 @@ impl<N: Nic> SendState<N> {
         r: usize,
         wc: &mut WcBatch,
         waiting: bool,
-    ) -> std::result::Result<(), Fault> {
+    ) -> std::result::Result<bool, Fault> {
         let (slots, sq_room) = (&mut self.slots, &mut self.sq_room);
         let peer = self.link.peer();
         self.rails[r].drain(wc, peer, waiting, |c| match WrKind::of(c.wr_id()) {
@@ -484,7 +485,7 @@ impl<N: Nic> SendState<N> {
     fn post_failed(&mut self, e: Error) -> Result<()> {
         let f = match self.poll_rails(false) {
             Err(f) => f,
-            Ok(()) => Fault::new(Cause::Device, e),
+            Ok(_) => Fault::new(Cause::Device, e),
         };
         self.on_fault(f)
     }
@@ -768,12 +769,16 @@ impl<N: Nic> Sender for VerbsSender<N> {
     }
 
     /// Under the lock (a send has no idle test: NCCL tests a send once it was posted). The
-    /// gate learns what the call left, a move it began included.
+    /// gate learns what the call left where it changed: a slot freed, the comm failed, a move
+    /// under way. (A move that ended here leaves the gate saying "look": the next `isend`
+    /// looks, and publishes.)
     #[inline(never)]
     fn test(&self, id: usize) -> Tested {
         let mut s = self.state.lock();
         let r = s.test(id);
-        self.publish(&s);
+        if !matches!(r, Tested::Pending) || !s.still() {
+            self.publish(&s);
+        }
         r
     }
 }

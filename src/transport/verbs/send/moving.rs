@@ -35,7 +35,7 @@ impl<N: Nic> SendState<N> {
             return Ok(());
         }
         if !f.movable() {
-            return Err(f.error);
+            return Err(f.into_error());
         }
         if !self.mobility.enabled() {
             let why = self.mobility.why_unmoved();
