@@ -122,7 +122,7 @@ impl CommKeys {
 
     /// The keys of `buf`, registered as `handle`; an error when the handle is unknown, does
     /// not cover it, or was registered on another device.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn keys(&mut self, handle: u64, buf: UserBuffer) -> Result<&MemKeys> {
         self.registry
             .keys(&mut self.cache, handle, (buf.addr(), buf.len()), self.dev)
@@ -379,7 +379,7 @@ impl Registry {
     /// handle. A handle found live stays as it was until some handle is released, so while the
     /// registry's release count stands still a repeated lookup is two compares and the slots
     /// are not read.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn keys<'c>(
         &self,
         cache: &'c mut KeyCache,

@@ -208,7 +208,7 @@ pub(crate) const STRIPE_MIN: usize = 16 << 10;
 
 /// `x % n` (n > 0) on the data path: a mask for the usual counts of QPs and rails (1, 2, 4,
 /// 8), which are powers of two, and a division (tens of cycles) only for the others.
-#[inline]
+#[inline(always)]
 pub(crate) fn modulo(x: usize, n: usize) -> usize {
     if n == 1 {
         // One QP, one rail: the common case, decided by one compare.

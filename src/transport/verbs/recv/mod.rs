@@ -750,6 +750,13 @@ impl<N: Nic> VerbsReceiver<N> {
         s.rails.iter().map(|r| r.name().to_string()).collect()
     }
 
+    /// The QP numbers of the rails' loopback flush QPs.
+    #[cfg(test)]
+    pub(crate) fn flush_qpns(&self) -> Vec<u32> {
+        let s = self.state.lock();
+        s.rails.iter().flat_map(|r| r.flush_qp.as_ref().map(|q| q.qpn())).collect()
+    }
+
     /// Runs `f` while holding the comm's lock (calls that need it wait meanwhile).
     #[cfg(test)]
     pub(crate) fn with_lock_held(&self, f: impl FnOnce()) {

@@ -427,3 +427,43 @@ fn a_moved_connection_answers_idle_calls_without_its_lock_and_frees_the_dead_nic
     );
     assert!(quick >= 32, "only {quick} idle isends took no lock");
 }
+
+#[test]
+fn a_flush_after_a_move_waits_for_the_read_that_orders_the_dead_nics_writes() {
+    // A long suspect time: only the read's completion may end the wait here.
+    let p = ConnParams {
+        flush: true,
+        failover: Some(Duration::from_secs(5)),
+        ..mobile()
+    };
+    let c = connect_mobile(1, 1, p);
+    through(&c, 64, 1);
+    let mut dst = c.buf(false, 4096, 0);
+    let mut src = c.buf(true, 4096, 2);
+    let r = c.irecv(&mut [&mut dst], &[1]);
+    let s = isend_while(&c, &mut src, 1, r);
+    wait_both(&c, s, r).unwrap();
+    // The receive landed through rx0. Its flush QP answers late from now on.
+    let old_flush = c.recv.flush_qpns()[0];
+    c.fabric.slow_qp(old_flush, true);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    through(&c, 64, 3);
+    assert_eq!(c.recv.rail_nics(), ["rx1"]);
+    // NCCL flushes the receive that landed before the move: through rx1, but done only
+    // once rx0's read, which orders rx0's writes, is in.
+    let f = c
+        .recv
+        .iflush(&[dst.whole()], &[dst.mh])
+        .unwrap()
+        .expect("a flush");
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(200) {
+        assert_eq!(c.test_recv(f).unwrap(), None, "done before rx0's ordering read");
+    }
+    c.fabric.slow_qp(old_flush, false);
+    assert_eq!(wait(|| c.test_recv(f)).unwrap(), Completion::EMPTY);
+    // Then the dead NIC's QPs go.
+    through(&c, 64, 4);
+    super::super::reaper::settle();
+    assert_eq!(c.rx_nics[0].held().qps, 0, "rx0's flush QP was freed");
+}
