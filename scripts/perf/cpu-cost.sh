@@ -15,11 +15,13 @@
 #
 # --check: the CPU budget, as CI holds it: fails (exit 1) when a verbs figure exceeds its
 # budget in instructions of the plugin's own code: the work per message $CPU_BUDGET_WORK
-# (1280), an idle isend $CPU_BUDGET_IDLE_ISEND (70), an idle test $CPU_BUDGET_IDLE_TEST (90).
+# (1295), an idle isend $CPU_BUDGET_IDLE_ISEND (70), an idle test $CPU_BUDGET_IDLE_TEST (95).
 # The budgets hold the figures of the layout of issue #31 (1196, 66, 85) against regressions;
-# that issue's targets were 1050, 60 and 60. Failover (issue #33) costs 28 per message: the
-# work budget was 1250 before it. CI runs it with NCCL_ERDMA_CTS_BATCH=1 (the
-# hardware default).
+# that issue's targets were 1050, 60 and 60. Failover (issue #33) cost 28 per message (the
+# work budget was 1250 before it); its one lifecycle (issue #43) 11 more and 3 per idle test
+# (1283, 67, 93 measured), each budget about 1% above. CI runs it with
+# NCCL_ERDMA_CTS_BATCH=1 (the hardware default). Tighten a budget when a change brings its
+# figure down by more than its margin.
 #
 # What runs: nccl-net-bench --script (tools/src/bin/nccl-net-bench/script.rs) under
 # `valgrind --tool=callgrind` (scripts/perf/cost-runs.sh): one process holding both ends of
@@ -288,14 +290,14 @@ fi
   echo "== notes"
   echo "  Ir = instructions executed in user space (callgrind); the kernel (syscalls, rxe's soft"
   echo "  RoCE in the VM) is not counted. The budget (--check, CI): WORK PER MESSAGE, both sides,"
-  echo "  at most ${CPU_BUDGET_WORK:-1280} Ir of the plugin's own code, an idle isend ${CPU_BUDGET_IDLE_ISEND:-70}, an idle test ${CPU_BUDGET_IDLE_TEST:-90};"
+  echo "  at most ${CPU_BUDGET_WORK:-1295} Ir of the plugin's own code, an idle isend ${CPU_BUDGET_IDLE_ISEND:-70}, an idle test ${CPU_BUDGET_IDLE_TEST:-95};"
   echo "  no allocations and no lock slow paths per message."
 } | tee -a "$report"
 echo "cpu-cost: report $report, csv $csv, profiles under $out/<transport>[-other]/ ($((SECONDS - start)) s in all)"
 if [[ $check == 1 && $status == 0 ]]; then
   # The budget (issue #31): the figures of the plugin's own code per call, verbs.
-  awk -F, -v work="${CPU_BUDGET_WORK:-1280}" -v isend="${CPU_BUDGET_IDLE_ISEND:-70}" \
-    -v test="${CPU_BUDGET_IDLE_TEST:-90}" -v lib="$(basename "${libs[0]}")" '
+  awk -F, -v work="${CPU_BUDGET_WORK:-1295}" -v isend="${CPU_BUDGET_IDLE_ISEND:-70}" \
+    -v test="${CPU_BUDGET_IDLE_TEST:-95}" -v lib="$(basename "${libs[0]}")" '
     BEGIN { budget["work_per_message"] = work; budget["isend_idle"] = isend; budget["test_recv_idle"] = test }
     $1 == "verbs" && ($3 in budget) && $12 == lib {
       seen++

@@ -754,7 +754,10 @@ impl<N: Nic> VerbsReceiver<N> {
     #[cfg(test)]
     pub(crate) fn flush_qpns(&self) -> Vec<u32> {
         let s = self.state.lock();
-        s.rails.iter().flat_map(|r| r.flush_qp.as_ref().map(|q| q.qpn())).collect()
+        s.rails
+            .iter()
+            .flat_map(|r| r.flush_qp.as_ref().map(|q| q.qpn()))
+            .collect()
     }
 
     /// Runs `f` while holding the comm's lock (calls that need it wait meanwhile).

@@ -458,7 +458,11 @@ fn a_flush_after_a_move_waits_for_the_read_that_orders_the_dead_nics_writes() {
         .expect("a flush");
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_millis(200) {
-        assert_eq!(c.test_recv(f).unwrap(), None, "done before rx0's ordering read");
+        assert_eq!(
+            c.test_recv(f).unwrap(),
+            None,
+            "done before rx0's ordering read"
+        );
     }
     c.fabric.slow_qp(old_flush, false);
     assert_eq!(wait(|| c.test_recv(f)).unwrap(), Completion::EMPTY);
