@@ -471,3 +471,65 @@ fn a_flush_after_a_move_waits_for_the_read_that_orders_the_dead_nics_writes() {
     super::super::reaper::settle();
     assert_eq!(c.rx_nics[0].held().qps, 0, "rx0's flush QP was freed");
 }
+
+/// Idle calls per batch of [`idle_calls_before_and_after_a_move`].
+const IDLE_CALLS: usize = 4096;
+
+/// `IDLE_CALLS` tests of receive `r`, which waits (a batch of its own for callgrind).
+#[inline(never)]
+fn idle_tests_unmoved(c: &Conn, r: usize) {
+    for _ in 0..IDLE_CALLS {
+        assert_eq!(c.test_recv(r).unwrap(), None);
+    }
+}
+
+/// As [`idle_tests_unmoved`], on the moved connection.
+#[inline(never)]
+fn idle_tests_moved(c: &Conn, r: usize) {
+    for _ in 0..IDLE_CALLS {
+        assert_eq!(c.test_recv(r).unwrap(), None);
+    }
+}
+
+/// `IDLE_CALLS` isends of `buf` (registered as `mh`) whose clear-to-send has not come.
+#[inline(never)]
+fn idle_isends_unmoved(c: &Conn, buf: UserBuffer, mh: u64) {
+    for _ in 0..IDLE_CALLS {
+        assert_eq!(c.send.isend(buf, 9, mh).unwrap(), None);
+    }
+}
+
+/// As [`idle_isends_unmoved`], on the moved connection.
+#[inline(never)]
+fn idle_isends_moved(c: &Conn, buf: UserBuffer, mh: u64) {
+    for _ in 0..IDLE_CALLS {
+        assert_eq!(c.send.isend(buf, 9, mh).unwrap(), None);
+    }
+}
+
+/// The idle calls NCCL's proxy makes, before and after the connection moved, each batch in
+/// its own function: `scripts/perf/moved-idle-cost.sh` counts their instructions under
+/// callgrind and prints the moved figures against the unmoved ones.
+#[test]
+#[ignore = "measured by scripts/perf/moved-idle-cost.sh under callgrind"]
+fn idle_calls_before_and_after_a_move() {
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    let mut idle = c.buf(true, 8, 4);
+    let (buf, mh) = (idle.whole(), idle.mh);
+    let mut dst = c.buf(false, 64, 0);
+    let r = c.irecv(&mut [&mut dst], &[5]);
+    idle_tests_unmoved(&c, r);
+    let mut src = c.buf(true, 64, 3);
+    let s = isend_while(&c, &mut src, 5, r);
+    wait_both(&c, s, r).unwrap();
+    idle_isends_unmoved(&c, buf, mh);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    through(&c, 64, 2);
+    assert_eq!(c.recv.rail_nics(), ["rx1"]);
+    let r = c.irecv(&mut [&mut dst], &[5]);
+    idle_tests_moved(&c, r);
+    let s = isend_while(&c, &mut src, 5, r);
+    wait_both(&c, s, r).unwrap();
+    idle_isends_moved(&c, buf, mh);
+}
