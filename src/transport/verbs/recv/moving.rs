@@ -93,6 +93,18 @@ impl<N: Nic> RecvState<N> {
 
     /// Move message `msg` came.
     fn heard(&mut self, gate: &RecvGate<N>, msg: MoveMsg) -> Result<()> {
+        let epoch = msg.epoch;
+        match self.take_step(gate, msg) {
+            // The sender waits for an answer, or goes on as if moved: it is told.
+            Err(e) if epoch >= self.mobility.epoch => {
+                Err(failover::refuse(&mut self.link, epoch, e))
+            }
+            r => r,
+        }
+    }
+
+    /// Takes move message `msg`: the step it asks for, where it is this end's turn.
+    fn take_step(&mut self, gate: &RecvGate<N>, msg: MoveMsg) -> Result<()> {
         let peer = self.link.peer();
         let epoch = self.mobility.epoch;
         match (&self.movement, msg.step) {

@@ -134,7 +134,10 @@ impl<N: Nic> SendState<N> {
                 let peer = self.link.peer();
                 match msg.step {
                     Step::Answer if msg.epoch == epoch => {
-                        self.finish_move(&msg.body)?;
+                        if let Err(e) = self.finish_move(&msg.body) {
+                            // The receiver waits for a `Resume` that will not come.
+                            return Err(failover::refuse(&mut self.link, epoch, e));
+                        }
                         break;
                     }
                     Step::Refuse if msg.epoch == epoch => {
