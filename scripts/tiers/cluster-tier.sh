@@ -24,7 +24,7 @@
 # soak case's rounds, 6; its time limit grows with them),
 # CLUSTER_TIER_LOSE_LINKS_AFTER=CASE (tests the rerun: in round 1, host 2's raila drops
 # everything after CASE), and scripts/vm/cluster-vm.sh's CLUSTER_VM_* settings
-# (CLUSTER_VM_TIMEOUT: each round).
+# (CLUSTER_VM_TIMEOUT: each round; by default enough for the cases and the soak's rounds).
 set -Eeuo pipefail
 trap 'echo "cluster-tier: error: line $LINENO: \`$BASH_COMMAND\` failed (exit $?)" >&2; exit 1' ERR
 
@@ -84,6 +84,8 @@ case_timeout=${CLUSTER_TIER_CASE_TIMEOUT:-300}
 soak_rounds=${SOAK_ROUNDS:-6}
 soak_timeout=$((60 + 30 * soak_rounds))
 ((soak_timeout > case_timeout)) || soak_timeout=$case_timeout
+# A round of the pair: about 20 s a case (the links checked before each) and the soak's.
+export CLUSTER_VM_TIMEOUT=${CLUSTER_VM_TIMEOUT:-$((300 + 20 * ${#cases[@]} + 30 * soak_rounds))}
 
 # What each host runs: the cases it is given, in order, one process each, with a result line
 # per case. Before the first case, and after each that fails (but the one that powers host 2
