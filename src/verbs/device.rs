@@ -15,7 +15,7 @@ use rdma_sys::*;
 use super::dma::ACCESS_RDMA;
 use super::library::VerbsLib;
 use super::limits::{DeviceLimits, Held};
-use super::nic::{LocalPort, Nic};
+use super::nic::{LocalPort, MovesHere, Nic};
 use super::qp::{Qp, QpPath, RemoteQp};
 use super::resources::{Context, Cq, Mr, Pd};
 use crate::config::{parse_cidr, AddrFamily, Config};
@@ -76,8 +76,8 @@ pub(crate) struct VerbsDevice {
     pub(crate) ctx: Arc<Context>,
     /// The one protection domain of the device.
     pub(crate) pd: Arc<Pd>,
-    /// A registration for connections that may move here failed (see `Nic::takes_moves`).
-    pub(crate) refuses_moves: std::sync::atomic::AtomicBool,
+    /// Whether connections may still move here (see `Nic::takes_moves`).
+    pub(crate) moves_here: MovesHere,
 }
 
 /// What kind of device a port is, for the settings that depend on it.
@@ -424,7 +424,7 @@ pub(crate) fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<Verb
                 dmabuf,
                 ctx: Arc::clone(&ctx),
                 pd: Arc::clone(&pd),
-                refuses_moves: Default::default(),
+                moves_here: Default::default(),
             });
         }
     }
@@ -534,16 +534,8 @@ unsafe impl Nic for VerbsDevice {
         VerbsDevice::counters(self)
     }
 
-    fn takes_moves(&self) -> bool {
-        !self
-            .refuses_moves
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    fn refuse_moves(&self) -> bool {
-        !self
-            .refuses_moves
-            .swap(true, std::sync::atomic::Ordering::Relaxed)
+    fn moves_here(&self) -> &MovesHere {
+        &self.moves_here
     }
 }
 

@@ -5,6 +5,7 @@
 //! the transport's send and receive logic runs on any host.
 
 use std::mem::MaybeUninit;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use rdma_sys::{ibv_send_wr, ibv_wc};
 
@@ -109,13 +110,25 @@ pub(crate) unsafe trait Nic: Send + Sync + 'static {
     fn counters(&self) -> Option<String> {
         None
     }
+    /// Whether connections may still move to this NIC.
+    fn moves_here(&self) -> &MovesHere;
     /// Whether a connection may move to this NIC: no longer once a registration made for the
     /// connections that may move here failed here (the NIC is broken or out of registrations),
     /// so that no connection moves where its memory has no keys.
-    fn takes_moves(&self) -> bool;
+    fn takes_moves(&self) -> bool {
+        !self.moves_here().refused.load(Ordering::Relaxed)
+    }
     /// A registration for connections that may move here failed here: none moves here any
     /// more. Whether that is news.
-    fn refuse_moves(&self) -> bool;
+    fn refuse_moves(&self) -> bool {
+        !self.moves_here().refused.swap(true, Ordering::Relaxed)
+    }
+}
+
+/// Whether connections may move to a NIC: each NIC's one flag behind `Nic::takes_moves`.
+#[derive(Debug, Default)]
+pub(crate) struct MovesHere {
+    refused: AtomicBool,
 }
 
 impl QueuePair for Qp {

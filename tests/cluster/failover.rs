@@ -14,7 +14,7 @@ use traffic::logged;
 
 /// The settings of these cases: both NICs, short retransmission timers (67 ms) and
 /// retries without end (rxe's 7), so only the probes find the cut.
-fn both_rails() {
+pub(super) fn both_rails() {
     std::env::remove_var("NCCL_IB_HCA");
     set(&[
         ("NCCL_IB_TIMEOUT", "14"),

@@ -228,13 +228,7 @@ fn soak_rail_a_cut_at_a_different_moment_each_round() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(6);
-    std::env::remove_var("NCCL_IB_HCA");
-    set(&[
-        ("NCCL_IB_TIMEOUT", "14"),
-        ("NCCL_IB_RETRY_CNT", "7"),
-        ("NCCL_ERDMA_WORK_TIMEOUT_S", "8"),
-        ("NCCL_ERDMA_FAILOVER_AFTER_MS", "1000"),
-    ]);
+    super::failover::both_rails();
     let mut p = Peer::meet(case, Link::Mgmt);
     let net = open();
     let results: Vec<Round> = (0..rounds)

@@ -94,8 +94,36 @@ impl<N: Nic> Mobility<N> {
         self.able() && self.peer_mobile
     }
 
+    /// Where fault `f` is mended by a move (a fault a move can mend, and both ends can move),
+    /// the rails the move loses, this end's and the peer's (bits), and why it moves; else the
+    /// error that fails the comm. `shape`: this end's QPs per connection, its rails and the
+    /// peer's.
+    #[cold]
+    pub(crate) fn lost_to(
+        &self,
+        f: Fault,
+        (nqps, rails, peer_rails): (usize, usize, usize),
+        peer: &str,
+    ) -> Result<([u8; 2], String)> {
+        if !f.movable() {
+            return Err(f.into_error());
+        }
+        if let Some(why) = self.why_unmoved() {
+            let msg = format!("{}; {why} (peer {peer})", f.error);
+            return Err(match f.cause {
+                Cause::FatalEvent => Error::device(msg),
+                _ => Error::remote(msg),
+            });
+        }
+        if !self.enabled() {
+            return Err(f.into_error());
+        }
+        let lost = lost_with(f.rail.unwrap_or(0), nqps, rails, peer_rails);
+        Ok((lost, f.error.to_string()))
+    }
+
     /// Why a fault a move could mend is not moved off, where failover is on here.
-    pub(crate) fn why_unmoved(&self) -> Option<&'static str> {
+    fn why_unmoved(&self) -> Option<&'static str> {
         if self.params.failover.is_none() {
             None
         } else if self.alive() < 2 {
@@ -252,19 +280,6 @@ pub(crate) fn out_of_turn(peer: &str, msg: &MoveMsg, state: &str) -> Error {
     ))
 }
 
-/// The error of fault `f`, which a move could mend, where it is not moved (`why`).
-#[cold]
-pub(crate) fn unmoved(f: Fault, why: Option<&str>, peer: &str) -> Error {
-    let Some(why) = why else {
-        return f.into_error();
-    };
-    let msg = format!("{}; {why} (peer {peer})", f.error);
-    match f.cause {
-        Cause::FatalEvent => Error::device(msg),
-        _ => Error::remote(msg),
-    }
-}
-
 /// The error of a move the peer asked for that this end cannot make.
 #[cold]
 pub(crate) fn cannot_move(peer: &str) -> Error {
@@ -307,7 +322,7 @@ pub(crate) fn stop<N: Nic>(rails: &[Rail<N>], keep_flush: bool) {
 
 /// The rails lost when rail `r` of this end fails, this end's and the peer's (bits): the
 /// peer's rails its QPs join, as each end moves the rails of a dead path.
-pub(crate) fn lost_with(r: usize, nqps: usize, rails: usize, peer_rails: usize) -> [u8; 2] {
+fn lost_with(r: usize, nqps: usize, rails: usize, peer_rails: usize) -> [u8; 2] {
     let mut theirs = 0u8;
     for q in (0..nqps).filter(|&q| locate(q, rails).0 == r) {
         theirs |= 1 << modulo(q, peer_rails);

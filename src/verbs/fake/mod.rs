@@ -37,7 +37,7 @@ use parking_lot::Mutex;
 use rdma_sys::*;
 
 use super::limits::{DeviceLimits, Held, Resource, Usage};
-use super::nic::{LocalPort, MemoryRegion, Nic, QueuePair};
+use super::nic::{LocalPort, MemoryRegion, MovesHere, Nic, QueuePair};
 use super::qp::{QpPath, RemoteQp};
 use crate::error::{Error, Result};
 
@@ -89,7 +89,7 @@ impl Fabric {
             index,
             limits,
             usage: Arc::default(),
-            refuses_moves: Default::default(),
+            moves_here: Default::default(),
             local: LocalPort {
                 name: name.to_string(),
                 port: 1,
@@ -231,7 +231,7 @@ pub(crate) struct FakeNic {
     local: LocalPort,
     limits: DeviceLimits,
     usage: Arc<Usage>,
-    refuses_moves: std::sync::atomic::AtomicBool,
+    moves_here: MovesHere,
 }
 
 impl FakeNic {
@@ -609,16 +609,8 @@ unsafe impl Nic for FakeNic {
             .map(|(_, _, what)| format!("{}: {what}", self.local.name))
     }
 
-    fn takes_moves(&self) -> bool {
-        !self
-            .refuses_moves
-            .load(std::sync::atomic::Ordering::Relaxed)
-    }
-
-    fn refuse_moves(&self) -> bool {
-        !self
-            .refuses_moves
-            .swap(true, std::sync::atomic::Ordering::Relaxed)
+    fn moves_here(&self) -> &MovesHere {
+        &self.moves_here
     }
 
     fn status_str(&self, status: u32) -> String {

@@ -58,22 +58,10 @@ impl<N: Nic> RecvState<N> {
             // A move the peer began; or the peer left (`test` fails what did not land).
             return Ok(());
         }
-        if !f.movable() {
-            return Err(f.into_error());
-        }
-        if !self.mobility.enabled() {
-            let why = self.mobility.why_unmoved();
-            return Err(failover::unmoved(f, why, self.link.peer()));
-        }
-        let rail = f.rail.unwrap_or(0);
-        let (nqps, peer_rails) = (self.plan.nqps, self.plan.rails);
-        let [mine, theirs] = failover::lost_with(rail, nqps, self.rails.len(), peer_rails);
-        let moving = Moving::new(
-            self.mobility.epoch + 1,
-            [theirs, mine],
-            f.error.to_string(),
-            &self.mobility.params,
-        );
+        let shape = (self.plan.nqps, self.rails.len(), self.plan.rails);
+        let ([mine, theirs], why) = self.mobility.lost_to(f, shape, self.link.peer())?;
+        let epoch = self.mobility.epoch + 1;
+        let moving = Moving::new(epoch, [theirs, mine], why, &self.mobility.params);
         self.mobility.epoch = moving.epoch;
         self.stop(gate);
         self.link.send(&moving.message(Step::Down, Vec::new()));

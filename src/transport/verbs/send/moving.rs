@@ -34,16 +34,9 @@ impl<N: Nic> SendState<N> {
             // `test` fails only the others, with its leaving.
             return Ok(());
         }
-        if !f.movable() {
-            return Err(f.into_error());
-        }
-        if !self.mobility.enabled() {
-            let why = self.mobility.why_unmoved();
-            return Err(failover::unmoved(f, why, self.link.peer()));
-        }
-        let rail = f.rail.unwrap_or(0);
-        let lost = failover::lost_with(rail, self.plan.nqps, self.rails.len(), self.remote_sizes.2);
-        self.begin_move(self.mobility.epoch + 1, lost, f.error.to_string())
+        let shape = (self.plan.nqps, self.rails.len(), self.remote_sizes.2);
+        let (lost, why) = self.mobility.lost_to(f, shape, self.link.peer())?;
+        self.begin_move(self.mobility.epoch + 1, lost, why)
     }
 
     /// Reads what the peer sent: a move it begins, its `Bye`.

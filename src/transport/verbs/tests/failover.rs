@@ -16,24 +16,23 @@ pub(super) fn mobile() -> ConnParams {
 /// A connection over `rails` NICs at each end (`tx0`.., `rx0`..), which may move to `spares`
 /// more at each end; buffers (`Conn::buf`) are registered on all of them, as `regMr` does.
 pub(super) fn connect_mobile(rails: usize, spares: usize, p: ConnParams) -> Conn {
+    connect_mobile_with(rails, spares, (p, p))
+}
+
+/// [`connect_mobile`] with the sender's parameters and the receiver's.
+pub(super) fn connect_mobile_with(
+    rails: usize,
+    spares: usize,
+    params: (ConnParams, ConnParams),
+) -> Conn {
     let fabric = Fabric::new();
-    let tx: Vec<_> = (0..rails + spares)
-        .map(|i| fabric.nic(&format!("tx{i}")))
-        .collect();
-    let rx: Vec<_> = (0..rails + spares)
-        .map(|i| fabric.nic(&format!("rx{i}")))
-        .collect();
-    let registry = Arc::default();
-    let (tx_ends, rx_ends) = ((&tx[..rails], &tx[rails..]), (&rx[..rails], &rx[rails..]));
-    let (send, recv) = try_connect_mobile(tx_ends, rx_ends, (p, p), &registry).unwrap();
-    Conn {
-        fabric,
-        tx_nics: tx,
-        rx_nics: rx,
-        send,
-        recv,
-        registry,
-    }
+    let nics = |side: &str| -> Vec<_> {
+        (0..rails + spares)
+            .map(|i| fabric.nic(&format!("{side}{i}")))
+            .collect()
+    };
+    let nics = (nics("tx"), nics("rx"));
+    Conn::join(fabric, nics, (rails, rails), params).unwrap()
 }
 
 /// Tests send `s` and receive `r` in turn (each end's progress drives its half of a move)
@@ -324,12 +323,9 @@ fn both_ends_seeing_the_cut_at_once_agree_on_one_move() {
     through(&c, 64, 2);
 }
 
-#[test]
-fn a_flush_in_flight_when_the_nic_dies_completes_after_the_move() {
-    let p = ConnParams {
-        flush: true,
-        ..mobile()
-    };
+/// A connection with parameters `p` over one rail and a spare at each end, and the buffer its
+/// first receive (4096 bytes) landed in, through rail 0.
+fn landed_once(p: ConnParams) -> (Conn, Buf) {
     let c = connect_mobile(1, 1, p);
     through(&c, 64, 1);
     let mut dst = c.buf(false, 4096, 0);
@@ -337,6 +333,16 @@ fn a_flush_in_flight_when_the_nic_dies_completes_after_the_move() {
     let r = c.irecv(&mut [&mut dst], &[1]);
     let s = isend_while(&c, &mut src, 1, r);
     wait_both(&c, s, r).unwrap();
+    (c, dst)
+}
+
+#[test]
+fn a_flush_in_flight_when_the_nic_dies_completes_after_the_move() {
+    let p = ConnParams {
+        flush: true,
+        ..mobile()
+    };
+    let (c, mut dst) = landed_once(p);
     // The flush's read is held back, then the receiver's NIC fails under it.
     c.fabric.hold(true);
     let f = c
@@ -436,13 +442,7 @@ fn a_flush_after_a_move_waits_for_the_read_that_orders_the_dead_nics_writes() {
         failover: Some(Duration::from_secs(5)),
         ..mobile()
     };
-    let c = connect_mobile(1, 1, p);
-    through(&c, 64, 1);
-    let mut dst = c.buf(false, 4096, 0);
-    let mut src = c.buf(true, 4096, 2);
-    let r = c.irecv(&mut [&mut dst], &[1]);
-    let s = isend_while(&c, &mut src, 1, r);
-    wait_both(&c, s, r).unwrap();
+    let (c, mut dst) = landed_once(p);
     // The receive landed through rx0. Its flush QP answers late from now on.
     let old_flush = c.recv.flush_qpns()[0];
     c.fabric.slow_qp(old_flush, true);

@@ -261,7 +261,7 @@ fn a_connect_to_a_device_of_another_link_layer_is_refused_with_both_names() {
     let fabric = Fabric::new();
     let tx = fabric.nic("fake0");
     let rx = fabric.nic_with_link_layer("ib0", crate::verbs::device::LINK_LAYER_IB);
-    let e = match try_connect(&[tx], &[rx], (params(), params()), &Arc::default()) {
+    let e = match Conn::join(fabric, (vec![tx], vec![rx]), (1, 1), (params(), params())) {
         Err(e) => e,
         Ok(_) => panic!("connected across link layers"),
     };

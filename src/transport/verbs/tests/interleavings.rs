@@ -7,7 +7,9 @@
 
 use std::sync::atomic::{AtomicBool, Ordering};
 
-use super::failover::{connect_mobile, isend_while, mobile, through, wait_both};
+use super::failover::{
+    connect_mobile, connect_mobile_with, isend_while, mobile, through, wait_both,
+};
 use super::*;
 use crate::transport::Tested;
 
@@ -339,24 +341,11 @@ fn failover_probes_without_a_work_timeout() {
 /// without failover, instead of stopping its QPs and waiting out the move's bound.
 #[test]
 fn a_peer_that_cannot_move_fails_the_other_end_at_once() {
-    let fabric = Fabric::new();
-    let tx: Vec<_> = (0..2).map(|i| fabric.nic(&format!("tx{i}"))).collect();
-    let rx = vec![fabric.nic("rx0"), fabric.nic("rx1")];
-    let registry: Arc<Registry> = Arc::default();
     let off = ConnParams {
         failover: None,
         ..mobile()
     };
-    let ends = ((&tx[..1], &tx[1..]), (&rx[..1], &rx[1..]));
-    let (send, recv) = try_connect_mobile(ends.0, ends.1, (mobile(), off), &registry).unwrap();
-    let c = Conn {
-        fabric,
-        tx_nics: tx,
-        rx_nics: rx,
-        send,
-        recv,
-        registry,
-    };
+    let c = connect_mobile_with(1, 1, (mobile(), off));
     through(&c, 64, 1);
     let mut dst = c.buf(false, 64, 0);
     let mut src = c.buf(true, 64, 2);
@@ -506,25 +495,11 @@ fn stopping_a_receiver_with_every_queue_full_overruns_no_completion_queue() {
 /// A send whose data landed completes even when the receiver closes its comm at once (NCCL's
 /// ranks destroy their comms at different moments), though its acknowledgement never came.
 fn a_landed_send_completes_when_the_receiver_closes(moved: bool) {
-    let fabric = Fabric::new();
-    let tx: Vec<_> = (0..2).map(|i| fabric.nic(&format!("tx{i}"))).collect();
-    let rx: Vec<_> = (0..2).map(|i| fabric.nic(&format!("rx{i}"))).collect();
-    let registry: Arc<Registry> = Arc::default();
     let p = ConnParams {
         work_timeout: Some(Duration::from_secs(5)),
         ..params()
     };
-    let p = if moved { mobile() } else { p };
-    let ends = ((&tx[..1], &tx[1..]), (&rx[..1], &rx[1..]));
-    let (send, recv) = try_connect_mobile(ends.0, ends.1, (p, p), &registry).unwrap();
-    let c = Conn {
-        fabric,
-        tx_nics: tx,
-        rx_nics: rx,
-        send,
-        recv,
-        registry,
-    };
+    let c = connect_mobile(1, 1, if moved { mobile() } else { p });
     through(&c, 64, 1);
     if moved {
         c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));

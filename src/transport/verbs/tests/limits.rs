@@ -22,17 +22,9 @@ fn conn(fabric: &Fabric, tx: &Arc<FakeNic>, rx: &Arc<FakeNic>) -> Result<Conn> {
 
 /// A connection from the rails `tx` to the rails `rx`, or its error.
 fn conn_rails(fabric: &Fabric, tx: &[Arc<FakeNic>], rx: &[Arc<FakeNic>]) -> Result<Conn> {
-    let (tx_nics, rx_nics) = (tx.to_vec(), rx.to_vec());
-    let registry = Arc::default();
-    let (send, recv) = try_connect(&tx_nics, &rx_nics, (eight_qps(), eight_qps()), &registry)?;
-    Ok(Conn {
-        fabric: fabric.clone(),
-        tx_nics,
-        rx_nics,
-        send,
-        recv,
-        registry,
-    })
+    let nics = (tx.to_vec(), rx.to_vec());
+    let rails = (tx.len(), rx.len());
+    Conn::join(fabric.clone(), nics, rails, (eight_qps(), eight_qps()))
 }
 
 fn limited(max_qp: u32) -> DeviceLimits {

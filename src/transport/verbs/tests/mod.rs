@@ -70,44 +70,6 @@ struct Conn {
     registry: Arc<Registry>,
 }
 
-/// Connects the rails `tx` (sender, with `tx_params`) to the rails `rx` (receiver) over
-/// loopback `oob`, both ends looking handles up in `registry` (device 0).
-fn try_connect(
-    tx: &[Arc<FakeNic>],
-    rx: &[Arc<FakeNic>],
-    params: (ConnParams, ConnParams),
-    registry: &Arc<Registry>,
-) -> Result<(VerbsSender<FakeNic>, VerbsReceiver<FakeNic>)> {
-    try_connect_mobile((tx, &[]), (rx, &[]), params, registry)
-}
-
-/// [`try_connect`] of ends that may move to spare NICs: (rails, spares) of each.
-type Nics<'a> = (&'a [Arc<FakeNic>], &'a [Arc<FakeNic>]);
-
-fn try_connect_mobile(
-    tx: Nics<'_>,
-    rx: Nics<'_>,
-    (tx_params, rx_params): (ConnParams, ConnParams),
-    registry: &Arc<Registry>,
-) -> Result<(VerbsSender<FakeNic>, VerbsReceiver<FakeNic>)> {
-    let keys = || CommKeys::new(Arc::clone(registry), 0);
-    let mut listen = VerbsListener::bind("127.0.0.1".parse().unwrap(), rx, rx_params, keys())?;
-    let handle = *listen.handle();
-    let mut connecting = VerbsConnector::start(tx, &handle, tx_params, keys())?;
-    let (mut send, mut recv) = (None, None);
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while send.is_none() || recv.is_none() {
-        if send.is_none() {
-            send = connecting.poll()?;
-        }
-        if recv.is_none() {
-            recv = listen.poll_accept()?;
-        }
-        assert!(Instant::now() < deadline, "connect/accept did not complete");
-    }
-    Ok((send.unwrap(), recv.unwrap()))
-}
-
 /// A connection from `tx_rails` NICs to `rx_rails` NICs (named `tx0`.. and `rx0`..; with one
 /// rail each, `fake0` and `fake1`).
 fn connect_rails(
@@ -128,16 +90,13 @@ fn connect_rails(
     let rx_nics: Vec<_> = (0..rx_rails)
         .map(|i| fabric.nic(&name("rx", i, rx_rails)))
         .collect();
-    let registry = Arc::default();
-    let (send, recv) = try_connect(&tx_nics, &rx_nics, (tx_params, rx_params), &registry).unwrap();
-    Conn {
+    Conn::join(
         fabric,
-        tx_nics,
-        rx_nics,
-        send,
-        recv,
-        registry,
-    }
+        (tx_nics, rx_nics),
+        (tx_rails, rx_rails),
+        (tx_params, rx_params),
+    )
+    .unwrap()
 }
 
 fn connect_with(tx_params: ConnParams, rx_params: ConnParams) -> Conn {
@@ -165,6 +124,42 @@ impl Buf {
 }
 
 impl Conn {
+    /// Connects the sender's NICs to the receiver's on `fabric`: the first `rails` of each
+    /// end's are the connection's rails, the rest spares it may move to.
+    fn join(
+        fabric: Fabric,
+        (tx_nics, rx_nics): (Vec<Arc<FakeNic>>, Vec<Arc<FakeNic>>),
+        rails: (usize, usize),
+        (tx_params, rx_params): (ConnParams, ConnParams),
+    ) -> Result<Conn> {
+        let registry: Arc<Registry> = Arc::default();
+        let keys = || CommKeys::new(Arc::clone(&registry), 0);
+        let rx = rx_nics.split_at(rails.1);
+        let mut listen = VerbsListener::bind("127.0.0.1".parse().unwrap(), rx, rx_params, keys())?;
+        let handle = *listen.handle();
+        let tx = tx_nics.split_at(rails.0);
+        let mut connecting = VerbsConnector::start(tx, &handle, tx_params, keys())?;
+        let (mut send, mut recv) = (None, None);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while send.is_none() || recv.is_none() {
+            if send.is_none() {
+                send = connecting.poll()?;
+            }
+            if recv.is_none() {
+                recv = listen.poll_accept()?;
+            }
+            assert!(Instant::now() < deadline, "connect/accept did not complete");
+        }
+        Ok(Conn {
+            fabric,
+            tx_nics,
+            rx_nics,
+            send: send.unwrap(),
+            recv: recv.unwrap(),
+            registry,
+        })
+    }
+
     /// `len` bytes of `seed`'s pattern, registered on the sender's rails or the receiver's.
     fn buf(&self, sender: bool, len: usize, seed: u64) -> Buf {
         let nics = if sender { &self.tx_nics } else { &self.rx_nics };
