@@ -101,6 +101,11 @@ impl TestMem {
         self.mem.as_ptr() as usize
     }
 
+    /// Its size in bytes.
+    pub(crate) fn len(&self) -> usize {
+        self.mem.len()
+    }
+
     /// The whole memory as a buffer.
     pub(crate) fn buffer(&mut self) -> UserBuffer {
         self.slice(0, self.mem.len())

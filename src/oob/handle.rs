@@ -1,4 +1,6 @@
-//! The 128-byte connection handle NCCL carries from `listen` to the peer's `connect`.
+//! The connection handle NCCL carries from `listen` to the peer's `connect`: 64 bytes, the
+//! size of NCCL 2.9's handle (a stack buffer there); later NCCLs pass 128, of which only these
+//! are touched.
 //!
 //! It is self-contained (address, port, magic, protocol version, which transport listens, a
 //! random listener nonce) and holds nothing the peer would dereference. NCCL passes the same
@@ -10,14 +12,16 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
 use crate::error::{Error, Result};
 
-/// Size of the NCCL handle buffer.
-pub const HANDLE_SIZE: usize = 128;
+/// The bytes of NCCL's handle buffer the plugin reads and writes (bytes 0..56 are used).
+pub const HANDLE_SIZE: usize = 64;
 /// "ERDMANET", first 8 bytes of every handle we write.
 pub const HANDLE_MAGIC: u64 = 0x4552_444d_414e_4554;
 /// Version of the handle and handshake protocol; a peer with another version is refused.
 /// 4: the move messages (`Refuse` among them), the `mobile` flag of the verbs setup message,
-/// and `Bye`; a build of version 3 would drop them unread.
-pub const PROTOCOL_VERSION: u16 = 4;
+/// and `Bye`; a build of version 3 would drop them unread. 5: setup is one-way (the connector
+/// waits for no answer before its comm is returned; the verbs listener answers with move 0's
+/// `Answer` and the connector's last word is its `Resume`), `Accept` and `Ready` are gone.
+pub const PROTOCOL_VERSION: u16 = 5;
 
 /// Transport a listener speaks; the connector must use the same one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -67,6 +71,7 @@ const OFF_ADDR: usize = 16; // 16 bytes
 const OFF_NONCE: usize = 32; // u64
 const OFF_STAGE: usize = 40; // u64: connector stage id, 0 = not started
 const OFF_STAGE_CHECK: usize = 48; // u64: stage id ^ nonce ^ magic
+const _: () = assert!(OFF_STAGE_CHECK + 8 <= HANDLE_SIZE);
 
 impl Handle {
     /// Writes the handle; the connector's stage area is zeroed so the peer starts fresh.

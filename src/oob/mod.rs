@@ -92,14 +92,11 @@ const MAX_PENDING: usize = 16;
 pub enum MsgKind {
     /// Connector -> listener: nonce, transport, transport payload.
     Hello = 1,
-    /// Listener -> connector: accepted, transport payload.
-    Accept = 2,
     /// Either way: refused, with a UTF-8 reason.
     Reject = 3,
-    /// Connector -> listener: connector-side setup finished (verbs).
-    Ready = 4,
-    /// Either way, after setup: a connection moving off a failed NIC (verbs).
-    Failover = 5,
+    /// Either way, after the hello (verbs): a step of a move of the connection's rails; move
+    /// 0 is its setup, the others move it off failed NICs.
+    Move = 5,
     /// Either way, as an end closes its comm: its last word (verbs: a receiver says how many
     /// of its receives had landed).
     Bye = 6,
@@ -107,12 +104,11 @@ pub enum MsgKind {
 
 impl MsgKind {
     fn from_u16(v: u16) -> Option<Self> {
+        // 2 and 4 were the two-way setup's `Accept` and `Ready` (protocol 4).
         Some(match v {
             1 => MsgKind::Hello,
-            2 => MsgKind::Accept,
             3 => MsgKind::Reject,
-            4 => MsgKind::Ready,
-            5 => MsgKind::Failover,
+            5 => MsgKind::Move,
             6 => MsgKind::Bye,
             _ => return None,
         })
@@ -561,8 +557,8 @@ mod tests {
 
     #[test]
     fn header_round_trip_and_limits() {
-        let h = encode_header(MsgKind::Accept, 77);
-        assert_eq!(decode_header(&h).unwrap(), (MsgKind::Accept, 77));
+        let h = encode_header(MsgKind::Move, 77);
+        assert_eq!(decode_header(&h).unwrap(), (MsgKind::Move, 77));
         let big = encode_header(MsgKind::Hello, MAX_PAYLOAD + 1);
         assert!(decode_header(&big)
             .unwrap_err()

@@ -205,21 +205,26 @@ pub(crate) trait Transport: Send + Sync + Sized + 'static {
     ) -> Result<(MemKeys, Hold)>;
 }
 
-/// One listener; NCCL polls `accept` until a peer connected.
+/// One listener, which accepts every connection made to its handle. Setup is one-way: no
+/// end waits for the other's `connect` or `accept` (NCCL up to 2.18 runs its connects to
+/// completion before its accepts, on one thread), and what is left of the handshake
+/// finishes in the ends' first data calls, which answer "not yet" meanwhile.
 pub(crate) trait Listener: Send {
-    /// The connection's receiving end.
+    /// A connection's receiving end.
     type Receiver;
-    /// The handle for the peer's `connect`.
+    /// The handle for the peers' `connect`.
     fn handle(&self) -> &Handle;
-    /// One non-blocking step of `accept`.
+    /// One non-blocking step of `accept`: the receiving end of the next connector whose
+    /// hello has come.
     fn poll_accept(&mut self) -> Result<Option<Self::Receiver>>;
 }
 
-/// One connect in progress; NCCL polls it until the connection is up.
+/// One connect in progress; NCCL polls it until it returns the sending end.
 pub(crate) trait Connector: Send {
     /// The connection's sending end.
     type Sender;
-    /// One non-blocking step of `connect`.
+    /// One non-blocking step of `connect`: the sending end once its hello is out, whether
+    /// or not the peer has called `accept`.
     fn poll(&mut self) -> Result<Option<Self::Sender>>;
 }
 
@@ -240,8 +245,9 @@ pub(crate) trait Endpoint: Send + Sync {
 pub(crate) trait Sender: Endpoint {
     /// Posts a send of `buf` (at most `MAX_P2P_BYTES`, checked by the caller) registered as
     /// `mhandle`, which is looked up once the send is matched (an error there fails the call,
-    /// not the comm); `Ok(None)` until the receiver has posted a matching receive. Returns a
-    /// request id below `MAX_SEND_REQUESTS`.
+    /// not the comm); `Ok(None)` until the receiver has posted a matching receive (and, on a
+    /// new connection, until its setup is done). Returns a request id below
+    /// `MAX_SEND_REQUESTS`.
     fn isend(&self, buf: UserBuffer, tag: i32, mhandle: u64) -> Result<Option<usize>>;
     /// Tests send request `id`: once done, the bytes it sent.
     fn test(&self, id: usize) -> Tested;
@@ -250,8 +256,9 @@ pub(crate) trait Sender: Endpoint {
 /// The receiving end of a connection.
 pub(crate) trait Receiver: Endpoint {
     /// Posts a grouped receive of `bufs` (1..=8) registered as `mhandles` (an error there
-    /// fails the call, not the comm) with `tags`; `Ok(None)` when 32 are in flight. Returns a
-    /// request id below `2 * MAX_REQUESTS`.
+    /// fails the call, not the comm) with `tags`; `Ok(None)` when 32 are in flight (and, on a
+    /// new connection, until its setup is done). Returns a request id below
+    /// `2 * MAX_REQUESTS`.
     fn irecv(&self, bufs: &[UserBuffer], tags: &[i32], mhandles: &[u64]) -> Result<Option<usize>>;
     /// Posts a flush of received GPU data in `bufs` (registered as `mhandles`); `Ok(None)`
     /// when nothing needs one.

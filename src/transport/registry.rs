@@ -120,6 +120,11 @@ impl CommKeys {
         }
     }
 
+    /// Lookups on the same registry and device for another comm (a listener's next one).
+    pub(crate) fn fresh(&self) -> Self {
+        CommKeys::new(Arc::clone(&self.registry), self.dev)
+    }
+
     /// The keys of `buf`, registered as `handle`; an error when the handle is unknown, does
     /// not cover it, or was registered on another device.
     #[inline(always)]

@@ -7,7 +7,8 @@
 //! the sender, which fails and tells the receiver (a TRUNC frame), and neither side ever
 //! buffers unexpected data. Everything is non-blocking, preallocated at connection time and
 //! progressed by whichever of `isend`/`irecv`/`test` runs next; nothing waits for the peer,
-//! and `close` just closes the socket.
+//! and `close` just closes the socket. Setup is one-way: the connector's comm is returned once
+//! its hello is out, the listener's once a hello came; the frames follow on the same socket.
 
 mod frame;
 mod recv;
@@ -213,12 +214,11 @@ impl Transport for TcpTransport {
 // ---------------------------------------------------------------------------------------
 // Connection setup
 
-/// The listening side of one connection.
+/// The listening side: every connection made to its handle.
 pub(crate) struct TcpListener {
     listener: oob::Listener,
-    accepted: Option<Channel>,
-    /// For the receiving end, once accepted.
-    keys: Option<CommKeys>,
+    /// Where its connections' receiving ends look handles up (each its own copy).
+    keys: CommKeys,
 }
 
 impl TcpListener {
@@ -226,34 +226,19 @@ impl TcpListener {
     fn bind(ip: std::net::IpAddr, timeouts: Timeouts, keys: CommKeys) -> Result<Self> {
         Ok(TcpListener {
             listener: oob::Listener::bind(ip, TransportKind::Tcp, timeouts)?,
-            accepted: None,
-            keys: Some(keys),
+            keys,
         })
     }
 
-    /// One non-blocking step of `accept`.
+    /// One non-blocking step of `accept`: the receiving end of the next connector whose hello
+    /// came. Nothing is answered: the socket carries the data frames from here on.
     fn step(&mut self) -> Result<Option<TcpReceiver>> {
-        if self.accepted.is_none() {
-            match self.listener.poll_hello()? {
-                Some((mut chan, _hello)) => {
-                    chan.queue(MsgKind::Accept, &[]);
-                    self.accepted = Some(chan);
-                }
-                None => return Ok(None),
-            }
-        }
-        let chan = self.accepted.as_mut().expect("set above");
-        if !chan.flush()? {
+        let Some((chan, _hello)) = self.listener.poll_hello()? else {
             return Ok(None);
-        }
-        let chan = self.accepted.take().expect("set above");
+        };
         let peer = chan.peer();
-        let keys = self.keys.take().ok_or_else(accepted_twice)?;
-        Ok(Some(TcpReceiver::new(
-            into_data_socket(chan.into_stream())?,
-            peer,
-            keys,
-        )))
+        let sock = into_data_socket(chan.into_stream())?;
+        Ok(Some(TcpReceiver::new(sock, peer, self.keys.fresh())))
     }
 }
 
@@ -269,17 +254,10 @@ impl Listener for TcpListener {
     }
 }
 
-/// The connecting side, between NCCL's repeated `connect` calls.
+/// The connecting side, between NCCL's repeated `connect` calls: until its hello is out.
 pub(crate) struct TcpConnector {
-    /// Until the listener accepted; then the data socket.
     chan: Option<Channel>,
-    /// For the sending end, once connected.
     keys: Option<CommKeys>,
-}
-
-/// A listener or connector asked for a second connection.
-fn accepted_twice() -> Error {
-    Error::misuse("a listen or connect polled again after it made its connection".into())
 }
 
 impl TcpConnector {
@@ -302,6 +280,8 @@ impl TcpConnector {
 impl Connector for TcpConnector {
     type Sender = TcpSender;
 
+    /// The sending end once the hello is out: the socket carries data frames from there, and
+    /// the sender waits for the receiver's clear-to-send as it does for every send.
     fn poll(&mut self) -> Result<Option<TcpSender>> {
         let chan = self
             .chan
@@ -310,27 +290,14 @@ impl Connector for TcpConnector {
         if !chan.flush()? {
             return Ok(None);
         }
-        match chan.poll_recv()? {
-            None => Ok(None),
-            Some(m) if m.kind == MsgKind::Accept => {
-                let peer = chan.peer();
-                let Some(chan) = self.chan.take() else {
-                    return Ok(None);
-                };
-                let sock = into_data_socket(chan.into_stream())?;
-                let keys = self.keys.take().ok_or_else(accepted_twice)?;
-                Ok(Some(TcpSender::new(sock, peer, keys)))
-            }
-            Some(m) if m.kind == MsgKind::Reject => Err(Error::remote(format!(
-                "{} refused the connection: {}",
-                chan.peer(),
-                String::from_utf8_lossy(&m.payload)
-            ))),
-            Some(m) => Err(Error::remote(format!(
-                "{} answered the hello with message type {:?}",
-                chan.peer(),
-                m.kind
-            ))),
-        }
+        let (Some(chan), Some(keys)) = (self.chan.take(), self.keys.take()) else {
+            return Ok(None);
+        };
+        let peer = chan.peer();
+        Ok(Some(TcpSender::new(
+            into_data_socket(chan.into_stream())?,
+            peer,
+            keys,
+        )))
     }
 }

@@ -196,13 +196,13 @@ impl<N: Nic> Mobility<N> {
 }
 
 /// A move under way: its epoch, the rails found lost (the sender's, the receiver's: one bit
-/// each), when it began, and why.
+/// each), when it began, how long it may take, and why. Epoch 0 is the connection's setup.
 #[derive(Debug, Clone)]
 pub(crate) struct Moving {
     pub(crate) epoch: u32,
     pub(crate) lost: [u8; 2],
     since: Instant,
-    bound: Duration,
+    bound: Option<Duration>,
     pub(crate) why: String,
 }
 
@@ -214,9 +214,27 @@ impl Moving {
             epoch,
             lost,
             since: Instant::now(),
-            bound: p.work_timeout.unwrap_or(Duration::from_secs(60)),
+            bound: Some(p.work_timeout.unwrap_or(Duration::from_secs(60))),
             why,
         }
+    }
+
+    /// The connection's setup, as move 0: the connector's hello offered its rails. Only the
+    /// peer ends the wait for its answer (its process closing the bootstrap connection, or its
+    /// host falling silent), never a clock: NCCL may call `accept` long after `connect`.
+    pub(crate) fn setup() -> Self {
+        Moving {
+            epoch: 0,
+            lost: [0; 2],
+            since: Instant::now(),
+            bound: None,
+            why: String::new(),
+        }
+    }
+
+    /// Whether this is the connection's setup.
+    pub(crate) fn is_setup(&self) -> bool {
+        self.epoch == 0
     }
 
     /// How long it has taken so far.
@@ -227,11 +245,14 @@ impl Moving {
     /// Fails the move once it has run past its bound (checked after the peer's messages are
     /// read, so that an end polled late still takes the message that finishes it).
     pub(crate) fn check_bound(&self, peer: &str) -> Result<()> {
-        if self.since.elapsed() > self.bound {
+        let Some(bound) = self.bound else {
+            return Ok(());
+        };
+        if self.since.elapsed() > bound {
             return Err(Error::remote(format!(
                 "moving the connection to peer {peer} to another NIC did not complete in \
                  {:.1} s (the peer's host or every path to it is gone)",
-                self.bound.as_secs_f64()
+                bound.as_secs_f64()
             )));
         }
         Ok(())
@@ -252,21 +273,19 @@ impl Moving {
 /// returns `e` (the comm fails with it).
 #[cold]
 pub(crate) fn refuse(link: &mut PeerLink, epoch: u32, e: Error) -> Error {
-    link.send(&MoveMsg {
-        step: Step::Refuse,
-        epoch,
-        lost: [0; 2],
-        body: e.to_string().into_bytes(),
-    });
+    link.send(&MoveMsg::refusal(epoch, e.to_string().into_bytes()));
     e
 }
 
-/// The error of a move the peer refused (`body`: its reason).
+/// The error of a move (or setup) the peer refused in `msg`, which says why.
 #[cold]
-pub(crate) fn refused(peer: &str, body: &[u8]) -> Error {
+pub(crate) fn refused(peer: &str, msg: &MoveMsg) -> Error {
+    let why = String::from_utf8_lossy(&msg.body);
+    if msg.epoch == 0 {
+        return Error::remote(format!("peer {peer} refused the connection: {why}"));
+    }
     Error::remote(format!(
-        "peer {peer} could not move the connection off a failed NIC: {}",
-        String::from_utf8_lossy(body)
+        "peer {peer} could not move the connection off a failed NIC: {why}"
     ))
 }
 

@@ -25,11 +25,12 @@ pub(crate) struct PeerLink {
 }
 
 impl PeerLink {
-    /// The link over `chan` (set up, between messages) to `peer`.
-    pub(crate) fn new(chan: Channel, peer: String) -> Self {
+    /// The link over `chan` (after the hello, between messages), to the peer at its other
+    /// end.
+    pub(crate) fn new(chan: Channel) -> Self {
         PeerLink {
+            peer: chan.peer().to_string(),
             chan,
-            peer,
             ended: None,
             landed: None,
             said_bye: false,
@@ -39,6 +40,11 @@ impl PeerLink {
     /// The peer, for messages.
     pub(crate) fn peer(&self) -> &str {
         &self.peer
+    }
+
+    /// The peer's devices, once its answer named them: they follow its address in messages.
+    pub(crate) fn name_devices(&mut self, devices: &str) {
+        self.peer = format!("{} ({devices})", self.chan.peer());
     }
 
     /// Sends what is queued and reads what came: the next message of a move, if one did. The
@@ -69,13 +75,15 @@ impl PeerLink {
                 }
             };
             match m.kind {
-                MsgKind::Failover => match MoveMsg::decode(&m.payload) {
+                MsgKind::Move => match MoveMsg::decode(&m.payload) {
                     Ok(msg) => return Some(msg),
                     Err(e) => {
                         self.end(Cause::Protocol, &e.to_string());
                         return None;
                     }
                 },
+                // The peer's bootstrap listener refused the hello (another transport).
+                MsgKind::Reject => return Some(MoveMsg::refusal(0, m.payload)),
                 MsgKind::Bye => {
                     self.landed = <[u8; 8]>::try_from(&m.payload[..])
                         .ok()
@@ -84,7 +92,7 @@ impl PeerLink {
                 kind => {
                     self.end(
                         Cause::Protocol,
-                        &format!("message type {kind:?} after setup"),
+                        &format!("message type {kind:?} after the hello"),
                     );
                     return None;
                 }
@@ -97,7 +105,7 @@ impl PeerLink {
         if self.ended.is_some() {
             return;
         }
-        self.chan.queue(MsgKind::Failover, &msg.encode());
+        self.chan.queue(MsgKind::Move, &msg.encode());
         if let Err(e) = self.chan.flush() {
             self.end(Cause::PeerGone, &e.to_string());
         }

@@ -332,7 +332,7 @@ pub(crate) fn paths(
     out
 }
 
-/// The probe QPs of one end, as the connector sends them in its `Ready`.
+/// The probe QPs of one end, as the sender sends them in its `Resume`.
 pub(crate) fn encode_qps(qps: &[(u32, u32)]) -> Vec<u8> {
     let mut v = Vec::with_capacity(2 + 8 * qps.len());
     v.extend_from_slice(&(qps.len() as u16).to_le_bytes());
@@ -465,7 +465,9 @@ impl ConnInfo {
 /// The steps of a move (`failover`'s module doc): a receiver that lost a path says `Down`;
 /// the sender `Offer`s its new rails; the receiver `Answer`s with its own and the receives it
 /// still waits for; the sender `Resume`s with its probe QPs. An end that cannot make a move
-/// the peer asks for, or that runs out of NICs in one, `Refuse`s it, saying why.
+/// the peer asks for, or that runs out of NICs in one, `Refuse`s it, saying why. Setup is
+/// move 0, whose offer is the connector's hello: the listener `Answer`s it (or `Refuse`s the
+/// connection) and the connector `Resume`s.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Step {
     Down = 1,
@@ -486,6 +488,16 @@ pub(crate) struct MoveMsg {
 }
 
 impl MoveMsg {
+    /// This end cannot make move `epoch` (0: take the connection), for the reason `why`.
+    pub(crate) fn refusal(epoch: u32, why: Vec<u8>) -> Self {
+        MoveMsg {
+            step: Step::Refuse,
+            epoch,
+            lost: [0; 2],
+            body: why,
+        }
+    }
+
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut v = Vec::with_capacity(7 + self.body.len());
         v.push(self.step as u8);

@@ -236,9 +236,14 @@ impl<N: Nic> RecvState<N> {
                 let e = gone.error.clone();
                 return Err(self.failure.fail(e));
             }
+            // The peer's messages may end the move (or the setup): NCCL may call nothing
+            // else before its receives are posted.
             if !self.still() {
-                // Posted after the move, on the new rails.
-                return Ok(None);
+                let moving = self.step_move(gate);
+                if self.failure.record(moving)? {
+                    // Posted after the move, on the new rails.
+                    return Ok(None);
+                }
             }
         }
         let slot = (self.seq % SLOTS as u64) as usize;
@@ -715,10 +720,22 @@ pub(crate) struct VerbsReceiver<N: Nic = VerbsDevice> {
 
 impl<N: Nic> VerbsReceiver<N> {
     pub(crate) fn new(state: RecvState<N>) -> Self {
+        let gate = RecvGate::new(&state.rails);
+        // Every call locks until the setup (move 0) is done.
+        gate.lock_wanted(state.needs_lock());
         VerbsReceiver {
-            gate: RecvGate::new(&state.rails),
+            gate,
             state: Mutex::new(state),
         }
+    }
+
+    /// Steps the setup (as an `irecv` does before it posts): whether the connection is up.
+    #[cfg(test)]
+    pub(crate) fn step_setup(&self) -> Result<bool> {
+        let mut s = self.state.lock();
+        let r = if s.still() { Ok(false) } else { s.step_move(&self.gate) };
+        self.gate.lock_wanted(s.needs_lock());
+        r.map(|moving| !moving && s.still())
     }
 
     /// Numbers the next receive `seq` (the sender must do the same). Only while nothing is

@@ -14,7 +14,7 @@ use std::time::Instant;
 use super::slot::{flushed, landed, FlushSlot};
 use super::{Draining, Movement, OldRegs, RecvGate, RecvState, SLOTS};
 use crate::error::{Error, Result};
-use crate::transport::verbs::bringup::{register_on, rkeys, Bringup, Role};
+use crate::transport::verbs::bringup::{register_on, rkeys, Bringup, Probes, Role};
 use crate::transport::verbs::failover::{self, Moving};
 use crate::transport::verbs::fault::Fault;
 use crate::transport::verbs::rail::Rail;
@@ -114,7 +114,7 @@ impl<N: Nic> RecvState<N> {
             (Movement::Answered(m, _), Step::Resume) if msg.epoch == m.epoch => {
                 self.resume(&msg.body)
             }
-            (_, Step::Refuse) if msg.epoch >= epoch => Err(failover::refused(peer, &msg.body)),
+            (_, Step::Refuse) if msg.epoch >= epoch => Err(failover::refused(peer, &msg)),
             // A message of an older move.
             _ if msg.epoch < epoch => Ok(()),
             (Movement::Still, _) => Err(failover::out_of_turn(peer, &msg, "carried data")),
@@ -366,6 +366,14 @@ impl<N: Nic> RecvState<N> {
         }
     }
 
+    /// The connection's setup, as move 0: this end's rails, made and joined to the connector's
+    /// offer (its hello), were answered; the connector's `Resume`, with the probe QPs `probes`
+    /// come up against, is awaited. Nothing is announced before it: the connector's QPs come
+    /// up as it reads the answer.
+    pub(crate) fn answered_setup(&mut self, probes: Probes) {
+        self.movement = Movement::Answered(Moving::setup(), Box::new(probes));
+    }
+
     /// The sender is up (`body`: its probe QPs): this end's probes come up, the flushes asked
     /// for meanwhile go out, and the connection carries data again.
     fn resume(&mut self, body: &[u8]) -> Result<()> {
@@ -377,11 +385,12 @@ impl<N: Nic> RecvState<N> {
         let theirs = decode_qps(body, probes.paths())?;
         probes.connect(&self.rails, &theirs)?;
         self.flush_again()?;
-        tracing::info!(
-            "connection to peer {} moved in {} ms",
-            self.link.peer(),
-            moving.took().as_millis()
-        );
+        let (peer, ms) = (self.link.peer(), moving.took().as_millis());
+        if moving.is_setup() {
+            tracing::debug!("connected to peer {peer} in {ms} ms");
+        } else {
+            tracing::info!("connection to peer {peer} moved in {ms} ms");
+        }
         Ok(())
     }
 

@@ -23,6 +23,7 @@ use std::sync::Arc;
 
 use parking_lot::Mutex;
 
+use super::bringup::Bringup;
 use super::budget::slot_wrs;
 use super::failover::{Mobility, Moving};
 use super::fault::{Cause, Fault};
@@ -50,11 +51,18 @@ pub(crate) type RemoteRecords = (u64, [u32; MAX_RAILS], usize);
 /// Registrations of a buffer on the NICs a move takes: (registration, lkey, rkey) per rail.
 type Regs<N> = Vec<(<N as Nic>::Mr, u32, u32)>;
 
-/// Where the sender is in a move (`moving`; the protocol is in `failover`).
+/// The size records' and the FIFO's registrations on the NICs a move takes.
+struct MovedRegs<N: Nic> {
+    sizes: Regs<N>,
+    fifo: Regs<N>,
+}
+
+/// Where the sender is in a move (`moving`; the protocol is in `failover`). Setup is move
+/// 0: the connector's hello offered its rails, and the comm starts `Offered`.
 enum Movement<N: Nic> {
     /// Carrying data on its rails.
     Still,
-    /// Its QPs are stopped, its rails made again on the NICs left and offered; the
+    /// Its rails are made (again, on the NICs left, with its QPs stopped) and offered; the
     /// receiver's answer is awaited.
     Offered(Box<Offered<N>>),
     /// Moved: the slots the receiver still waited for are sent again, oldest first, before
@@ -65,9 +73,10 @@ enum Movement<N: Nic> {
 /// What a move has made, until the receiver answers.
 struct Offered<N: Nic> {
     moving: Moving,
-    new: super::bringup::Bringup<N>,
-    sizes_regs: Regs<N>,
-    fifo_regs: Regs<N>,
+    new: Bringup<N>,
+    /// The comm's buffers' registrations on the new NICs; none at setup, whose NICs hold
+    /// the buffers' own.
+    regs: Option<MovedRegs<N>>,
 }
 
 /// Everything a send comm owns.
@@ -105,23 +114,27 @@ pub(crate) struct SendState<N: Nic> {
 }
 
 impl<N: Nic> SendState<N> {
-    /// A comm over connected `rails`, once the listener's answer gave its size records.
-    #[allow(clippy::too_many_arguments)] // what setup made, in teardown order
-    pub(crate) fn new(
-        rails: Vec<Rail<N>>,
-        fifo: Arc<DmaBuffer<CtsEntry, N::Mr>>,
+    /// A comm being set up: its rails (`offer`, made and described in the hello sent over
+    /// `link`) join the listener's answer in a later call (move 0), and nothing is sent
+    /// before they have.
+    pub(crate) fn offering(
+        offer: Bringup<N>,
+        fifo: DmaBuffer<CtsEntry, N::Mr>,
         sizes_local: DmaBuffer<u32, N::Mr>,
-        remote_sizes: RemoteRecords,
-        plan: QpPlan,
         link: PeerLink,
         keys: CommKeys,
         mobility: Mobility<N>,
     ) -> Self {
-        let mut s = SendState {
-            rails,
-            fifo,
+        let plan = QpPlan {
+            nqps: 0,
+            rails: 0,
+            split: mobility.params.split_data,
+        };
+        SendState {
+            rails: Vec::new(),
+            fifo: Arc::new(fifo),
             sizes_local,
-            remote_sizes,
+            remote_sizes: (0, [0; MAX_RAILS], 0),
             plan,
             seq: 0,
             slots: [SendSlot::FREE; SLOTS],
@@ -133,12 +146,14 @@ impl<N: Nic> SendState<N> {
             traffic: Traffic::default(),
             link,
             mobility,
-            movement: Movement::Still,
+            movement: Movement::Offered(Box::new(Offered {
+                moving: Moving::setup(),
+                new: offer,
+                regs: None,
+            })),
             fifo_regs: Vec::new(),
             broken: false,
-        };
-        s.reset_room();
-        s
+        }
     }
 
     /// Every QP's send queue empty: its whole depth is room.
@@ -622,10 +637,13 @@ pub(crate) struct VerbsSender<N: Nic = VerbsDevice> {
 impl<N: Nic> VerbsSender<N> {
     pub(crate) fn new(state: SendState<N>) -> Self {
         let gate = SendGate::new(Arc::clone(&state.fifo), state.awaited());
-        VerbsSender {
+        let sender = VerbsSender {
             state: Mutex::new(state),
             gate,
-        }
+        };
+        // Set up (move 0) in the first calls: each looks around until then.
+        sender.publish(&sender.state.lock());
+        sender
     }
 
     /// Records in the gate what the locked call on `s` left.
@@ -654,6 +672,15 @@ impl<N: Nic> VerbsSender<N> {
         let r = s.look_around();
         self.publish(&s);
         r.map(|()| None)
+    }
+
+    /// Steps the setup (as an idle `isend` does): whether the connection is up.
+    #[cfg(test)]
+    pub(crate) fn step_setup(&self) -> Result<bool> {
+        let mut s = self.state.lock();
+        let r = s.look_around();
+        self.publish(&s);
+        r.map(|()| s.still())
     }
 
     /// Makes the next slot the one of receive `seq` (the receiver must do the same). Only

@@ -1,17 +1,20 @@
 //! The sender's half of a move (the protocol is in `failover`): a fault it saw, or the
 //! receiver's `Down`, stops its QPs; it makes its rails again on the NICs left and offers
 //! them; on the receiver's answer it joins the receiver's rails, counts done every posted send
-//! the receiver does not wait for, and sends the others again before anything else.
+//! the receiver does not wait for, and sends the others again before anything else. Setup is
+//! move 0: the comm starts with its rails offered in the connector's hello, and the
+//! listener's answer also gives the connection its shape (`take_shape`).
 
 use super::slot::Replay;
-use super::{Movement, Offered, SendState, PROBE_AT, SLOTS};
-use crate::error::Result;
+use super::{MovedRegs, Movement, Offered, SendState, PROBE_AT, SLOTS};
+use crate::error::{Error, Result};
+use crate::transport::verbs::budget::EndCost;
 use crate::transport::verbs::bringup::{register_on, rkeys, Bringup, Role};
 use crate::transport::verbs::failover::{self, Moving};
 use crate::transport::verbs::fault::Fault;
 use crate::transport::verbs::reaper;
 use crate::transport::verbs::wire::{
-    cts_index, decode_answer, encode_qps, ConnInfo, MoveMsg, Step, WrKind,
+    cts_index, decode_answer, encode_qps, ConnInfo, MoveMsg, QpPlan, Step, WrKind,
 };
 use crate::transport::{MAX_RAILS, MAX_RECVS};
 use crate::verbs::nic::Nic;
@@ -63,7 +66,7 @@ impl<N: Nic> SendState<N> {
                 let e = failover::cannot_move(peer);
                 Err(failover::refuse(&mut self.link, msg.epoch, e))
             }
-            Step::Refuse => Err(failover::refused(peer, &msg.body)),
+            Step::Refuse => Err(failover::refused(peer, &msg)),
             // A `Down` that crossed the offer of its move, or older.
             Step::Down => Ok(()),
             _ => Err(failover::out_of_turn(peer, &msg, "carried data")),
@@ -100,18 +103,17 @@ impl<N: Nic> SendState<N> {
             let fifo_regs = self.fifo.register_again(rails, register)?;
             Ok((new, sizes_regs, fifo_regs))
         })();
-        let (new, sizes_regs, fifo_regs) = match made {
+        let (new, sizes, fifo) = match made {
             Ok(made) => made,
             Err(e) => return Err(failover::refuse(&mut self.link, epoch, e)),
         };
-        let info = new.describe(self.fifo.addr(0), |r| fifo_regs[r].2, self.mobility.able());
+        let info = new.describe(self.fifo.addr(0), |r| fifo[r].2, self.mobility.able());
         let offer = moving.message(Step::Offer, info.encode());
         self.link.send(&offer);
         self.movement = Movement::Offered(Box::new(Offered {
             moving,
             new,
-            sizes_regs,
-            fifo_regs,
+            regs: Some(MovedRegs { sizes, fifo }),
         }));
         Ok(())
     }
@@ -134,7 +136,7 @@ impl<N: Nic> SendState<N> {
                         break;
                     }
                     Step::Refuse if msg.epoch == epoch => {
-                        return Err(failover::refused(peer, &msg.body));
+                        return Err(failover::refused(peer, &msg));
                     }
                     // A `Down` that crossed the offer, or a message of an older move.
                     Step::Down if msg.epoch <= epoch => {}
@@ -160,7 +162,8 @@ impl<N: Nic> SendState<N> {
     }
 
     /// The receiver answered (`body`): the new rails come up against its, the old go to the
-    /// reaper, and the sends it waits for are due again.
+    /// reaper, and the sends it waits for are due again. At setup, the answer also gives the
+    /// connection its shape.
     fn finish_move(&mut self, body: &[u8]) -> Result<()> {
         let Movement::Offered(o) = std::mem::replace(&mut self.movement, Movement::Still) else {
             return Ok(());
@@ -168,31 +171,38 @@ impl<N: Nic> SendState<N> {
         let Offered {
             moving,
             mut new,
-            sizes_regs,
-            fifo_regs,
+            regs,
         } = *o;
         let (info, waiting) = decode_answer(body)?;
         let remote = ConnInfo::decode(info)?;
-        let nqps = self.plan.nqps;
-        if remote.qps.len() != nqps {
-            return Err(crate::error::Error::remote(format!(
-                "{} answered the move with {} QPs for {nqps}",
+        if moving.is_setup() {
+            self.take_shape(&mut new, &remote)?;
+        } else if remote.qps.len() != self.plan.nqps {
+            return Err(Error::remote(format!(
+                "{} answered the move with {} QPs for {}",
                 self.link.peer(),
-                remote.qps.len()
+                remote.qps.len(),
+                self.plan.nqps
             )));
         }
+        // The receiver's probes read the byte after the size records, keyed on the new NICs.
         let mut lkeys = [0; MAX_RAILS];
-        for (k, reg) in lkeys.iter_mut().zip(&sizes_regs) {
-            *k = reg.1;
+        for (r, k) in lkeys.iter_mut().enumerate().take(new.rails().len()) {
+            *k = match &regs {
+                Some(regs) => regs.sizes[r].1,
+                None => self.sizes_local.lkey(r),
+            };
         }
         let landing = (self.sizes_local.addr(PROBE_AT), lkeys);
         new.join(&remote, landing, self.link.peer())?;
         let ours = new.probe_qps();
         let old_rails = std::mem::replace(&mut self.rails, new.into_rails());
-        let old_sizes = self.sizes_local.adopt(sizes_regs);
-        let fresh = fifo_regs.into_iter().map(|(mr, _, _)| mr).collect();
-        let old_fifo = std::mem::replace(&mut self.fifo_regs, fresh);
-        reaper::bury((old_rails, old_sizes, old_fifo));
+        if let Some(MovedRegs { sizes, fifo }) = regs {
+            let old_sizes = self.sizes_local.adopt(sizes);
+            let fresh = fifo.into_iter().map(|(mr, _, _)| mr).collect();
+            let old_fifo = std::mem::replace(&mut self.fifo_regs, fresh);
+            reaper::bury((old_rails, old_sizes, old_fifo));
+        }
         self.remote_sizes = (remote.addr, rkeys(&remote), remote.rails.len());
         self.mobility.peer_mobile = remote.mobile;
         self.keys.reorder(self.mobility.order);
@@ -208,15 +218,59 @@ impl<N: Nic> SendState<N> {
         let replay = self.settle(&waits)?;
         self.link
             .send(&moving.message(Step::Resume, encode_qps(&ours)));
-        tracing::info!(
-            "connection to peer {} moved in {} ms; {} slots sent again whole, {} their \
-             immediate only",
-            self.link.peer(),
-            moving.took().as_millis(),
-            replay.whole.count_ones(),
-            replay.landed.count_ones()
-        );
+        if moving.is_setup() {
+            tracing::debug!(
+                "connected to peer {} in {} ms",
+                self.link.peer(),
+                moving.took().as_millis()
+            );
+        } else {
+            tracing::info!(
+                "connection to peer {} moved in {} ms; {} slots sent again whole, {} their \
+                 immediate only",
+                self.link.peer(),
+                moving.took().as_millis(),
+                replay.whole.count_ones(),
+                replay.landed.count_ones()
+            );
+        }
         self.movement = Movement::Replaying(replay);
+        Ok(())
+    }
+
+    /// The connection's shape, from the listener's answer `remote` to the setup's `offer`:
+    /// the listener may take fewer QPs than offered (its device's limits), never fewer than
+    /// this end's rails; the split setting is the receiver's.
+    fn take_shape(&mut self, offer: &mut Bringup<N>, remote: &ConnInfo) -> Result<()> {
+        let offered: usize = offer.rails().iter().map(|r| r.qps.len()).sum();
+        let (rails, nqps) = (offer.rails().len(), remote.qps.len());
+        if nqps > offered || nqps < rails {
+            return Err(Error::remote(format!(
+                "{} answered with {nqps} QPs for our {offered}",
+                self.link.peer()
+            )));
+        }
+        offer.keep_qps(nqps);
+        if remote.split != self.plan.split {
+            tracing::info!(
+                "NCCL_IB_SPLIT_DATA_ON_QPS is {} here and {} at the receiver {}: the \
+                 connection uses the receiver's",
+                u8::from(self.plan.split),
+                u8::from(remote.split),
+                self.link.peer()
+            );
+        }
+        self.plan = QpPlan {
+            nqps,
+            rails,
+            split: remote.split,
+        };
+        self.link.name_devices(&remote.devices());
+        self.mobility.cost = EndCost {
+            qps: nqps,
+            peer_rails: remote.rails.len(),
+            ..self.mobility.cost
+        };
         Ok(())
     }
 

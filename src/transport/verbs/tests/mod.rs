@@ -8,6 +8,7 @@ mod faults;
 mod interleavings;
 mod limits;
 mod rails;
+mod setup;
 mod traffic;
 
 use std::{
@@ -150,12 +151,20 @@ impl Conn {
             }
             assert!(Instant::now() < deadline, "connect/accept did not complete");
         }
+        let (send, recv) = (send.unwrap(), recv.unwrap());
+        // The ends' first calls finish the setup (move 0).
+        let (mut sender_up, mut receiver_up) = (false, false);
+        while !sender_up || !receiver_up {
+            sender_up = sender_up || send.step_setup()?;
+            receiver_up = receiver_up || recv.step_setup()?;
+            assert!(Instant::now() < deadline, "the setup did not complete");
+        }
         Ok(Conn {
             fabric,
             tx_nics,
             rx_nics,
-            send: send.unwrap(),
-            recv: recv.unwrap(),
+            send,
+            recv,
             registry,
         })
     }
