@@ -13,12 +13,16 @@ use std::{
 };
 
 pub use nccl_net_erdma::ffi::ncclResult_t;
-pub use nccl_net_erdma_tools::client::{self, pattern, Net, Opaque, VERSIONS};
+pub use nccl_net_erdma_tools::client::{
+    self, pattern, Net, Opaque, ALL_VERSIONS, OLD_VERSIONS, VERSIONS,
+};
 
 /// `NCCL_PTR_HOST`.
 pub const HOST: i32 = 1;
 /// `NCCL_PTR_CUDA`.
 pub const CUDA: i32 = 2;
+/// `NCCL_PTR_DMABUF`.
+pub const DMABUF: i32 = 4;
 /// Generous bound for anything that should complete at once on loopback.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
