@@ -1,5 +1,5 @@
 /*
- * nccl_net.h - the NCCL external network plugin ABI (ncclNet v6 .. v12), as nccl-net-erdma
+ * nccl_net.h - the NCCL external network plugin ABI (ncclNet v4 .. v12), as nccl-net-erdma
  * implements it.
  *
  * Written for this project from the published facts of NCCL's plugin interface (result codes,
@@ -73,6 +73,7 @@ typedef ncclResult_t (*ncclProfilerCallback_t)(void** eHandle, int type, void* p
 
 /* ---- Constants -------------------------------------------------------------------------- */
 #define NCCL_NET_HANDLE_MAXSIZE 128
+#define NCCL_NET_HANDLE_MAXSIZE_V4 64 /* NCCL <= 2.11 passes a 64-byte handle buffer */
 #define NCCL_MAX_NET_SIZE_BYTES (1ULL << 40) /* 1 TiB: upper bound of maxP2pBytes/maxCollBytes */
 #define NCCL_NET_OPTIONAL_RECV_COMPLETION 0x1
 #define NCCL_NET_MULTI_REQUEST 0x2
@@ -110,6 +111,30 @@ typedef ncclNetDeviceHandle_v7_t ncclNetDeviceHandle_v11_t;
 typedef ncclNetDeviceHandle_v7_t ncclNetDeviceHandle_v12_t;
 
 /* ---- Properties ------------------------------------------------------------------------- */
+/* v4 (NCCL 2.8 - 2.11): no latency, no maxRecvs (one buffer per receive). */
+typedef struct {
+  char* name;
+  char* pciPath;
+  uint64_t guid;
+  int ptrSupport; /* NCCL_PTR_HOST, NCCL_PTR_CUDA; no DMA-BUF */
+  int speed;      /* Mbps */
+  int port;
+  int maxComms;
+} ncclNetProperties_v4_t; /* 40 bytes */
+
+/* v5 (NCCL 2.12): v6's layout; ptrSupport has no DMA-BUF bit yet. */
+typedef struct {
+  char* name;
+  char* pciPath;
+  uint64_t guid;
+  int ptrSupport;
+  int speed;
+  int port;
+  float latency;
+  int maxComms;
+  int maxRecvs;
+} ncclNetProperties_v5_t; /* 48 bytes */
+
 typedef struct {
   char* name;
   char* pciPath;
@@ -249,6 +274,50 @@ typedef struct {
 typedef ncclNetAttr_v11_t ncclNetAttr_v12_t;
 
 /* ---- Function tables -------------------------------------------------------------------- */
+/* v4 (NCCL 2.8 - 2.11): one buffer per send and receive, no tags, no DMA-BUF. connect and
+ * accept are called once each and must return a usable comm. */
+typedef struct {
+  const char* name;
+  ncclResult_t (*init)(ncclDebugLogger_t logFunction);
+  ncclResult_t (*devices)(int* ndev);
+  ncclResult_t (*getProperties)(int dev, ncclNetProperties_v4_t* props);
+  ncclResult_t (*listen)(int dev, void* handle, void** listenComm);
+  ncclResult_t (*connect)(int dev, void* handle, void** sendComm);
+  ncclResult_t (*accept)(void* listenComm, void** recvComm);
+  ncclResult_t (*regMr)(void* comm, void* data, int size, int type, void** mhandle);
+  ncclResult_t (*deregMr)(void* comm, void* mhandle);
+  ncclResult_t (*isend)(void* sendComm, void* data, int size, void* mhandle, void** request);
+  ncclResult_t (*irecv)(void* recvComm, void* data, int size, void* mhandle, void** request);
+  ncclResult_t (*iflush)(void* recvComm, void* data, int size, void* mhandle, void** request);
+  ncclResult_t (*test)(void* request, int* done, int* size);
+  ncclResult_t (*closeSend)(void* sendComm);
+  ncclResult_t (*closeRecv)(void* recvComm);
+  ncclResult_t (*closeListen)(void* listenComm);
+} ncclNet_v4_t; /* 128 bytes */
+
+/* v5 (NCCL 2.12): v6 without regMrDmaBuf. */
+typedef struct {
+  const char* name;
+  ncclResult_t (*init)(ncclDebugLogger_t logFunction);
+  ncclResult_t (*devices)(int* ndev);
+  ncclResult_t (*getProperties)(int dev, ncclNetProperties_v5_t* props);
+  ncclResult_t (*listen)(int dev, void* handle, void** listenComm);
+  ncclResult_t (*connect)(int dev, void* handle, void** sendComm);
+  ncclResult_t (*accept)(void* listenComm, void** recvComm);
+  ncclResult_t (*regMr)(void* comm, void* data, int size, int type, void** mhandle);
+  ncclResult_t (*deregMr)(void* comm, void* mhandle);
+  ncclResult_t (*isend)(void* sendComm, void* data, int size, int tag, void* mhandle,
+                        void** request);
+  ncclResult_t (*irecv)(void* recvComm, int n, void** data, int* sizes, int* tags,
+                        void** mhandles, void** request);
+  ncclResult_t (*iflush)(void* recvComm, int n, void** data, int* sizes, void** mhandles,
+                         void** request);
+  ncclResult_t (*test)(void* request, int* done, int* sizes);
+  ncclResult_t (*closeSend)(void* sendComm);
+  ncclResult_t (*closeRecv)(void* recvComm);
+  ncclResult_t (*closeListen)(void* listenComm);
+} ncclNet_v5_t; /* 128 bytes */
+
 typedef struct {
   const char* name;
   ncclResult_t (*init)(ncclDebugLogger_t logFunction);

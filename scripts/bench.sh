@@ -6,7 +6,7 @@
 #   scripts/bench.sh [--compare-lib OTHER.so] [nccl-net-bench options]
 #
 # --compare-lib OTHER.so: side by side with another NCCL net plugin (any library exporting
-# ncclNetPlugin_v6..v12, e.g. the one a job runs today) in one run: per size, this plugin (or
+# ncclNetPlugin_v4..v12, e.g. the one a job runs today) in one run: per size, this plugin (or
 # --lib) and then the other, interleaved so both see the same conditions, each in its own
 # processes with the same options. Prints per size each one's bandwidth and latency and their
 # ratios (other / this), writes --csv FILE (this one's rows) and FILE.other.csv (the other's),

@@ -54,7 +54,7 @@ impl Report {
 }
 
 /// The ABI versions the library exports.
-pub const ABI: &str = "ncclNetPlugin_v6 .. v12 (NCCL 2.19 - 2.32)";
+pub const ABI: &str = "ncclNetPlugin_v4 .. v12 (NCCL 2.8 - 2.32)";
 
 /// Builds the report from this process's environment: the plugin's `init`, once.
 pub fn collect() -> Report {

@@ -7,6 +7,8 @@ use nccl_net_erdma::ffi::*;
 
 #[test]
 fn function_tables_have_nccl_sizes() {
+    assert_eq!(size_of::<ncclNet_v4_t>(), 128);
+    assert_eq!(size_of::<ncclNet_v5_t>(), 128);
     assert_eq!(size_of::<ncclNet_v6_t>(), 136);
     assert_eq!(size_of::<ncclNet_v7_t>(), 152);
     assert_eq!(size_of::<ncclNet_v8_t>(), 152);
@@ -19,7 +21,78 @@ fn function_tables_have_nccl_sizes() {
 }
 
 #[test]
+fn v4_and_v5_tables_have_nccl_slot_order() {
+    // net_v4.h: no regMrDmaBuf; isend/irecv/iflush of one buffer, no tags.
+    let v4 = [
+        offset_of!(ncclNet_v4_t, name),
+        offset_of!(ncclNet_v4_t, init),
+        offset_of!(ncclNet_v4_t, devices),
+        offset_of!(ncclNet_v4_t, getProperties),
+        offset_of!(ncclNet_v4_t, listen),
+        offset_of!(ncclNet_v4_t, connect),
+        offset_of!(ncclNet_v4_t, accept),
+        offset_of!(ncclNet_v4_t, regMr),
+        offset_of!(ncclNet_v4_t, deregMr),
+        offset_of!(ncclNet_v4_t, isend),
+        offset_of!(ncclNet_v4_t, irecv),
+        offset_of!(ncclNet_v4_t, iflush),
+        offset_of!(ncclNet_v4_t, test),
+        offset_of!(ncclNet_v4_t, closeSend),
+        offset_of!(ncclNet_v4_t, closeRecv),
+        offset_of!(ncclNet_v4_t, closeListen),
+    ];
+    // net_v5.h: the same order (v6 inserts regMrDmaBuf after regMr).
+    let v5 = [
+        offset_of!(ncclNet_v5_t, name),
+        offset_of!(ncclNet_v5_t, init),
+        offset_of!(ncclNet_v5_t, devices),
+        offset_of!(ncclNet_v5_t, getProperties),
+        offset_of!(ncclNet_v5_t, listen),
+        offset_of!(ncclNet_v5_t, connect),
+        offset_of!(ncclNet_v5_t, accept),
+        offset_of!(ncclNet_v5_t, regMr),
+        offset_of!(ncclNet_v5_t, deregMr),
+        offset_of!(ncclNet_v5_t, isend),
+        offset_of!(ncclNet_v5_t, irecv),
+        offset_of!(ncclNet_v5_t, iflush),
+        offset_of!(ncclNet_v5_t, test),
+        offset_of!(ncclNet_v5_t, closeSend),
+        offset_of!(ncclNet_v5_t, closeRecv),
+        offset_of!(ncclNet_v5_t, closeListen),
+    ];
+    let slots: Vec<usize> = (0..16).map(|i| i * 8).collect();
+    assert_eq!(
+        v4.to_vec(),
+        slots,
+        "v4: 16 slots of 8 bytes, in net_v4.h's order"
+    );
+    assert_eq!(
+        v5.to_vec(),
+        slots,
+        "v5: 16 slots of 8 bytes, in net_v5.h's order"
+    );
+    assert_eq!(offset_of!(ncclNet_v6_t, regMrDmaBuf), 64);
+    assert_eq!(offset_of!(ncclNet_v6_t, deregMr), 72);
+}
+
+#[test]
 fn property_structs_have_nccl_sizes_and_offsets() {
+    // v4 (NCCL 2.8 - 2.11): no latency, no maxRecvs.
+    assert_eq!(size_of::<ncclNetProperties_v4_t>(), 40);
+    assert_eq!(offset_of!(ncclNetProperties_v4_t, pciPath), 8);
+    assert_eq!(offset_of!(ncclNetProperties_v4_t, guid), 16);
+    assert_eq!(offset_of!(ncclNetProperties_v4_t, ptrSupport), 24);
+    assert_eq!(offset_of!(ncclNetProperties_v4_t, speed), 28);
+    assert_eq!(offset_of!(ncclNetProperties_v4_t, port), 32);
+    assert_eq!(offset_of!(ncclNetProperties_v4_t, maxComms), 36);
+    // v5 (NCCL 2.12): latency between port and maxComms, maxRecvs at the end; v6's layout.
+    assert_eq!(size_of::<ncclNetProperties_v5_t>(), 48);
+    assert_eq!(offset_of!(ncclNetProperties_v5_t, port), 32);
+    assert_eq!(offset_of!(ncclNetProperties_v5_t, latency), 36);
+    assert_eq!(offset_of!(ncclNetProperties_v5_t, maxComms), 40);
+    assert_eq!(offset_of!(ncclNetProperties_v5_t, maxRecvs), 44);
+    assert_eq!(offset_of!(ncclNetProperties_v6_t, latency), 36);
+    assert_eq!(offset_of!(ncclNetProperties_v6_t, maxRecvs), 44);
     assert_eq!(size_of::<ncclNetProperties_v6_t>(), 48);
     assert_eq!(size_of::<ncclNetProperties_v7_t>(), 56);
     assert_eq!(size_of::<ncclNetProperties_v8_t>(), 64);
@@ -64,6 +137,7 @@ fn property_structs_have_nccl_sizes_and_offsets() {
 #[test]
 fn constants_match_nccl() {
     assert_eq!(NCCL_NET_HANDLE_MAXSIZE, 128);
+    assert_eq!(NCCL_NET_HANDLE_MAXSIZE_V4, 64);
     assert_eq!(NCCL_PTR_HOST, 1);
     assert_eq!(NCCL_PTR_CUDA, 2);
     assert_eq!(NCCL_PTR_DMABUF, 4);

@@ -23,7 +23,7 @@ use common::*;
 
 #[test]
 fn every_version_is_exported_with_name_and_null_optional_slots() {
-    for v in VERSIONS {
+    for v in ALL_VERSIONS {
         let net = Net::open(&lib(), v).unwrap();
         assert_eq!(net.name(), "erdma", "v{v}");
         assert!(
@@ -32,14 +32,18 @@ fn every_version_is_exported_with_name_and_null_optional_slots() {
         );
     }
     assert!(Net::open(&lib(), 13).is_err(), "v13 does not exist");
+    assert!(Net::open(&lib(), 3).is_err(), "no v3 (NCCL 2.7 and older)");
 }
 
 #[test]
 fn properties_follow_each_version_rules() {
-    for v in VERSIONS {
+    let v6 = open(6).properties(0).unwrap();
+    for v in ALL_VERSIONS {
         let mut net = open(v);
         let n = net.devices().unwrap();
         assert!(n >= 1, "v{v}: devices {n}");
+        // v4: the client reads the 40-byte struct with guard bytes behind it and fails with
+        // ncclInternalError when the plugin wrote past it.
         let p = net.properties(0).unwrap();
         assert!(
             p.name.starts_with(&expected_device_name()),
@@ -48,8 +52,29 @@ fn properties_follow_each_version_rules() {
         );
         assert_eq!(p.ptr_support & HOST, HOST, "v{v}");
         assert!(p.speed > 0 && p.port >= 1 && p.max_comms > 0, "v{v}: {p:?}");
-        assert_eq!(p.max_recvs, 8, "v{v}");
+        // v4 has no maxRecvs (the client reports 1) and no latency (0).
+        assert_eq!(p.max_recvs, if v == 4 { 1 } else { 8 }, "v{v}");
         assert_eq!(p.latency, 0.0, "v{v}");
+        if v <= 5 {
+            // NCCL 2.8 - 2.12 know no DMA-BUF; the rest is v6's.
+            assert_eq!(
+                p.ptr_support,
+                v6.ptr_support & !DMABUF,
+                "v{v}: no DMA-BUF bit"
+            );
+            assert_eq!(
+                (&p.name, &p.pci_path, p.guid, p.speed, p.port, p.max_comms),
+                (
+                    &v6.name,
+                    &v6.pci_path,
+                    v6.guid,
+                    v6.speed,
+                    v6.port,
+                    v6.max_comms
+                ),
+                "v{v}: the fields v4/v5 share with v6"
+            );
+        }
         if v >= 7 {
             assert_eq!(
                 p.net_device,
@@ -122,6 +147,202 @@ fn loopback_one_thread_all_sizes_every_version() {
         transfer(&net, s, r, 0, 64, 100);
         close_pair(&mut net, s, r);
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// NCCL 2.8 - 2.12 (v4, v5): connect to completion before accept; v4 with one buffer per call
+// and no tags.
+
+#[test]
+fn loopback_all_sizes_old_versions() {
+    for v in OLD_VERSIONS {
+        let mut net = open(v);
+        let (s, r) = connect_pair_accepting_aside(&net);
+        for (i, &size) in [0usize, 1, 7, 4093, 65536, 4 << 20, (5 << 20) + 3]
+            .iter()
+            .enumerate()
+        {
+            transfer(&net, s, r, size, size, i as u64);
+        }
+        transfer(&net, s, r, 1000, 8192, 99);
+        transfer(&net, s, r, 0, 64, 100);
+        close_pair(&mut net, s, r);
+    }
+}
+
+#[test]
+fn v4_messages_without_tags_match_in_posting_order() {
+    let mut net = open(4);
+    let (s, r) = connect_pair_accepting_aside(&net);
+    let sizes = [300usize, 1, 5000, 0, 77, 4096, 12, 65536];
+    // Every receive posted first, each larger than any send; then the sends, in order.
+    let mut dst: Vec<Reg> = sizes
+        .iter()
+        .map(|_| reg(&net, r, vec![0u8; 65536 + 64]))
+        .collect();
+    let rreqs: Vec<Opaque> = dst
+        .iter_mut()
+        .map(|d| {
+            let b = [(d.buf.as_mut_ptr(), d.buf.len())];
+            poll_until("irecv", || net.irecv(r, &b, &[0], &[d.mh], false).unwrap())
+        })
+        .collect();
+    let mut srcs: Vec<Reg> = sizes
+        .iter()
+        .enumerate()
+        .map(|(i, &len)| reg(&net, s, pattern(40 + i as u64, len)))
+        .collect();
+    let sreqs: Vec<Opaque> = srcs
+        .iter_mut()
+        .zip(sizes)
+        .map(|(src, len)| {
+            poll_until("isend", || {
+                net.isend(s, src.buf.as_mut_ptr(), len, 0, src.mh).unwrap()
+            })
+        })
+        .collect();
+    for (i, (&sreq, &rreq)) in sreqs.iter().zip(&rreqs).enumerate() {
+        assert_eq!(wait(&net, sreq, 1), vec![sizes[i] as i32], "send {i}");
+        assert_eq!(wait(&net, rreq, 1), vec![sizes[i] as i32], "receive {i}");
+        assert!(dst[i].buf[..sizes[i]] == srcs[i].buf[..], "message {i}");
+    }
+    // v4's iflush takes one buffer; host memory needs no flush.
+    let d = &mut dst[0];
+    let req = net
+        .iflush(r, &[(d.buf.as_mut_ptr(), 300)], &[d.mh])
+        .unwrap();
+    assert!(req.is_null(), "host memory needs no flush");
+    for src in srcs {
+        dereg(&net, s, src);
+    }
+    for d in dst {
+        dereg(&net, r, d);
+    }
+    close_pair(&mut net, s, r);
+}
+
+#[test]
+fn v4_negative_sizes_are_internal_errors() {
+    let mut net = open(4);
+    let (s, r) = connect_pair_accepting_aside(&net);
+    let mut dst = reg(&net, r, vec![0u8; 64]);
+    let mut src = reg(&net, s, pattern(1, 64));
+    let internal = ncclResult_t::ncclInternalError;
+    let (d, sp) = (dst.buf.as_mut_ptr(), src.buf.as_mut_ptr());
+    assert_eq!(
+        net.irecv_signed(r, &[(d, -1)], &[0], &[dst.mh], false)
+            .unwrap_err(),
+        internal,
+        "irecv of -1 bytes"
+    );
+    // The client's isend and iflush take a usize: the negative int goes through the table.
+    // SAFETY: table_ptr is the loaded library's ncclNetPlugin_v4, which stays loaded while
+    // `net` lives; every pointer passed points to live storage for the call.
+    let t = unsafe { &*(net.table_ptr() as *const nccl_net_erdma::ffi::ncclNet_v4_t) };
+    let mut req = std::ptr::null_mut();
+    // SAFETY: as above.
+    let code = unsafe { t.isend.unwrap()(s.0, sp.cast(), -1, src.mh.0, &mut req) };
+    assert_eq!(
+        (code, req),
+        (internal, std::ptr::null_mut()),
+        "isend of -1 bytes"
+    );
+    // SAFETY: as above.
+    let code = unsafe { t.iflush.unwrap()(r.0, d.cast(), -5, dst.mh.0, &mut req) };
+    assert_eq!(
+        (code, req),
+        (internal, std::ptr::null_mut()),
+        "iflush of -5 bytes"
+    );
+    // The comms still work.
+    transfer(&net, s, r, 64, 64, 2);
+    dereg(&net, r, dst);
+    dereg(&net, s, src);
+    close_pair(&mut net, s, r);
+}
+
+#[test]
+#[ignore = "needs the 64-byte handle (oob change)"]
+fn v4_listen_and_connect_stay_within_the_64_byte_handle() {
+    const GUARD: u8 = 0x5a;
+    let mut net = open(4);
+    // NCCL <= 2.11 passes a 64-byte stack buffer: whatever lies behind it is not ours.
+    let mut handle = [GUARD; 128];
+    let listen = net.listen(0, &mut handle).expect("listen");
+    assert!(
+        handle[64..].iter().all(|b| *b == GUARD),
+        "listen wrote past byte 64: {:02x?}",
+        &handle[64..]
+    );
+    let (s, r) = thread::scope(|scope| {
+        let acceptor = scope.spawn(|| net.accept(listen).expect("accept"));
+        let s = net.connect(0, &mut handle).expect("connect");
+        (s, acceptor.join().unwrap())
+    });
+    assert!(
+        !s.is_null() && !r.is_null(),
+        "one call each returns the comm"
+    );
+    assert!(
+        handle[64..].iter().all(|b| *b == GUARD),
+        "connect wrote past byte 64: {:02x?}",
+        &handle[64..]
+    );
+    net.close_listen(listen).unwrap();
+    transfer(&net, s, r, 4096, 4096, 5);
+    close_pair(&mut net, s, r);
+}
+
+#[test]
+fn v4_connect_and_accept_fail_in_bounded_time() {
+    run_child(
+        test_name!(child_v4_bounded_waits),
+        &[("NCCL_ERDMA_CONNECT_TIMEOUT_MS", "300")],
+        &[],
+        false,
+    );
+}
+
+#[test]
+#[ignore = "entry point of a child process"]
+fn child_v4_bounded_waits() {
+    if !is_child() {
+        return;
+    }
+    let mut net = open(4);
+    // An accept nobody connects to gives up after NCCL_ERDMA_CONNECT_TIMEOUT_MS.
+    let mut handle = [0u8; 128];
+    let l = net.listen(0, &mut handle).unwrap();
+    let start = Instant::now();
+    assert_eq!(
+        net.accept(l).unwrap_err(),
+        ncclResult_t::ncclRemoteError,
+        "accept without a peer"
+    );
+    let took = start.elapsed();
+    assert!(
+        took >= Duration::from_millis(300) && took < Duration::from_secs(10),
+        "accept gave up after {took:?}"
+    );
+    let warn = client::logged_lines()
+        .into_iter()
+        .rev()
+        .find(|l| l.level == 2)
+        .expect("a WARN line");
+    assert!(
+        warn.text.contains("accept") && warn.text.contains("NCCL_ERDMA_CONNECT_TIMEOUT_MS"),
+        "{warn:?}"
+    );
+    // A connect to a listener that is gone fails in one call, it does not hang.
+    net.close_listen(l).unwrap();
+    let start = Instant::now();
+    assert_eq!(
+        net.connect(0, &mut handle).unwrap_err(),
+        ncclResult_t::ncclRemoteError,
+        "connect to a closed listener"
+    );
+    assert!(start.elapsed() < Duration::from_secs(10), "connect hung");
+    net.finalize().unwrap();
 }
 
 #[test]
@@ -514,7 +735,7 @@ fn library_needs_no_rdma_libraries_and_exports_only_the_tables() {
         .lines()
         .filter_map(|l| l.split_whitespace().nth(2).map(str::to_string))
         .collect();
-    let want: Vec<String> = VERSIONS
+    let want: Vec<String> = ALL_VERSIONS
         .iter()
         .map(|v| format!("ncclNetPlugin_v{v}"))
         .collect();

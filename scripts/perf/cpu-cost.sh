@@ -6,7 +6,7 @@
 #                                                           (default: both transports)
 #
 # --lib PATH: cost that NCCL net plugin instead of the built one (any library exporting
-# ncclNetPlugin_v6..v12; the bench uses the highest it has). --compare-lib PATH: also cost that
+# ncclNetPlugin_v4..v12; the bench uses the highest it has). --compare-lib PATH: also cost that
 # one, in the same run (the same VM boot for verbs, one after the other), and print each
 # figure for both with the ratio (other / this). The reports and the CSV name the library
 # and its table version; the other's profiles go to $OUT/<transport>-other/. "tcp" runs on this

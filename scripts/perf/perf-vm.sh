@@ -14,7 +14,7 @@
 #
 #   scripts/perf/perf-vm.sh [--lib PATH] [--compare-lib PATH]
 #
-# --lib PATH measures that NCCL net plugin (any library exporting ncclNetPlugin_v6..v12)
+# --lib PATH measures that NCCL net plugin (any library exporting ncclNetPlugin_v4..v12)
 # instead of the built one; --compare-lib PATH measures another one too, right after it at
 # every size in the same VM boot, and adds a table of both with the ratio (other / this),
 # other.csv and its curve in the plot. Another plugin takes in the VM whatever its own

@@ -1,4 +1,4 @@
-//! The C boundary: the exported `ncclNetPlugin_v6` .. `_v12` tables, and nothing but
+//! The C boundary: the exported `ncclNetPlugin_v4` .. `_v12` tables, and nothing but
 //! pointer checks, argument conversion, the panic boundary and the one error mapping.
 //!
 //! Every export runs inside [`boundary`], which catches panics (reported through NCCL's

@@ -1,9 +1,9 @@
 //! The slots every table version shares, and the per-version argument conversions of the
 //! data path: each converts its version's C signature to one call of the version-neutral
-//! core (`plugin`). Per-version rules honoured here: v9+ `irecv` always overwrites `*request`
-//! (NCCL may pass the optional-completion hint 0x1 in it); sizes are checked once, before
-//! use; a NULL where NCCL never passes one is `ncclInternalError` (NCCL's misuse), not a
-//! crash.
+//! core (`plugin`). Per-version rules honoured here: v4 sends and receives one buffer with
+//! no tag (tag 0 at both ends); v9+ `irecv` always overwrites `*request` (NCCL may pass the
+//! optional-completion hint 0x1 in it); sizes are checked once, before use; a NULL where
+//! NCCL never passes one is `ncclInternalError` (NCCL's misuse), not a crash.
 
 use std::{
     ffi::{c_int, c_void},
@@ -32,10 +32,16 @@ pub(super) extern "C" fn devices(ndev: *mut c_int) -> ncclResult_t {
     })
 }
 
+// The handle we write and read must fit the largest buffer NCCL passes.
+const _: () = assert!(HANDLE_SIZE <= NCCL_NET_HANDLE_MAXSIZE as usize);
+
+/// NCCL's handle buffer, as the first `HANDLE_SIZE` bytes the plugin reads and writes.
 pub(super) fn handle_buf<'a>(handle: *mut c_void) -> Result<&'a mut [u8; HANDLE_SIZE]> {
     non_null(handle, "handle")?;
-    // SAFETY: NCCL's handle is an NCCL_NET_HANDLE_MAXSIZE (128) byte buffer it owns and
-    // keeps alive across the call; no other reference to it exists during the call.
+    // SAFETY: NCCL's handle is a buffer it owns and keeps alive across the call, 64 bytes
+    // (NCCL_NET_HANDLE_MAXSIZE_V4) for v4 and 128 (NCCL_NET_HANDLE_MAXSIZE) for v5+; only its
+    // first HANDLE_SIZE = 64 bytes are touched, which both hold. No other reference to it
+    // exists during the call.
     Ok(unsafe { &mut *(handle as *mut [u8; HANDLE_SIZE]) })
 }
 
@@ -321,6 +327,21 @@ pub(super) extern "C" fn isend_size_t(
     )
 }
 
+/// The tag of every v4 send and receive. v4 has no tags, and the transport matches a send to
+/// a receive by tag, so both ends use the same one (messages then match in posting order).
+const V4_TAG: c_int = 0;
+
+/// v4 `isend`: no tag.
+pub(super) extern "C" fn isend_v4(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: c_int,
+    mhandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    isend_int(comm, data, size, V4_TAG, mhandle, request)
+}
+
 /// `irecv` for any version; `size_at(i)` reads the i-th size in the version's integer type.
 #[allow(clippy::too_many_arguments)] // the C signature's arguments, plus the size reader
 pub(super) fn irecv(
@@ -418,6 +439,27 @@ pub(super) extern "C" fn irecv_int(
     )
 }
 
+/// v4 `irecv`: one buffer, no tag.
+pub(super) extern "C" fn irecv_v4(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: c_int,
+    mhandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    let (mut data, mut tag, mut mhandle) = (data, V4_TAG, mhandle);
+    irecv(
+        comm,
+        1,
+        &mut data,
+        |_| int_size(size),
+        &mut tag,
+        &mut mhandle,
+        std::ptr::null_mut(),
+        request,
+    )
+}
+
 pub(super) extern "C" fn irecv_size_t(
     comm: *mut c_void,
     n: c_int,
@@ -501,8 +543,21 @@ pub(super) extern "C" fn iflush(
     })
 }
 
+/// v4 `iflush`: one buffer.
+pub(super) extern "C" fn iflush_v4(
+    comm: *mut c_void,
+    data: *mut c_void,
+    size: c_int,
+    mhandle: *mut c_void,
+    request: *mut *mut c_void,
+) -> ncclResult_t {
+    let (mut data, mut size, mut mhandle) = (data, size, mhandle);
+    iflush(comm, 1, &mut data, &mut size, &mut mhandle, request)
+}
+
 /// `test` of any request: the comm that owns it tests it, and `done` (and, once done, the
-/// sizes) are written for NCCL.
+/// sizes) are written for NCCL. Only a request's own messages' sizes are written, so v4's one
+/// `int` (its requests are all of one message) is never overrun.
 pub(super) extern "C" fn test(
     request: *mut c_void,
     done: *mut c_int,

@@ -20,6 +20,49 @@ const _: () = assert!(NAME_C.to_bytes().len() == NAME.len());
 // ---------------------------------------------------------------------------------------
 // The tables
 
+/// NCCL 2.8 - 2.11: one buffer per send and receive, no tags, a 64-byte handle, and
+/// `connect`/`accept` called once each.
+#[no_mangle]
+pub static ncclNetPlugin_v4: Table<ncclNet_v4_t> = Table(ncclNet_v4_t {
+    name: NAME_C.as_ptr(),
+    init: Some(init_v6),
+    devices: Some(devices),
+    getProperties: Some(get_properties_v4),
+    listen: Some(listen),
+    connect: Some(connect_v4),
+    accept: Some(accept_v4),
+    regMr: Some(reg_mr_int),
+    deregMr: Some(dereg_mr),
+    isend: Some(isend_v4),
+    irecv: Some(irecv_v4),
+    iflush: Some(iflush_v4),
+    test: Some(test),
+    closeSend: Some(close_send),
+    closeRecv: Some(close_recv),
+    closeListen: Some(close_listen),
+});
+
+/// NCCL 2.12: v6 without `regMrDmaBuf`.
+#[no_mangle]
+pub static ncclNetPlugin_v5: Table<ncclNet_v5_t> = Table(ncclNet_v5_t {
+    name: NAME_C.as_ptr(),
+    init: Some(init_v6),
+    devices: Some(devices),
+    getProperties: Some(get_properties_v5),
+    listen: Some(listen),
+    connect: Some(connect_v6),
+    accept: Some(accept_v6),
+    regMr: Some(reg_mr_int),
+    deregMr: Some(dereg_mr),
+    isend: Some(isend_int),
+    irecv: Some(irecv_int),
+    iflush: Some(iflush),
+    test: Some(test),
+    closeSend: Some(close_send),
+    closeRecv: Some(close_recv),
+    closeListen: Some(close_listen),
+});
+
 /// NCCL 2.13 - 2.18 (and later, as a fallback).
 #[no_mangle]
 pub static ncclNetPlugin_v6: Table<ncclNet_v6_t> = Table(ncclNet_v6_t {

@@ -1,17 +1,19 @@
-//! What differs between table versions: `init` (v6-v9: a logger; v10: and a profiler; v11+:
+//! What differs between table versions: `init` (v4-v9: a logger; v10: and a profiler; v11+:
 //! a per-communicator context, with `finalize`, which accepts NULL or a never-initialised
-//! context), the contexts of v11 `listen`/`connect`, and `getProperties` (each version's
-//! struct, zero-filled with `netDeviceType` HOST and `maxP2pBytes` in (0, 1 TiB]).
+//! context), v4's `connect`/`accept` (one call each must yield the comm), the contexts of
+//! v11 `listen`/`connect`, and `getProperties` (each version's struct, zero-filled with
+//! `netDeviceType` HOST and `maxP2pBytes` in (0, 1 TiB]; no DMA-BUF bit before v6).
 
 use std::{
     collections::HashSet,
     ffi::{c_char, c_int, c_void},
     sync::Arc,
+    time::{Duration, Instant},
 };
 
 use parking_lot::Mutex;
 
-use super::slots::{connect_with, listen_with};
+use super::slots::{connect_with, handle_buf, listen_with};
 use super::{boundary, install_logging, non_null, profiler};
 use crate::error::{Error, Result};
 use crate::ffi::*;
@@ -22,8 +24,8 @@ pub(super) fn init_common(logger: ncclDebugLogger_t) -> Result<Arc<Plugin>> {
     plugin::init()
 }
 
-/// Fills the fields every properties version shares, on a zeroed struct.
-macro_rules! fill_common {
+/// Fills the fields every properties version shares (v4's), on a zeroed struct.
+macro_rules! fill_v4 {
     ($p:expr, $d:expr) => {{
         let d: &DeviceProps = $d;
         $p.name = d.name_ptr() as *mut c_char;
@@ -32,10 +34,23 @@ macro_rules! fill_common {
         $p.ptrSupport = d.ptr_support;
         $p.speed = d.speed_mbps;
         $p.port = d.port;
-        $p.latency = 0.0;
         $p.maxComms = d.max_comms;
+    }};
+}
+
+/// Fills the fields of v5 and later.
+macro_rules! fill_common {
+    ($p:expr, $d:expr) => {{
+        fill_v4!($p, $d);
+        $p.latency = 0.0;
         $p.maxRecvs = MAX_RECVS as c_int;
     }};
+}
+
+/// `ptrSupport` for NCCLs without DMA-BUF (v4, v5): they never call `regMrDmaBuf` (their
+/// tables have no such slot), so the bit would only mislead them.
+fn without_dmabuf(ptr_support: c_int) -> c_int {
+    ptr_support & !(NCCL_PTR_DMABUF as c_int)
 }
 
 /// Fills the fields of v7 and later (device offload: none).
@@ -92,6 +107,26 @@ pub(super) extern "C" fn init_v10(
     boundary("init", || init_common(logger).map(|_| ()))
 }
 
+pub(super) extern "C" fn get_properties_v4(
+    dev: c_int,
+    props: *mut ncclNetProperties_v4_t,
+) -> ncclResult_t {
+    properties(dev, props, |p, d| {
+        fill_v4!(p, d);
+        p.ptrSupport = without_dmabuf(p.ptrSupport);
+    })
+}
+
+pub(super) extern "C" fn get_properties_v5(
+    dev: c_int,
+    props: *mut ncclNetProperties_v5_t,
+) -> ncclResult_t {
+    properties(dev, props, |p, d| {
+        fill_common!(p, d);
+        p.ptrSupport = without_dmabuf(p.ptrSupport);
+    })
+}
+
 pub(super) extern "C" fn get_properties_v6(
     dev: c_int,
     props: *mut ncclNetProperties_v6_t,
@@ -142,6 +177,75 @@ pub(super) extern "C" fn get_properties_v12(
         p.maxMultiRequestSize = 1;
         p.railId = d.rail_id;
         p.planeId = NCCL_NET_ID_UNDEF as i16;
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+// v4: connect and accept that return the comm
+
+/// Steps `step` (one non-blocking connect or accept step, as the v5+ slots take) until it
+/// yields a comm or fails; past `NCCL_ERDMA_CONNECT_TIMEOUT_MS` it fails with
+/// `ncclRemoteError`, `what` naming the call and the peer.
+///
+/// The one place the plugin waits on NCCL's thread: NCCL <= 2.11 calls `connect` and
+/// `accept` once each and hands the comm to `regMr` at once, so the v4 contract itself asks
+/// for a usable comm from one call (NVIDIA's own example shims for v4 and older loop the
+/// same way). It only polls: when a step completes is the handshake's business.
+fn until_comm<C>(what: &str, mut step: impl FnMut() -> Result<Option<C>>) -> Result<C> {
+    let timeout = Duration::from_millis(plugin::get()?.config.connect_timeout_ms.value);
+    let start = Instant::now();
+    // Short naps first, so a setup that is nearly done is not held back; then 1 ms, so a
+    // long wait (the peer's rank still starting) costs little CPU.
+    let mut nap = Duration::from_micros(50);
+    loop {
+        if let Some(comm) = step()? {
+            return Ok(comm);
+        }
+        if start.elapsed() >= timeout {
+            return Err(Error::remote(format!(
+                "{what} did not complete within {} ms (NCCL_ERDMA_CONNECT_TIMEOUT_MS)",
+                timeout.as_millis()
+            )));
+        }
+        std::thread::sleep(nap);
+        nap = (nap * 2).min(Duration::from_millis(1));
+    }
+}
+
+pub(super) extern "C" fn connect_v4(
+    dev: c_int,
+    handle: *mut c_void,
+    send_comm: *mut *mut c_void,
+) -> ncclResult_t {
+    boundary("connect", || {
+        non_null(send_comm, "sendComm")?;
+        // SAFETY: checked non-NULL; writable pointer slot. Stays NULL on failure.
+        unsafe { *send_comm = std::ptr::null_mut() };
+        let plugin = plugin::get()?;
+        let buf = handle_buf(handle)?;
+        let what = format!("connect to {}", plugin::handle_peer(buf));
+        let comm = until_comm(&what, || plugin.connect(dev, buf, None))?;
+        // SAFETY: as above.
+        unsafe { *send_comm = Box::into_raw(comm) as *mut c_void };
+        Ok(())
+    })
+}
+
+pub(super) extern "C" fn accept_v4(
+    listen_comm: *mut c_void,
+    recv_comm: *mut *mut c_void,
+) -> ncclResult_t {
+    boundary("accept", || {
+        non_null(recv_comm, "recvComm")?;
+        // SAFETY: checked non-NULL; writable pointer slot. Stays NULL on failure.
+        unsafe { *recv_comm = std::ptr::null_mut() };
+        // SAFETY: NCCL passes back a listen comm we returned (checked by magic).
+        let listen = unsafe { super::listen_comm(listen_comm)? };
+        let plugin = plugin::get()?;
+        let comm = until_comm("accept of a peer's connection", || plugin.accept(listen))?;
+        // SAFETY: as above.
+        unsafe { *recv_comm = Box::into_raw(comm) as *mut c_void };
+        Ok(())
     })
 }
 

@@ -102,6 +102,12 @@ pub(crate) fn get() -> Result<Arc<Plugin>> {
         .ok_or_else(|| Error::misuse("the plugin is used before a successful init".into()))
 }
 
+/// The listener a connection handle names, for messages ("an unreadable handle" when it is
+/// not one this plugin's `listen` wrote).
+pub(crate) fn handle_peer(buf: &[u8; HANDLE_SIZE]) -> String {
+    Handle::decode(buf).map_or_else(|_| "an unreadable handle".into(), |h| h.addr.to_string())
+}
+
 impl Plugin {
     /// Opens the transport `config` asks for, on the bootstrap interface it names, and logs
     /// the settings and what the transport found and decided.

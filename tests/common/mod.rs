@@ -13,12 +13,16 @@ use std::{
 };
 
 pub use nccl_net_erdma::ffi::ncclResult_t;
-pub use nccl_net_erdma_tools::client::{self, pattern, Net, Opaque, VERSIONS};
+pub use nccl_net_erdma_tools::client::{
+    self, pattern, Net, Opaque, ALL_VERSIONS, OLD_VERSIONS, VERSIONS,
+};
 
 /// `NCCL_PTR_HOST`.
 pub const HOST: i32 = 1;
 /// `NCCL_PTR_CUDA`.
 pub const CUDA: i32 = 2;
+/// `NCCL_PTR_DMABUF`.
+pub const DMABUF: i32 = 4;
 /// Generous bound for anything that should complete at once on loopback.
 pub const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -109,6 +113,38 @@ pub fn connect_pair_on(net: &Net, dev: i32) -> (Opaque, Opaque) {
             "connect/accept did not complete"
         );
     }
+    net.close_listen(listen).expect("closeListen");
+    (send, recv)
+}
+
+/// A connected loopback pair on device 0, set up the way NCCL <= 2.12 (v4, v5) does it on
+/// each side: `connect` to completion, then `accept`. One process plays both sides, so the
+/// accept runs on a second thread: this thread's connect may wait for it. A v4 `connect` and
+/// `accept` must each return the comm from their one call.
+pub fn connect_pair_accepting_aside(net: &Net) -> (Opaque, Opaque) {
+    let mut handle = [0u8; 128];
+    let listen = net.listen(0, &mut handle).expect("listen");
+    let once = net.version() == 4;
+    let (send, recv) = std::thread::scope(|scope| {
+        let acceptor = scope.spawn(|| {
+            if once {
+                net.accept(listen).expect("accept")
+            } else {
+                poll_until("accept", || net.accept(listen).expect("accept"))
+            }
+        });
+        let send = if once {
+            net.connect(0, &mut handle).expect("connect")
+        } else {
+            poll_until("connect", || net.connect(0, &mut handle).expect("connect"))
+        };
+        (send, acceptor.join().expect("the accepting thread"))
+    });
+    assert!(
+        !send.is_null() && !recv.is_null(),
+        "v{}: connect and accept return their comms",
+        net.version()
+    );
     net.close_listen(listen).expect("closeListen");
     (send, recv)
 }

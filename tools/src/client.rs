@@ -15,8 +15,16 @@ use nccl_net_erdma::ffi::*;
 /// can pass too many).
 pub const MAX_CLIENT_RECVS: usize = 16;
 
-/// ABI versions the plugin exports.
+/// ABI versions the plugin exports for NCCL 2.13 and later, whose `connect` and `accept` are
+/// polled steps.
 pub const VERSIONS: [u32; 7] = [6, 7, 8, 9, 10, 11, 12];
+
+/// ABI versions the plugin exports for NCCL 2.8 - 2.12 (v4: one buffer per call, no tags,
+/// `connect` and `accept` return the comm from one call).
+pub const OLD_VERSIONS: [u32; 2] = [4, 5];
+
+/// Every ABI version the plugin exports.
+pub const ALL_VERSIONS: [u32; 9] = [4, 5, 6, 7, 8, 9, 10, 11, 12];
 
 /// NCCL's result code, as an error.
 pub type Code = ncclResult_t;
@@ -59,11 +67,11 @@ pub struct Properties {
     pub speed: i32,
     /// `port`.
     pub port: i32,
-    /// `latency`.
+    /// `latency` (v4 has none: 0).
     pub latency: f32,
     /// `maxComms`.
     pub max_comms: i32,
-    /// `maxRecvs`.
+    /// `maxRecvs` (v4 has none: 1, its receives take one buffer).
     pub max_recvs: i32,
     /// `netDeviceType` and `netDeviceVersion` (v7+).
     pub net_device: Option<(u32, i32)>,
@@ -227,6 +235,8 @@ fn logger() -> ncclDebugLogger_t {
 
 #[derive(Clone, Copy)]
 enum Table {
+    V4(*const ncclNet_v4_t),
+    V5(*const ncclNet_v5_t),
     V6(*const ncclNet_v6_t),
     V7(*const ncclNet_v7_t),
     V8(*const ncclNet_v8_t),
@@ -269,6 +279,14 @@ macro_rules! call {
         // stays loaded while `self` lives; its slots have this version's signatures.
         unsafe {
             match $self.table {
+                Table::V4(p) => {
+                    let $t = &*p;
+                    $body
+                }
+                Table::V5(p) => {
+                    let $t = &*p;
+                    $body
+                }
                 Table::V6(p) => {
                     let $t = &*p;
                     $body
@@ -313,11 +331,11 @@ fn owned(p: *const c_char) -> Option<String> {
 }
 
 impl Net {
-    /// `dlopen`s `path` and resolves the highest `ncclNetPlugin_vN` it exports (6..12), as
+    /// `dlopen`s `path` and resolves the highest `ncclNetPlugin_vN` it exports (4..12), as
     /// NCCL looks for its own version first and then older ones.
     pub fn open_highest(path: &Path) -> Result<Net, String> {
         let mut last = String::new();
-        for &v in VERSIONS.iter().rev() {
+        for &v in ALL_VERSIONS.iter().rev() {
             match Net::open(path, v) {
                 Ok(net) => return Ok(net),
                 Err(e) if e.contains(" exports no ") => last = e,
@@ -325,7 +343,7 @@ impl Net {
             }
         }
         Err(format!(
-            "{last}, nor any of ncclNetPlugin_v6 .. v12: not an NCCL net plugin"
+            "{last}, nor any of ncclNetPlugin_v4 .. v12: not an NCCL net plugin"
         ))
     }
 
@@ -352,6 +370,8 @@ impl Net {
             ));
         }
         let table = match version {
+            4 => Table::V4(p as _),
+            5 => Table::V5(p as _),
             6 => Table::V6(p as _),
             7 => Table::V7(p as _),
             8 => Table::V8(p as _),
@@ -384,6 +404,8 @@ impl Net {
     /// Raw table pointer (for layout checks).
     pub fn table_ptr(&self) -> *const c_void {
         match self.table {
+            Table::V4(p) => p as _,
+            Table::V5(p) => p as _,
             Table::V6(p) => p as _,
             Table::V7(p) => p as _,
             Table::V8(p) => p as _,
@@ -413,6 +435,8 @@ impl Net {
         // SAFETY: as in `call!`.
         let r = unsafe {
             match self.table {
+                Table::V4(p) => (*p).init.unwrap()(log),
+                Table::V5(p) => (*p).init.unwrap()(log),
                 Table::V6(p) => (*p).init.unwrap()(log),
                 Table::V7(p) => (*p).init.unwrap()(log),
                 Table::V8(p) => (*p).init.unwrap()(log),
@@ -478,18 +502,66 @@ impl Net {
             };
         }
         // Garbage-fill first, so a field the plugin forgets shows up.
+        const GUARD: u8 = 0xa5;
         macro_rules! get {
             ($p:expr, $ty:ty) => {{
                 let mut v = std::mem::MaybeUninit::<$ty>::uninit();
                 // SAFETY: writing bytes into our own uninitialised storage.
-                unsafe { std::ptr::write_bytes(v.as_mut_ptr(), 0xa5, 1) };
+                unsafe { std::ptr::write_bytes(v.as_mut_ptr(), GUARD, 1) };
                 // SAFETY: as in `call!`; v is writable storage of this version's layout.
                 check(unsafe { (*$p).getProperties.unwrap()(dev, v.as_mut_ptr()) })?;
                 // SAFETY: the plugin wrote the whole struct (it returned success).
                 unsafe { v.assume_init() }
             }};
+            // The properties in field `$f` of storage `$ty`, the rest of which stays garbage.
+            ($p:expr, $ty:ty, $f:ident) => {{
+                let mut v = std::mem::MaybeUninit::<$ty>::uninit();
+                // SAFETY: writing bytes into our own uninitialised storage.
+                unsafe { std::ptr::write_bytes(v.as_mut_ptr(), GUARD, 1) };
+                // SAFETY: as in `call!`; the field is writable storage of this version's
+                // layout.
+                let props = unsafe { std::ptr::addr_of_mut!((*v.as_mut_ptr()).$f) };
+                // SAFETY: as in `call!`.
+                check(unsafe { (*$p).getProperties.unwrap()(dev, props) })?;
+                // SAFETY: every byte is initialised (garbage-filled, then the plugin's), and
+                // the fields are integers and raw pointers, valid for any bytes.
+                unsafe { v.assume_init() }
+            }};
         }
         Ok(match self.table {
+            Table::V4(p) => {
+                // Guard bytes behind the 40-byte struct: a plugin that writes a larger one
+                // (v5's, with latency and maxRecvs) overruns NCCL 2.11's stack.
+                #[repr(C)]
+                struct Guarded {
+                    props: ncclNetProperties_v4_t,
+                    guard: [u8; 24],
+                }
+                let g = get!(p, Guarded, props);
+                if g.guard.iter().any(|b| *b != GUARD) {
+                    return Err(ncclResult_t::ncclInternalError);
+                }
+                let v = g.props;
+                Properties {
+                    name: owned(v.name).unwrap_or_default(),
+                    pci_path: owned(v.pciPath),
+                    guid: v.guid,
+                    ptr_support: v.ptrSupport,
+                    reg_is_global: None,
+                    force_flush: None,
+                    speed: v.speed,
+                    port: v.port,
+                    latency: 0.0,
+                    max_comms: v.maxComms,
+                    max_recvs: 1,
+                    net_device: None,
+                    vprops: None,
+                    max_bytes: None,
+                    max_multi_request_size: None,
+                    rail_plane: None,
+                }
+            }
+            Table::V5(p) => base!(get!(p, ncclNetProperties_v5_t)),
             Table::V6(p) => base!(get!(p, ncclNetProperties_v6_t)),
             Table::V7(p) => {
                 let v = get!(p, ncclNetProperties_v7_t);
@@ -559,6 +631,8 @@ impl Net {
         // SAFETY: as in `call!`.
         let r = unsafe {
             match self.table {
+                Table::V4(p) => (*p).connect.unwrap()(dev, h, &mut comm),
+                Table::V5(p) => (*p).connect.unwrap()(dev, h, &mut comm),
                 Table::V6(p) => (*p).connect.unwrap()(dev, h, &mut comm),
                 Table::V7(p) => (*p).connect.unwrap()(dev, h, &mut comm, &mut dev_comm),
                 Table::V8(p) => (*p).connect.unwrap()(dev, h, &mut comm, &mut dev_comm),
@@ -582,6 +656,8 @@ impl Net {
         // SAFETY: as in `call!`.
         let r = unsafe {
             match self.table {
+                Table::V4(p) => (*p).accept.unwrap()(listen.0, &mut comm),
+                Table::V5(p) => (*p).accept.unwrap()(listen.0, &mut comm),
                 Table::V6(p) => (*p).accept.unwrap()(listen.0, &mut comm),
                 Table::V7(p) => (*p).accept.unwrap()(listen.0, &mut comm, &mut dev_comm),
                 Table::V8(p) => (*p).accept.unwrap()(listen.0, &mut comm, &mut dev_comm),
@@ -595,7 +671,7 @@ impl Net {
         Ok(Opaque(comm))
     }
 
-    /// `regMr` (v6/v7 take an `int` size; larger sizes are refused here).
+    /// `regMr` (v4 - v7 take an `int` size; larger sizes are refused here).
     pub fn reg_mr(
         &self,
         comm: Opaque,
@@ -609,6 +685,8 @@ impl Net {
         // SAFETY: as in `call!`.
         let r = unsafe {
             match self.table {
+                Table::V4(p) => (*p).regMr.unwrap()(comm.0, d, int()?, ptr_type, &mut mh),
+                Table::V5(p) => (*p).regMr.unwrap()(comm.0, d, int()?, ptr_type, &mut mh),
                 Table::V6(p) => (*p).regMr.unwrap()(comm.0, d, int()?, ptr_type, &mut mh),
                 Table::V7(p) => (*p).regMr.unwrap()(comm.0, d, int()?, ptr_type, &mut mh),
                 Table::V8(p) => (*p).regMr.unwrap()(comm.0, d, size, ptr_type, &mut mh),
@@ -627,7 +705,7 @@ impl Net {
         check(call!(self, t => t.deregMr.unwrap()(comm.0, mhandle.0)))
     }
 
-    /// `isend`; `Ok(NULL)` means "not now".
+    /// `isend`; `Ok(NULL)` means "not now". v4 has no tag: `tag` is not passed.
     pub fn isend(
         &self,
         comm: Opaque,
@@ -643,6 +721,8 @@ impl Net {
         // SAFETY: as in `call!`.
         let r = unsafe {
             match self.table {
+                Table::V4(p) => (*p).isend.unwrap()(comm.0, d, int()?, mhandle.0, &mut req),
+                Table::V5(p) => (*p).isend.unwrap()(comm.0, d, int()?, tag, mhandle.0, &mut req),
                 Table::V6(p) => (*p).isend.unwrap()(comm.0, d, int()?, tag, mhandle.0, &mut req),
                 Table::V7(p) => (*p).isend.unwrap()(comm.0, d, int()?, tag, mhandle.0, &mut req),
                 Table::V8(p) => (*p).isend.unwrap()(comm.0, d, int()?, tag, mhandle.0, &mut req),
@@ -683,7 +763,8 @@ impl Net {
     }
 
     /// `irecv` with signed sizes, so tests can pass the negative sizes an `int` ABI allows.
-    /// `n` is `bufs.len()`; `tags` and `mhandles` must be at least as long.
+    /// `n` is `bufs.len()`; `tags` and `mhandles` must be at least as long. v4 takes exactly
+    /// one buffer and no tag (`ncclInvalidArgument` for any other count, before any call).
     pub fn irecv_signed(
         &self,
         comm: Opaque,
@@ -694,6 +775,9 @@ impl Net {
     ) -> Result<Opaque, Code> {
         let n = bufs.len();
         if tags.len() < n || mhandles.len() < n || n > MAX_CLIENT_RECVS {
+            return Err(ncclResult_t::ncclInvalidArgument);
+        }
+        if matches!(self.table, Table::V4(_)) && n != 1 {
             return Err(ncclResult_t::ncclInvalidArgument);
         }
         // Stack arrays: the benchmark's data path must not allocate.
@@ -732,6 +816,8 @@ impl Net {
         // SAFETY: as in `call!`; every array holds n elements and lives across the call.
         let r = unsafe {
             match self.table {
+                Table::V4(p) => (*p).irecv.unwrap()(comm.0, *d, *si, *m, &mut req),
+                Table::V5(p) => (*p).irecv.unwrap()(comm.0, n, d, si, t, m, &mut req),
                 Table::V6(p) => (*p).irecv.unwrap()(comm.0, n, d, si, t, m, &mut req),
                 Table::V7(p) => (*p).irecv.unwrap()(comm.0, n, d, si, t, m, &mut req),
                 Table::V8(p) => (*p).irecv.unwrap()(comm.0, n, d, si, t, m, &mut req),
@@ -745,7 +831,8 @@ impl Net {
         Ok(Opaque(req))
     }
 
-    /// `iflush` of `bufs`; `Ok(NULL)` means nothing to wait for.
+    /// `iflush` of `bufs`; `Ok(NULL)` means nothing to wait for. v4 flushes exactly one
+    /// buffer (`ncclInvalidArgument` for any other count, before any call).
     pub fn iflush(
         &self,
         comm: Opaque,
@@ -757,9 +844,26 @@ impl Net {
         let mut mh: Vec<*mut c_void> = mhandles.iter().map(|m| m.0).collect();
         let mut req = std::ptr::null_mut();
         let n = bufs.len() as c_int;
-        check(
-            call!(self, t => t.iflush.unwrap()(comm.0, n, data.as_mut_ptr(), sizes.as_mut_ptr(), mh.as_mut_ptr(), &mut req)),
-        )?;
+        if matches!(self.table, Table::V4(_)) && (bufs.len() != 1 || mhandles.is_empty()) {
+            return Err(ncclResult_t::ncclInvalidArgument);
+        }
+        let (d, s, m) = (data.as_mut_ptr(), sizes.as_mut_ptr(), mh.as_mut_ptr());
+        // SAFETY: as in `call!`; every array holds n elements (v4: one) and lives across the
+        // call.
+        let r = unsafe {
+            match self.table {
+                Table::V4(p) => (*p).iflush.unwrap()(comm.0, *d, *s, *m, &mut req),
+                Table::V5(p) => (*p).iflush.unwrap()(comm.0, n, d, s, m, &mut req),
+                Table::V6(p) => (*p).iflush.unwrap()(comm.0, n, d, s, m, &mut req),
+                Table::V7(p) => (*p).iflush.unwrap()(comm.0, n, d, s, m, &mut req),
+                Table::V8(p) => (*p).iflush.unwrap()(comm.0, n, d, s, m, &mut req),
+                Table::V9(p) => (*p).iflush.unwrap()(comm.0, n, d, s, m, &mut req),
+                Table::V10(p) => (*p).iflush.unwrap()(comm.0, n, d, s, m, &mut req),
+                Table::V11(p) => (*p).iflush.unwrap()(comm.0, n, d, s, m, &mut req),
+                Table::V12(p) => (*p).iflush.unwrap()(comm.0, n, d, s, m, &mut req),
+            }
+        };
+        check(r)?;
         Ok(Opaque(req))
     }
 
@@ -799,7 +903,7 @@ impl Net {
         // SAFETY: as in `call!`.
         unsafe {
             match self.table {
-                Table::V6(_) => true,
+                Table::V4(_) | Table::V5(_) | Table::V6(_) => true,
                 Table::V7(p) => (*p).getDeviceMr.is_none() && (*p).irecvConsumed.is_none(),
                 Table::V8(p) => (*p).getDeviceMr.is_none() && (*p).irecvConsumed.is_none(),
                 Table::V9(p) => {
@@ -830,7 +934,7 @@ impl Net {
         }
     }
 
-    /// `makeVDevice` (v9+) of the devices `devs` (NCCL may pass up to 4, v12 up to 8): the
+    /// `makeVDevice` (v9+; `ncclInvalidUsage` before) of the devices `devs` (NCCL may pass up to 4, v12 up to 8): the
     /// new device's index.
     pub fn make_vdevice(&self, devs: &[i32]) -> Result<i32, Code> {
         let mut d: c_int = -1;
@@ -896,7 +1000,7 @@ fn vprops(ndevs: i32, devs: &[i32]) -> (i32, Vec<i32>) {
     (ndevs, devs[..n].to_vec())
 }
 
-/// `listen` of the tables without a context (v6..v10).
+/// `listen` of the tables without a context (v4..v10).
 ///
 /// # Safety
 /// Only for those tables (all have the same `listen` signature).
@@ -922,6 +1026,8 @@ macro_rules! listen_slot {
     )*};
 }
 listen_slot!(
+    ncclNet_v4_t,
+    ncclNet_v5_t,
     ncclNet_v6_t,
     ncclNet_v7_t,
     ncclNet_v8_t,

@@ -124,7 +124,7 @@ struct Cli {
     #[arg(long, value_name = "PATH", verbatim_doc_comment)]
     lib: Option<PathBuf>,
 
-    /// ncclNetPlugin_vN table to use, 6..12 (default: the highest the library exports)
+    /// ncclNetPlugin_vN table to use, 4..12 (default: the highest the library exports)
     #[arg(long, value_name = "N", value_parser = abi, verbatim_doc_comment)]
     abi: Option<u32>,
 
@@ -435,10 +435,10 @@ fn count<const LO: usize, const HI: usize>(v: &str) -> Result<usize, String> {
 
 fn abi(v: &str) -> Result<u32, String> {
     let n = number(v)?;
-    if client::VERSIONS.contains(&n) {
+    if client::ALL_VERSIONS.contains(&n) {
         Ok(n)
     } else {
-        Err(format!("must be one of {:?}", client::VERSIONS))
+        Err(format!("must be one of {:?}", client::ALL_VERSIONS))
     }
 }
 
@@ -580,7 +580,10 @@ mod tests {
         assert!(error("--conns 65").contains("must be in 1..=64, got 65"));
         assert!(error("--iters 0").contains("must be in 1..=100000000, got 0"));
         assert!(error("--iters x").contains("\"x\" is not a valid number"));
-        assert!(error("--abi 5").contains("must be one of [6, 7, 8, 9, 10, 11, 12]"));
+        assert!(error("--abi 3").contains("must be one of [4, 5, 6, 7, 8, 9, 10, 11, 12]"));
+        assert!(error("--abi 13").contains("must be one of [4, 5, 6, 7, 8, 9, 10, 11, 12]"));
+        assert_eq!(args("--abi 4").unwrap().abi, Some(4));
+        assert_eq!(args("--abi 5").unwrap().abi, Some(5));
         assert!(error("--idle-probe 10000001").contains("must be in 0..=10000000"));
         assert!(error("--bytes 0").contains("must be in 1..=1073741824, got 0"));
         assert!(error("--listen=x").contains("bad port \"x\""));
