@@ -1,4 +1,4 @@
-//! The 128-byte connection handle NCCL carries from `listen` to the peer's `connect`: any
+//! The 64-byte connection handle NCCL carries from `listen` to the peer's `connect`: any
 //! bytes must be refused or decoded, never crash, and what decodes is self-consistent.
 
 #![no_main]
@@ -7,7 +7,8 @@ use libfuzzer_sys::fuzz_target;
 use nccl_net_erdma::protocol::{handle, Handle, HANDLE_SIZE};
 
 fuzz_target!(|data: &[u8]| {
-    // NCCL's handle buffer is always 128 bytes; shorter inputs are zero-padded.
+    // The plugin reads HANDLE_SIZE bytes of NCCL's handle buffer; shorter inputs are
+    // zero-padded.
     let mut buf = [0u8; HANDLE_SIZE];
     let n = data.len().min(HANDLE_SIZE);
     buf[..n].copy_from_slice(&data[..n]);

@@ -32,8 +32,8 @@ pub(super) extern "C" fn devices(ndev: *mut c_int) -> ncclResult_t {
     })
 }
 
-// The handle we write and read must fit the largest buffer NCCL passes.
-const _: () = assert!(HANDLE_SIZE <= NCCL_NET_HANDLE_MAXSIZE as usize);
+// The handle we write and read must fit the smallest buffer NCCL passes (NCCL 2.9's).
+const _: () = assert!(HANDLE_SIZE <= NCCL_NET_HANDLE_MAXSIZE_V4 as usize);
 
 /// NCCL's handle buffer, as the first `HANDLE_SIZE` bytes the plugin reads and writes.
 pub(super) fn handle_buf<'a>(handle: *mut c_void) -> Result<&'a mut [u8; HANDLE_SIZE]> {

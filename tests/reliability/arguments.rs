@@ -12,7 +12,6 @@ use std::ffi::c_void;
 
 use crate::common::*;
 use crate::support::*;
-use nccl_net_erdma::protocol::HANDLE_SIZE;
 use raw::*;
 
 #[test]
@@ -208,7 +207,7 @@ fn listen_connect(b: &mut Bench) -> Opaque {
     let (v, ctx) = (b.v, b.ctx);
     let (net, e) = (&b.net, &mut b.e);
     let mut out: *mut c_void = null();
-    let mut handle = [0u8; HANDLE_SIZE];
+    let mut handle = [0u8; NCCL_HANDLE];
     let h = handle.as_mut_ptr() as *mut c_void;
     e.code(
         "listen with a NULL handle",
@@ -394,7 +393,7 @@ fn child_v11_null_context() {
     }
     let mut net = open(11);
     let mut out: *mut c_void = null();
-    let mut handle = [0u8; HANDLE_SIZE];
+    let mut handle = [0u8; NCCL_HANDLE];
     let h = handle.as_mut_ptr() as *mut c_void;
     // listen treats a NULL context as "the plugin's own"; connect must at least not crash.
     assert_eq!(

@@ -55,13 +55,13 @@ fn child_garbage_handle_fields() {
     named_corruptions(&net, &bait, &valid, &good);
 
     // Control: the intact handle does reach the bait (so the checks above mean something);
-    // when the bait hangs up, connect fails.
-    let mut h = good;
-    assert!(net.connect(0, &mut h).unwrap().is_null());
+    // when the bait hangs up, the comm connect returned fails.
+    let mut h = nccl_handle(&good);
+    let send = connected(&net, &mut h).expect("the hello went out");
     bait.set_nonblocking(false).unwrap();
     let (conn, _) = bait.accept().expect("the valid handle was used");
     drop((conn, bait));
-    let (err, _) = connect_error(&net, &mut h, "bait hangs up");
+    let err = send_error(&net, send, "bait hangs up", std::time::Instant::now());
     assert_eq!(err, REMOTE);
     assert_eq!(fd_count(), base, "fds after the garbage handles");
     net.finalize().unwrap();
@@ -78,7 +78,7 @@ fn random_handles(net: &Net, bait: &TcpListener, good: &[u8; HANDLE_SIZE]) {
         x
     };
     for i in 0..500 {
-        let mut h = [0u8; HANDLE_SIZE];
+        let mut h = [0u8; NCCL_HANDLE];
         h.iter_mut().for_each(|b| *b = next() as u8);
         h[10..32].copy_from_slice(&good[10..32]);
         assert_eq!(
@@ -112,7 +112,7 @@ fn single_bit_flips(net: &Net, bait: &TcpListener, valid: &Handle, good: &[u8; H
             Ok(_) => continue, // still a valid handle (another nonce, port, ...): skipped
         };
         refused += 1;
-        let code = net.connect(0, &mut h).unwrap_err();
+        let code = net.connect(0, &mut nccl_handle(&h)).unwrap_err();
         assert_eq!(code, want, "bit {bit} flipped");
         assert_no_attempt(bait, &format!("bit {bit} flipped"));
     }
@@ -141,7 +141,7 @@ fn named_corruptions(net: &Net, bait: &TcpListener, valid: &Handle, good: &[u8; 
     }
     .encode(&mut h);
     assert_eq!(
-        net.connect(0, &mut h).unwrap_err(),
+        net.connect(0, &mut nccl_handle(&h)).unwrap_err(),
         USAGE,
         "other transport"
     );
@@ -161,12 +161,13 @@ fn named_corruptions(net: &Net, bait: &TcpListener, valid: &Handle, good: &[u8; 
             ..*valid
         }
         .encode(&mut h);
-        assert_eq!(net.connect(0, &mut h).unwrap_err(), INTERNAL, "{what}");
+        let code = net.connect(0, &mut nccl_handle(&h)).unwrap_err();
+        assert_eq!(code, INTERNAL, "{what}");
     }
     let mut h = *good;
     oob_handle::set_stage_id(&mut h, 0xdead_beef);
     assert_eq!(
-        net.connect(0, &mut h).unwrap_err(),
+        net.connect(0, &mut nccl_handle(&h)).unwrap_err(),
         INTERNAL,
         "a well-formed stage id that names no connect in progress"
     );
@@ -240,8 +241,8 @@ fn handshake_seeds() -> Vec<(&'static str, Vec<u8>)> {
     }
     .encode();
     let mut stream = msg(MsgKind::Hello, &verbs);
-    stream.extend(msg(MsgKind::Accept, &[1; 80]));
-    stream.extend(msg(MsgKind::Ready, &[]));
+    stream.extend(msg(MsgKind::Move, &[1; 80]));
+    stream.extend(msg(MsgKind::Bye, &7u64.to_le_bytes()));
     let mut bad_magic = msg(MsgKind::Hello, &tcp);
     bad_magic[1] ^= 0x40;
     let oversized = protocol::encode_header(MsgKind::Hello, protocol::MAX_PAYLOAD + 1).to_vec();

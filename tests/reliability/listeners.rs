@@ -11,7 +11,7 @@ use std::{
 
 use crate::common::*;
 use crate::support::*;
-use nccl_net_erdma::protocol::{Handle, HANDLE_SIZE};
+use nccl_net_erdma::protocol::Handle;
 
 #[test]
 fn connect_to_a_gone_or_silent_listener_fails_in_bounded_time() {
@@ -45,15 +45,16 @@ fn child_gone_or_silent_listener() {
     net.finalize().unwrap();
 }
 
-/// a. The listener's process is SIGKILLed after connect started, before it accepted.
+/// a. The listener's process is SIGKILLed after connect returned, before it accepted: the
+/// comm's first calls fail.
 fn listener_process_killed(net: &Net) {
     let mut victim = Victim::spawn(test_name!(child_victim_listens), &[]);
     let mut handle = client::handle_from_hex(&victim.expect("HANDLE")).expect("a hex handle");
-    for _ in 0..3 {
-        assert!(net.connect(0, &mut handle).unwrap().is_null());
-    }
+    let send = connected(net, &mut handle).expect("the hello went out");
+    let start = Instant::now();
     victim.kill();
-    let (err, took) = connect_error(net, &mut handle, "listener process killed");
+    let err = send_error(net, send, "listener process killed", start);
+    let took = start.elapsed();
     println!(
         "reliability: time to error (connect, listener process killed): {} ms, {err:?}",
         took.as_millis()
@@ -63,25 +64,23 @@ fn listener_process_killed(net: &Net) {
 }
 
 /// b. The listener is reached but its owner calls accept only well after
-/// NCCL_ERDMA_CONNECT_TIMEOUT_MS (a busy peer; NCCL >= 2.22 connects on first use):
-/// connect waits, as NCCL's IB transport does, and completes once accept runs.
+/// NCCL_ERDMA_CONNECT_TIMEOUT_MS (a busy peer; NCCL >= 2.22 connects on first use): connect
+/// returns, its comm answers "not yet" meanwhile, and carries data once accept has run.
 fn late_accept(net: &Net) {
-    let mut handle = [0u8; HANDLE_SIZE];
+    let mut handle = [0u8; NCCL_HANDLE];
     let listen = net.listen(0, &mut handle).unwrap();
     let start = Instant::now();
+    let s = connected(net, &mut handle).expect("connect");
     while start.elapsed() < Duration::from_millis(1500) {
-        let c = net.connect(0, &mut handle).unwrap();
-        assert!(c.is_null(), "connected before the peer accepted");
+        let req = net
+            .isend(s, std::ptr::null_mut(), 0, 0, Opaque::NULL)
+            .unwrap();
+        assert!(req.is_null(), "sent before the peer accepted");
         thread::sleep(Duration::from_millis(5));
     }
-    let (mut s, mut r) = (Opaque::NULL, Opaque::NULL);
-    while s.is_null() || r.is_null() {
-        if s.is_null() {
-            s = net.connect(0, &mut handle).unwrap();
-        }
-        if r.is_null() {
-            r = net.accept(listen).unwrap();
-        }
+    let mut r = Opaque::NULL;
+    while r.is_null() {
+        r = net.accept(listen).unwrap();
         assert!(
             start.elapsed() < DEADLINE,
             "the late accept never completed"
@@ -99,25 +98,32 @@ fn late_accept(net: &Net) {
 }
 
 /// c. A port that accepts TCP connections and never says anything: reached, so connect
-/// waits as for a slow peer; when the port closes the connection, connect fails at once.
+/// returns and its comm waits as for a slow peer; when the port closes the connection, the
+/// comm fails at once.
 fn mute_port(net: &Net) {
     let mute = TcpListener::bind("127.0.0.1:0").unwrap();
-    let mut handle = [0u8; HANDLE_SIZE];
+    let mut handle = [0u8; NCCL_HANDLE];
     Handle {
         addr: mute.local_addr().unwrap(),
         transport: our_transport(),
         nonce: 42,
     }
-    .encode(&mut handle);
+    .encode(plugin_part(&mut handle));
+    let send = connected(net, &mut handle).expect("the hello went out");
     let start = Instant::now();
     while start.elapsed() < Duration::from_millis(1500) {
-        assert!(net.connect(0, &mut handle).unwrap().is_null(), "mute port");
+        let req = net
+            .isend(send, std::ptr::null_mut(), 0, 0, Opaque::NULL)
+            .unwrap();
+        assert!(req.is_null(), "mute port");
         thread::sleep(Duration::from_millis(5));
     }
     let (conn, _) = mute.accept().unwrap();
     let mute_addr = mute.local_addr().unwrap().to_string();
     drop((conn, mute));
-    let (err, took) = connect_error(net, &mut handle, "mute port closed");
+    let closed = Instant::now();
+    let err = send_error(net, send, "mute port closed", closed);
+    let took = closed.elapsed();
     println!(
         "reliability: time to error (connect, mute port closes after 1.5 s): {} ms, {err:?}",
         took.as_millis()
@@ -126,7 +132,7 @@ fn mute_port(net: &Net) {
     let w = warns();
     assert!(
         w.iter()
-            .any(|l| l.contains("connect:") && l.contains(&mute_addr)),
+            .any(|l| l.contains("isend:") && l.contains(&mute_addr)),
         "the WARN names the peer that hung up: {w:?}"
     );
 }
@@ -145,13 +151,13 @@ fn nothing_answers(net: &Net) {
     full.listen(0).unwrap();
     let addr = full.local_addr().unwrap().as_socket().unwrap();
     let _filler = TcpStream::connect(addr).unwrap();
-    let mut handle = [0u8; HANDLE_SIZE];
+    let mut handle = [0u8; NCCL_HANDLE];
     Handle {
         addr,
         transport: our_transport(),
         nonce: 7,
     }
-    .encode(&mut handle);
+    .encode(plugin_part(&mut handle));
     let (err, took) = connect_error(net, &mut handle, "nothing answers");
     println!(
         "reliability: time to error (connect, nothing answers): {} ms, {err:?}",
@@ -179,7 +185,7 @@ fn child_victim_listens() {
         return;
     }
     let net = open(10);
-    let mut handle = [0u8; HANDLE_SIZE];
+    let mut handle = [0u8; NCCL_HANDLE];
     let _listen = net.listen(0, &mut handle).unwrap();
     println!("VICTIM HANDLE {}", client::handle_to_hex(&handle));
     park();

@@ -12,7 +12,6 @@ use std::{
 
 use crate::common::*;
 use crate::support::*;
-use nccl_net_erdma::protocol::HANDLE_SIZE;
 
 // ---------------------------------------------------------------------------------------
 // Case 2. The peer is SIGKILLed mid-transfer
@@ -43,7 +42,7 @@ fn child_survivor_receives() {
         return;
     }
     let (mut net, base) = open_warm(11);
-    let mut handle = [0u8; HANDLE_SIZE];
+    let mut handle = [0u8; NCCL_HANDLE];
     let listen = net.listen(0, &mut handle).unwrap();
     let mut victim = Victim::spawn(
         test_name!(child_victim_sends),
@@ -201,7 +200,7 @@ fn child_victim_receives() {
         return;
     }
     let net = open(11);
-    let mut handle = [0u8; HANDLE_SIZE];
+    let mut handle = [0u8; NCCL_HANDLE];
     let listen = net.listen(0, &mut handle).unwrap();
     println!("VICTIM HANDLE {}", client::handle_to_hex(&handle));
     std::io::stdout().flush().unwrap();

@@ -11,7 +11,7 @@ use std::{
 
 use crate::common::*;
 use crate::support::*;
-use nccl_net_erdma::protocol::{self, Handle, MsgKind, HANDLE_SIZE};
+use nccl_net_erdma::protocol::{self, Handle, MsgKind};
 
 struct Stranger {
     name: &'static str,
@@ -117,8 +117,8 @@ fn strangers(nonce: u64) -> Vec<Stranger> {
             "unknown transport 77",
         ),
         s(
-            "accept instead of hello",
-            frame((MsgKind::Accept as u16).to_le_bytes(), 0, version, 0, &[]),
+            "a move message instead of a hello",
+            frame((MsgKind::Move as u16).to_le_bytes(), 0, version, 0, &[]),
             false,
             "expected a hello",
         ),
@@ -132,7 +132,7 @@ fn strangers(nonce: u64) -> Vec<Stranger> {
 }
 
 /// Connects a pair over an existing listener by polling connect and accept alternately.
-fn pair_on(net: &Net, listen: Opaque, handle: &mut [u8; HANDLE_SIZE]) -> (Opaque, Opaque) {
+fn pair_on(net: &Net, listen: Opaque, handle: &mut [u8; NCCL_HANDLE]) -> (Opaque, Opaque) {
     let (mut send, mut recv) = (Opaque::NULL, Opaque::NULL);
     let start = Instant::now();
     while send.is_null() || recv.is_null() {
@@ -179,10 +179,10 @@ fn child_strangers() {
         return;
     }
     let (mut net, base) = open_warm(11);
-    let mut handle = [0u8; HANDLE_SIZE];
+    let mut handle = [0u8; NCCL_HANDLE];
     for (i, stranger) in strangers(0).iter().enumerate() {
         let listen = net.listen(0, &mut handle).unwrap();
-        let h = Handle::decode(&handle).unwrap();
+        let h = Handle::decode(plugin_part(&mut handle)).unwrap();
         // Rebuild the stranger's bytes with this listener's nonce where it matters.
         let st = &strangers(h.nonce)[i];
         // Only WARNs from now on: the kernel may give a later stranger an earlier one's port.
@@ -234,7 +234,7 @@ fn child_strangers() {
     // A silent stranger and the real peer at the same time: the peer is not held up, and
     // closing the listener closes the stranger's connection too.
     let listen = net.listen(0, &mut handle).unwrap();
-    let addr = Handle::decode(&handle).unwrap().addr;
+    let addr = Handle::decode(plugin_part(&mut handle)).unwrap().addr;
     let mut silent = TcpStream::connect(addr).unwrap();
     let (s, r) = pair_on(&net, listen, &mut handle);
     transfer(&net, s, r, 100, 100, 99);
@@ -259,34 +259,25 @@ fn child_stranger_flood() {
         return;
     }
     let (mut net, base) = open_warm(11);
-    let mut handle = [0u8; HANDLE_SIZE];
+    let mut handle = [0u8; NCCL_HANDLE];
     let listen = net.listen(0, &mut handle).unwrap();
-    let addr = Handle::decode(&handle).unwrap().addr;
-    // The real peer starts first (its hello is on the wire), then 40 port scanners connect
-    // and say nothing, before the listener's owner gets to run accept.
+    let addr = Handle::decode(plugin_part(&mut handle)).unwrap().addr;
+    // The real peer starts first (connect returns once its hello is in the listener's
+    // socket), then 40 port scanners connect and say nothing, before the listener's owner
+    // gets to run accept.
     let mut peer_handle = handle;
-    let mut send = Opaque::NULL;
-    for _ in 0..5 {
-        // Each connect step sends what it can: by now the hello is in the listener's socket.
-        send = net.connect(0, &mut peer_handle).expect("connect");
-        assert!(send.is_null(), "connected before accept ran");
-        thread::sleep(Duration::from_millis(4));
-    }
+    let send = connected(&net, &mut peer_handle).expect("connect");
     let flood: Vec<TcpStream> = (0..40)
         .map(|_| TcpStream::connect(addr).expect("stranger connects"))
         .collect();
     let mut recv = Opaque::NULL;
     let start = Instant::now();
-    while send.is_null() || recv.is_null() {
-        if send.is_null() {
-            send = net
-                .connect(0, &mut peer_handle)
-                .unwrap_or_else(|e| panic!("the real peer was locked out by the flood: {e:?}"));
-        }
-        if recv.is_null() {
-            recv = net.accept(listen).expect("accept");
-        }
-        assert!(start.elapsed() < DEADLINE, "the real peer did not connect");
+    while recv.is_null() {
+        recv = net.accept(listen).expect("accept");
+        assert!(
+            start.elapsed() < DEADLINE,
+            "the real peer was locked out by the flood"
+        );
     }
     transfer(&net, send, recv, 5000, 5000, 1);
     net.close_send(send).unwrap();

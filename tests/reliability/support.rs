@@ -12,6 +12,24 @@ use std::{
 use crate::common::*;
 use nccl_net_erdma::protocol::{TransportKind, HANDLE_SIZE};
 
+/// NCCL's handle buffer (v5 and later): the plugin reads and writes its first `HANDLE_SIZE`
+/// bytes.
+pub const NCCL_HANDLE: usize = 128;
+
+/// The bytes of NCCL's buffer `b` the plugin reads and writes.
+pub fn plugin_part(b: &mut [u8; NCCL_HANDLE]) -> &mut [u8; HANDLE_SIZE] {
+    (&mut b[..HANDLE_SIZE])
+        .try_into()
+        .expect("HANDLE_SIZE bytes")
+}
+
+/// The plugin's handle bytes `h` in NCCL's buffer.
+pub fn nccl_handle(h: &[u8; HANDLE_SIZE]) -> [u8; NCCL_HANDLE] {
+    let mut b = [0u8; NCCL_HANDLE];
+    b[..HANDLE_SIZE].copy_from_slice(h);
+    b
+}
+
 pub const INTERNAL: ncclResult_t = ncclResult_t::ncclInternalError;
 pub const USAGE: ncclResult_t = ncclResult_t::ncclInvalidUsage;
 pub const REMOTE: ncclResult_t = ncclResult_t::ncclRemoteError;
@@ -89,23 +107,53 @@ pub fn open_warm(v: u32) -> (Net, usize) {
 // ---------------------------------------------------------------------------------------
 // Failing peers: waiting for the error, and a peer in a child process
 
-/// Polls `connect` with `handle` until it fails; returns the code and the time it took.
-pub fn connect_error(
-    net: &Net,
-    handle: &mut [u8; HANDLE_SIZE],
-    what: &str,
-) -> (ncclResult_t, Duration) {
+/// Polls `connect` with `handle` until it returns the comm (its hello is out: a connect
+/// never waits for the peer's accept) or fails.
+pub fn connected(net: &Net, handle: &mut [u8; NCCL_HANDLE]) -> Result<Opaque, ncclResult_t> {
     let start = Instant::now();
     loop {
         match net.connect(0, handle) {
             Ok(c) if c.is_null() => assert!(
                 start.elapsed() < DEADLINE,
-                "{what}: connect did not fail within {DEADLINE:?}"
+                "connect neither returned nor failed within {DEADLINE:?}"
             ),
-            Ok(_) => panic!("{what}: connected"),
-            Err(e) => return (e, start.elapsed()),
+            r => return r,
         }
         thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Polls an idle `isend` on `send` (nothing is sent: no receive is posted) until it fails;
+/// closes the comm and returns the error.
+pub fn send_error(net: &Net, send: Opaque, what: &str, start: Instant) -> ncclResult_t {
+    loop {
+        match net.isend(send, std::ptr::null_mut(), 0, 0, Opaque::NULL) {
+            Ok(r) if r.is_null() => assert!(
+                start.elapsed() < DEADLINE,
+                "{what}: isend did not fail within {DEADLINE:?}"
+            ),
+            Ok(_) => panic!("{what}: a send was posted"),
+            Err(e) => {
+                net.close_send(send).unwrap();
+                return e;
+            }
+        }
+        thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// The error of a connection to `handle`: `connect`'s own (the listener unreachable), or
+/// else the first error of the comm it returned (the peer gone before it answered). Returns
+/// the code and the time it took.
+pub fn connect_error(
+    net: &Net,
+    handle: &mut [u8; NCCL_HANDLE],
+    what: &str,
+) -> (ncclResult_t, Duration) {
+    let start = Instant::now();
+    match connected(net, handle) {
+        Ok(send) => (send_error(net, send, what, start), start.elapsed()),
+        Err(e) => (e, start.elapsed()),
     }
 }
 

@@ -20,6 +20,8 @@
 //! afterwards the gate polls the new rails' CQs. Closing, the receiver tells the sender how
 //! many of its receives had landed (`Bye`), so that sends whose data came complete there.
 
+#[cfg(test)]
+mod inspect;
 mod moving;
 mod slot;
 
@@ -727,61 +729,6 @@ impl<N: Nic> VerbsReceiver<N> {
             gate,
             state: Mutex::new(state),
         }
-    }
-
-    /// Steps the setup (as an `irecv` does before it posts): whether the connection is up.
-    #[cfg(test)]
-    pub(crate) fn step_setup(&self) -> Result<bool> {
-        let mut s = self.state.lock();
-        let r = if s.still() { Ok(false) } else { s.step_move(&self.gate) };
-        self.gate.lock_wanted(s.needs_lock());
-        r.map(|moving| !moving && s.still())
-    }
-
-    /// Numbers the next receive `seq` (the sender must do the same). Only while nothing is
-    /// in flight: tests cross the 32-bit boundary without 2^32 messages.
-    #[cfg(test)]
-    pub(crate) fn skip_to(&self, seq: u64) {
-        let mut s = self.state.lock();
-        assert!(s.slots.iter().all(|st| !st.busy) && s.cts_posted == s.seq);
-        (s.seq, s.cts_posted, s.finished) = (seq, seq, seq);
-    }
-
-    /// Clear-to-send writes posted, and the receives they announced.
-    #[cfg(test)]
-    pub(crate) fn cts_counts(&self) -> (u64, u64) {
-        let s = self.state.lock();
-        (s.cts_writes, s.cts_posted)
-    }
-
-    /// What each rail carried.
-    #[cfg(test)]
-    pub(crate) fn rail_stats(&self) -> Vec<rail::RailStats> {
-        self.state.lock().rails.iter().map(|r| r.stats).collect()
-    }
-
-    /// The NIC each rail is on now.
-    #[cfg(test)]
-    pub(crate) fn rail_nics(&self) -> Vec<String> {
-        let s = self.state.lock();
-        s.rails.iter().map(|r| r.name().to_string()).collect()
-    }
-
-    /// The QP numbers of the rails' loopback flush QPs.
-    #[cfg(test)]
-    pub(crate) fn flush_qpns(&self) -> Vec<u32> {
-        let s = self.state.lock();
-        s.rails
-            .iter()
-            .flat_map(|r| r.flush_qp.as_ref().map(|q| q.qpn()))
-            .collect()
-    }
-
-    /// Runs `f` while holding the comm's lock (calls that need it wait meanwhile).
-    #[cfg(test)]
-    pub(crate) fn with_lock_held(&self, f: impl FnOnce()) {
-        let _s = self.state.lock();
-        f();
     }
 }
 

@@ -8,8 +8,8 @@
 use super::slot::Replay;
 use super::{MovedRegs, Movement, Offered, SendState, PROBE_AT, SLOTS};
 use crate::error::{Error, Result};
-use crate::transport::verbs::budget::EndCost;
 use crate::transport::verbs::bringup::{register_on, rkeys, Bringup, Role};
+use crate::transport::verbs::budget::EndCost;
 use crate::transport::verbs::failover::{self, Moving};
 use crate::transport::verbs::fault::Fault;
 use crate::transport::verbs::reaper;

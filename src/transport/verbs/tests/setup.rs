@@ -23,8 +23,8 @@ fn rig_over(fabric: Fabric, tx: Arc<FakeNic>, rx: Arc<FakeNic>) -> Rig {
     let registry: Arc<Registry> = Arc::default();
     let keys = CommKeys::new(Arc::clone(&registry), 0);
     let rails = (&[Arc::clone(&rx)][..], &[][..]);
-    let listen = VerbsListener::bind("127.0.0.1".parse().unwrap(), rails, params(), keys)
-        .expect("listen");
+    let listen =
+        VerbsListener::bind("127.0.0.1".parse().unwrap(), rails, params(), keys).expect("listen");
     Rig {
         fabric,
         tx,
@@ -152,14 +152,16 @@ fn a_listen_comm_accepts_every_connection_made_to_its_handle() {
 #[test]
 fn the_sender_learns_why_the_listener_refused_the_connection() {
     let fabric = Fabric::new();
-    let (tx, rx) = (fabric.nic("fake0"), fabric.nic_with_link_layer("ib0", LINK_LAYER_IB));
+    let (tx, rx) = (
+        fabric.nic("fake0"),
+        fabric.nic_with_link_layer("ib0", LINK_LAYER_IB),
+    );
     let mut rig = rig_over(fabric, tx, rx);
     let send = rig.connect();
     let e = rig.accept().err().expect("accept refused");
     assert!(e.to_string().contains("link layer mismatch"), "{e}");
-    let e = until("the refusal", || send.isend(UserBuffer::EMPTY, 1, 0))
-        .err()
-        .expect("the sender fails");
+    let e =
+        until("the refusal", || send.isend(UserBuffer::EMPTY, 1, 0)).expect_err("the sender fails");
     assert_eq!(e.kind(), ErrorKind::Remote);
     let msg = e.to_string();
     assert!(msg.contains("refused the connection"), "{msg}");
@@ -189,8 +191,7 @@ fn a_sender_closed_before_the_accept_fails_the_accept_or_the_receivers_first_cal
     let e = until("the receiver's failure", || {
         recv.irecv(&[dst.buffer()], &[1], &[0])
     })
-    .err()
-    .expect("the receiver fails");
+    .expect_err("the receiver fails");
     peer_gone(&e);
 }
 
@@ -202,7 +203,6 @@ fn a_receiver_closed_right_after_its_accept_fails_the_senders_first_calls() {
     let e = until("the sender's failure", || {
         send.isend(UserBuffer::EMPTY, 1, 0)
     })
-    .err()
-    .expect("the sender fails");
+    .expect_err("the sender fails");
     peer_gone(&e);
 }

@@ -1,0 +1,57 @@
+//! What the unit tests read of a receive comm and the steps they take on it, beside the data path.
+
+use super::*;
+
+impl<N: Nic> VerbsReceiver<N> {
+    /// Steps the setup (as an `irecv` does before it posts): whether the connection is up.
+    pub(crate) fn step_setup(&self) -> Result<bool> {
+        let mut s = self.state.lock();
+        let r = if s.still() {
+            Ok(false)
+        } else {
+            s.step_move(&self.gate)
+        };
+        self.gate.lock_wanted(s.needs_lock());
+        r.map(|moving| !moving && s.still())
+    }
+
+    /// Numbers the next receive `seq` (the sender must do the same). Only while nothing is
+    /// in flight: tests cross the 32-bit boundary without 2^32 messages.
+    pub(crate) fn skip_to(&self, seq: u64) {
+        let mut s = self.state.lock();
+        assert!(s.slots.iter().all(|st| !st.busy) && s.cts_posted == s.seq);
+        (s.seq, s.cts_posted, s.finished) = (seq, seq, seq);
+    }
+
+    /// Clear-to-send writes posted, and the receives they announced.
+    pub(crate) fn cts_counts(&self) -> (u64, u64) {
+        let s = self.state.lock();
+        (s.cts_writes, s.cts_posted)
+    }
+
+    /// What each rail carried.
+    pub(crate) fn rail_stats(&self) -> Vec<rail::RailStats> {
+        self.state.lock().rails.iter().map(|r| r.stats).collect()
+    }
+
+    /// The NIC each rail is on now.
+    pub(crate) fn rail_nics(&self) -> Vec<String> {
+        let s = self.state.lock();
+        s.rails.iter().map(|r| r.name().to_string()).collect()
+    }
+
+    /// The QP numbers of the rails' loopback flush QPs.
+    pub(crate) fn flush_qpns(&self) -> Vec<u32> {
+        let s = self.state.lock();
+        s.rails
+            .iter()
+            .flat_map(|r| r.flush_qp.as_ref().map(|q| q.qpn()))
+            .collect()
+    }
+
+    /// Runs `f` while holding the comm's lock (calls that need it wait meanwhile).
+    pub(crate) fn with_lock_held(&self, f: impl FnOnce()) {
+        let _s = self.state.lock();
+        f();
+    }
+}

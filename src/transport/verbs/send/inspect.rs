@@ -1,0 +1,68 @@
+//! What the unit tests read of a send comm and the steps they take on it, beside the data path.
+
+use super::*;
+
+impl<N: Nic> VerbsSender<N> {
+    /// Steps the setup (as an idle `isend` does): whether the connection is up.
+    pub(crate) fn step_setup(&self) -> Result<bool> {
+        let mut s = self.state.lock();
+        let r = s.look_around();
+        self.publish(&s);
+        r.map(|()| s.still())
+    }
+
+    /// Makes the next slot the one of receive `seq` (the receiver must do the same). Only
+    /// while nothing is in flight: tests cross the 32-bit boundary without 2^32 messages.
+    pub(crate) fn skip_to(&self, seq: u64) {
+        let mut s = self.state.lock();
+        assert!(s.slots.iter().all(|st| !st.busy) && s.rails.iter().all(|r| r.in_flight == 0));
+        s.seq = seq;
+        self.publish(&s);
+    }
+
+    /// The QP numbers of the connection, in connection order.
+    pub(crate) fn qpns(&self) -> Vec<u32> {
+        let s = self.state.lock();
+        (0..s.plan.nqps)
+            .map(|q| {
+                let (r, i) = locate(q, s.rails.len());
+                s.rails[r].qps[i].qpn()
+            })
+            .collect()
+    }
+
+    /// What each rail carried.
+    pub(crate) fn rail_stats(&self) -> Vec<rail::RailStats> {
+        self.state.lock().rails.iter().map(|r| r.stats).collect()
+    }
+
+    /// The NIC each rail is on now.
+    pub(crate) fn rail_nics(&self) -> Vec<String> {
+        let s = self.state.lock();
+        s.rails.iter().map(|r| r.name().to_string()).collect()
+    }
+
+    /// Runs `f` while holding the comm's lock (calls that need it wait meanwhile).
+    pub(crate) fn with_lock_held(&self, f: impl FnOnce()) {
+        let _s = self.state.lock();
+        f();
+    }
+
+    /// Slow completions and stalls the latency of each rail counted.
+    pub(crate) fn wqe_counts(&self) -> (u64, u64) {
+        let s = self.state.lock();
+        s.rails
+            .iter()
+            .filter_map(|r| r.cq.latency.as_ref())
+            .fold((0, 0), |(a, b), l| (a + l.slow, b + l.stalls))
+    }
+
+    /// The QP numbers of the probe QPs, rail after rail.
+    pub(crate) fn probe_qpns(&self) -> Vec<u32> {
+        let s = self.state.lock();
+        s.rails
+            .iter()
+            .flat_map(|r| r.probe_qps.iter().map(|q| q.qpn()))
+            .collect()
+    }
+}
