@@ -766,6 +766,12 @@ impl<N: Nic> VerbsReceiver<N> {
         let _s = self.state.lock();
         f();
     }
+
+    /// Idle tests the gate counted so far: every `IDLE_LOOK_EVERY`th locks.
+    #[cfg(test)]
+    pub(crate) fn idle_looks(&self) -> u32 {
+        self.gate.looks()
+    }
 }
 
 impl<N: Nic> Drop for VerbsReceiver<N> {

@@ -698,6 +698,12 @@ impl<N: Nic> VerbsSender<N> {
         f();
     }
 
+    /// Idle `isend`s counted so far: every `IDLE_LOOK_EVERY`th looks around, under the lock.
+    #[cfg(test)]
+    pub(crate) fn idle_calls(&self) -> u32 {
+        self.gate.idle_calls()
+    }
+
     /// Slow completions and stalls the latency of each rail counted.
     #[cfg(test)]
     pub(crate) fn wqe_counts(&self) -> (u64, u64) {
