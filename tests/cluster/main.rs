@@ -409,13 +409,13 @@ fn netem_bit_corruption() {
     through_netem("netem_bit_corruption", "corrupt 1%", 48);
 }
 
-/// Every size up to 4 MiB both ways through `loss` on host 2's rail A, with a watchdog shorter
-/// than the slowest writes take there (`NCCL_ERDMA_WORK_TIMEOUT_S=5` against 268 ms
-/// retransmission timers: every lost tail of a write costs one, and a 4 MiB write at 5% loss
+/// Each of `sizes` both ways through `loss` on host 2's rail A, with a watchdog shorter than
+/// the slowest writes take there (`NCCL_ERDMA_WORK_TIMEOUT_S=5` against 268 ms
+/// retransmission timers: every lost tail of a write costs one, and a 1 MiB write at 5% loss
 /// takes seconds): slow is not dead, the probes answer, and every byte arrives. (Work that
 /// makes no progress of its own fails after ten work timeouts, whatever the probes say: a
 /// timeout of 1 s would fail the slowest writes here.)
-fn lossy_rail_every_size_both_ways(case: &str, loss: &str) {
+fn lossy_rail_both_ways(case: &str, loss: &str, sizes: &[usize]) {
     set(&[
         ("NCCL_IB_HCA", "=rxe0"),
         ("NCCL_IB_TIMEOUT", "16"),
@@ -432,8 +432,8 @@ fn lossy_rail_every_size_both_ways(case: &str, loss: &str) {
     });
     p.step("fault on");
     let s = Stream {
-        sizes: &SIZES,
-        count: SIZES.len(),
+        sizes,
+        count: sizes.len(),
         seed: 71,
         window: 4,
         limit: Duration::from_secs(240),
@@ -462,18 +462,24 @@ fn lossy_rail_every_size_both_ways(case: &str, loss: &str) {
 #[test]
 #[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn lossy_rail_1pct_every_size_both_ways_slow_is_not_dead() {
-    lossy_rail_every_size_both_ways(
+    lossy_rail_both_ways(
         "lossy_rail_1pct_every_size_both_ways_slow_is_not_dead",
         "1%",
+        &SIZES,
     );
 }
 
+/// Sizes up to 1 MiB: Soft-RoCE recovers each loss by going back to the lost packet, and a
+/// 4 MiB write (4096 packets) meets some 200 losses at 5%; one such write once took over 50 s
+/// (ten work timeouts) with the device sending all along (56,000 packets in 45 s, its
+/// counters said), which the watchdog rightly fails. A 1 MiB write meets some 50.
 #[test]
 #[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
-fn lossy_rail_5pct_every_size_both_ways_slow_is_not_dead() {
-    lossy_rail_every_size_both_ways(
-        "lossy_rail_5pct_every_size_both_ways_slow_is_not_dead",
+fn lossy_rail_5pct_sizes_to_1mib_both_ways_slow_is_not_dead() {
+    lossy_rail_both_ways(
+        "lossy_rail_5pct_sizes_to_1mib_both_ways_slow_is_not_dead",
         "5%",
+        &SIZES[..7],
     );
 }
 

@@ -80,6 +80,12 @@ impl<R> SendGate<R> {
         n % IDLE_LOOK_EVERY == 0 || self.look.load(Relaxed)
     }
 
+    /// Idle `isend`s counted so far (wrapping).
+    #[cfg(test)]
+    pub(crate) fn idle_calls(&self) -> u32 {
+        self.idle_calls.load(Relaxed)
+    }
+
     /// Records what a locked call left: the entry awaited, and whether every call looks.
     #[inline]
     pub(crate) fn publish(&self, awaited: u64, look: bool) {

@@ -25,7 +25,7 @@
 //! fails, a fatal asynchronous event, and GPU memory the CPU cannot read (inline data from it
 //! is a crash on real hardware, a panic here). Knobs model what differs between devices:
 //! eRDMA refusing a post to a QP in the error state ([`Fabric::reject_posts_in_error`]),
-//! Soft-RoCE taking seconds to destroy a QP of a dead link ([`Fabric::slow_destroy`]), and a
+//! Soft-RoCE taking seconds to destroy a QP of a dead link ([`Fabric::hold_destroys`]), and a
 //! receive's completion showing up after the sender saw its acknowledgement
 //! ([`Fabric::delay_receive_completions`]).
 
@@ -155,10 +155,14 @@ impl Fabric {
         self.world.lock().reject_posts_in_error = true;
     }
 
-    /// From now on destroying a QP of `nic` takes `d` (the caller's thread sleeps), as
-    /// Soft-RoCE's `__rxe_cleanup` waits for the QP's packets on a link gone down.
-    pub(crate) fn slow_destroy(&self, nic: &FakeNic, d: std::time::Duration) {
-        self.world.lock().slow_destroy.push((nic.index, d));
+    /// Destroying a QP of `nic` waits (the caller's thread) while `held` (and at most 30 s),
+    /// as Soft-RoCE's `__rxe_cleanup` waits for the QP's packets on a link gone down.
+    pub(crate) fn hold_destroys(&self, nic: &FakeNic, held: bool) {
+        let mut w = self.world.lock();
+        w.destroys_held.retain(|n| *n != nic.index);
+        if held {
+            w.destroys_held.push(nic.index);
+        }
     }
 
     /// Holds the receive completions of `nic`'s QPs back (`true`): the data is placed and the
@@ -308,14 +312,12 @@ impl Drop for FakeQp {
         let qpn = self.qpn;
         w.queue.retain(|op| op.qpn != qpn);
         w.late.retain(|l| l.2 .0.qp_num != qpn);
-        let wait = w
-            .slow_destroy
-            .iter()
-            .find(|(n, _)| Some(*n) == nic)
-            .map(|(_, d)| *d);
         drop(w);
-        if let Some(d) = wait {
-            std::thread::sleep(d);
+        let since = std::time::Instant::now();
+        while nic.is_some_and(|n| self.world.lock().destroys_held.contains(&n))
+            && since.elapsed() < std::time::Duration::from_secs(30)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
 }

@@ -105,9 +105,9 @@ pub(super) struct World {
     /// QPs whose work waits (a lossy link retransmitting for a long time), while the rest of
     /// their NICs' work goes on.
     pub(super) slow: Vec<u32>,
-    /// NICs whose QPs take this long to destroy (Soft-RoCE waits up to 50 s for a QP's
+    /// NICs whose QPs' destroy waits until released (Soft-RoCE waits up to 50 s for a QP's
     /// packets in flight on a link gone down).
-    pub(super) slow_destroy: Vec<(usize, std::time::Duration)>,
+    pub(super) destroys_held: Vec<usize>,
     /// Posts to a QP in the error state fail (`EIO`), as eRDMA's provider refuses them,
     /// instead of completing as flushed.
     pub(super) reject_posts_in_error: bool,

@@ -54,4 +54,9 @@ impl<N: Nic> VerbsReceiver<N> {
         let _s = self.state.lock();
         f();
     }
+
+    /// Idle tests the gate counted so far: every `IDLE_LOOK_EVERY`th locks.
+    pub(crate) fn idle_looks(&self) -> u32 {
+        self.gate.looks()
+    }
 }

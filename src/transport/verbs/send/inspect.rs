@@ -65,4 +65,9 @@ impl<N: Nic> VerbsSender<N> {
             .flat_map(|r| r.probe_qps.iter().map(|q| q.qpn()))
             .collect()
     }
+
+    /// Idle `isend`s counted so far: every `IDLE_LOOK_EVERY`th looks around, under the lock.
+    pub(crate) fn idle_calls(&self) -> u32 {
+        self.gate.idle_calls()
+    }
 }

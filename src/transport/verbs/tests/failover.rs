@@ -2,6 +2,10 @@
 //! device's other NIC) and every request completes once, with its bytes and size; where no
 //! NIC is left, both ends fail within the bound. Each test names the interleaving it stages.
 
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::transport::verbs::cq::IDLE_LOOK_EVERY;
+
 use super::*;
 
 /// Failover on, a path suspected after 100 ms without an answer.
@@ -366,31 +370,38 @@ fn a_flush_in_flight_when_the_nic_dies_completes_after_the_move() {
     through(&c, 64, 4);
 }
 
-/// How many of `calls` (each idle) return at once while another thread holds the comm's
-/// lock (taken by `hold`) for 300 ms.
-fn quick_calls_while_locked(hold: impl FnOnce(&dyn Fn()) + Send, calls: impl Fn()) -> usize {
-    let (held, release) = (std::sync::Barrier::new(2), Duration::from_millis(300));
+/// Whether idle `calls` pass the comm's lock while another thread holds it (taken by `hold`):
+/// every call between two of the periodic ones that look around under the lock (`count`: the
+/// idle calls counted so far; every `IDLE_LOOK_EVERY`th locks). The holder keeps the lock until
+/// they are done, or 10 s passed: then one waited for it.
+fn calls_pass_a_held_lock(
+    hold: impl FnOnce(&dyn Fn()) + Send,
+    calls: impl Fn(),
+    count: impl Fn() -> u32,
+) -> bool {
+    // The next call is the first after one that looked around.
+    while count() % IDLE_LOOK_EVERY != 0 {
+        calls();
+    }
+    let held = std::sync::Barrier::new(2);
+    let (done, finished) = std::sync::mpsc::channel::<()>();
+    let finished = parking_lot::Mutex::new(finished);
+    let waited = AtomicBool::new(false);
     std::thread::scope(|scope| {
         scope.spawn(|| {
             hold(&|| {
                 held.wait();
-                std::thread::sleep(release);
+                let r = finished.lock().recv_timeout(Duration::from_secs(10));
+                waited.store(r.is_err(), Ordering::Relaxed);
             })
         });
         held.wait();
-        let t0 = Instant::now();
-        let mut quick = 0;
-        while t0.elapsed() < release / 2 {
-            let t = Instant::now();
+        for _ in 1..IDLE_LOOK_EVERY {
             calls();
-            if t.elapsed() < Duration::from_millis(50) {
-                quick += 1;
-            } else {
-                break;
-            }
         }
-        quick
-    })
+        let _ = done.send(());
+    });
+    !waited.load(Ordering::Relaxed)
 }
 
 #[test]
@@ -415,11 +426,12 @@ fn a_moved_connection_answers_idle_calls_without_its_lock_and_frees_the_dead_nic
     // A receive waiting for its data: its tests are answered by the gate, on the new CQs.
     let mut dst = c.buf(false, 64, 0);
     let r = c.irecv(&mut [&mut dst], &[5]);
-    let quick = quick_calls_while_locked(
+    let lock_free = calls_pass_a_held_lock(
         |f| c.recv.with_lock_held(f),
         || assert_eq!(c.test_recv(r).unwrap(), None),
+        || c.recv.idle_looks(),
     );
-    assert!(quick >= 32, "only {quick} idle tests took no lock");
+    assert!(lock_free, "an idle test waited for the comm's lock");
     let mut src = c.buf(true, 64, 3);
     let s = c.send_buf(&mut src, 5);
     wait_both(&c, s, r).unwrap();
@@ -427,11 +439,12 @@ fn a_moved_connection_answers_idle_calls_without_its_lock_and_frees_the_dead_nic
     // A send whose clear-to-send has not come: the gate answers, without the lock.
     let mut idle = c.buf(true, 8, 4);
     let (buf, mh) = (idle.whole(), idle.mh);
-    let quick = quick_calls_while_locked(
+    let lock_free = calls_pass_a_held_lock(
         |f| c.send.with_lock_held(f),
         || assert_eq!(c.send.isend(buf, 9, mh).unwrap(), None),
+        || c.send.idle_calls(),
     );
-    assert!(quick >= 32, "only {quick} idle isends took no lock");
+    assert!(lock_free, "an idle isend waited for the comm's lock");
 }
 
 #[test]

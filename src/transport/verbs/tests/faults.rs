@@ -381,9 +381,11 @@ fn a_path_that_answers_probes_keeps_its_slow_work_and_one_that_does_not_fails() 
     let e = wait_error(Duration::from_secs(5), || c.test_send(s));
     let took = t0.elapsed();
     assert!(
-        took >= Duration::from_millis(300) && took < Duration::from_millis(1500),
-        "{took:?}"
+        took >= Duration::from_millis(300),
+        "before the limit: {took:?}"
     );
+    // The probe's verdict, not the work's ceiling (ten work timeouts), whatever the load on
+    // the machine running the test made of the time between them.
     assert!(e.to_string().contains("liveness probe"), "{e}");
 }
 
