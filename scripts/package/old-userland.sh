@@ -6,8 +6,11 @@
 #   1. the wheel installs with pip into a venv (--no-index: it needs no other package);
 #   2. `python -m nccl_net_erdma` names the installed library, and the console command
 #      `nccl-net-erdma-info` runs (exit 0 over tcp);
-#   3. the installed library carries messages over tcp on loopback through nccl-net-bench;
-#   4. the .deb installs with dpkg -i, and its library, found by name, does the same.
+#   3. the installed library carries messages over tcp on loopback through nccl-net-bench, by
+#      its path, and as libnccl-net.so found by name (as NCCL 2.9 opens it) with the line
+#      `python -m nccl_net_erdma --env --nccl 2.9.9` prints;
+#   4. the .deb installs with dpkg -i, and its library, found by name, does the same; and its
+#      libnccl-net.so with LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/nccl-net-erdma.
 #
 #   scripts/package/old-userland.sh WHEEL DEB BENCH
 #
@@ -89,13 +92,14 @@ if [[ -f \$lib ]] && /opt/venv/bin/nccl-net-erdma-info >info.txt 2>&1; then
 else
   echo "RESULT FAIL python-and-info '\$lib'"; tail -n 5 info.txt
 fi
-if bench "\$lib"; then
-  echo "RESULT PASS bench-wheel 8 B and 64 KiB checked through \$lib"
+if bench "\$lib" && (eval "\$(/opt/venv/bin/python -m nccl_net_erdma --env --nccl 2.9.9)" && bench libnccl-net.so); then
+  echo "RESULT PASS bench-wheel 8 B and 64 KiB checked through \$lib, and through libnccl-net.so found by name"
 else
   echo "RESULT FAIL bench-wheel"; tail -n 5 bench.txt
 fi
-if dpkg -i ./$(basename "$deb") >dpkg.txt 2>&1 && /usr/bin/nccl-net-erdma-info >info.txt 2>&1 && bench libnccl-net-erdma.so; then
-  echo "RESULT PASS deb \$(dpkg-query -W -f='\${Package} \${Version}' nccl-net-erdma), found by name"
+if dpkg -i ./$(basename "$deb") >dpkg.txt 2>&1 && /usr/bin/nccl-net-erdma-info >info.txt 2>&1 && bench libnccl-net-erdma.so &&
+  LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/nccl-net-erdma bench libnccl-net.so; then
+  echo "RESULT PASS deb \$(dpkg-query -W -f='\${Package} \${Version}' nccl-net-erdma), found by name (and its libnccl-net.so with LD_LIBRARY_PATH)"
 else
   echo "RESULT FAIL deb"; tail -n 5 dpkg.txt info.txt bench.txt 2>/dev/null
 fi

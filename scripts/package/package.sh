@@ -4,12 +4,18 @@
 #   scripts/package/package.sh [--wheel-only | --deb-only]
 #
 #   target/dist/nccl_net_erdma-VERSION-py3-none-manylinux_2_17_x86_64.manylinux2014_x86_64.whl
-#       the Python wheel (tools/python, hatchling + its build hook): libnccl-net-erdma.so and
-#       nccl-net-erdma-info inside the package; `python -m nccl_net_erdma [--env]`, the
-#       `nccl-net-erdma-info` command, nccl_net_erdma.library_path() / configure_env().
+#       the Python wheel (tools/python, hatchling + its build hook): lib/libnccl-net-erdma.so,
+#       lib/libnccl-net.so (a copy: the one name NCCL 2.9 and 2.10 open; a wheel holds no
+#       links) and bin/nccl-net-erdma-info inside the package; `python -m nccl_net_erdma
+#       [--env [--nccl VERSION]]`, the `nccl-net-erdma-info` command,
+#       nccl_net_erdma.library_path() / library_dir() / configure_env().
 #   target/dist/nccl-net-erdma_VERSION_amd64.deb
 #       the Debian package (cargo-deb, [package.metadata.deb] in tools/Cargo.toml):
-#       /usr/lib/x86_64-linux-gnu/libnccl-net-erdma.so and /usr/bin/nccl-net-erdma-info.
+#       /usr/lib/x86_64-linux-gnu/libnccl-net-erdma.so (found by name: NCCL_NET_PLUGIN=erdma),
+#       /usr/lib/x86_64-linux-gnu/nccl-net-erdma/libnccl-net.so (a link to it, for NCCL 2.9
+#       and 2.10, outside the loader's search: a job opts in with LD_LIBRARY_PATH; installed
+#       in the default path, that name would make every NCCL on the host that runs without
+#       NCCL_NET_PLUGIN load the plugin) and /usr/bin/nccl-net-erdma-info.
 #
 # VERSION is the root package's version in Cargo.toml. The packaged library, info command and
 # benchmark are built for glibc 2.17 (manylinux2014: CentOS 7, Ubuntu 18.04, Debian 10 and
@@ -109,6 +115,14 @@ if [[ $wheel == 1 ]]; then
     echo "package.sh: expected $whl, got: $(ls "$dist")" >&2
     exit 1
   }
+  # The library under both names: its own, and libnccl-net.so (NCCL 2.9 and 2.10 open only that).
+  listing=$(python3 -m zipfile -l "$whl")
+  for f in libnccl-net-erdma.so libnccl-net.so; do
+    grep -qE "^nccl_net_erdma/lib/${f//./\\.} " <<<"$listing" || {
+      echo "package.sh: $whl has no nccl_net_erdma/lib/$f" >&2
+      exit 1
+    }
+  done
   echo "package: $whl ($(du -h "$whl" | cut -f1))"
 fi
 

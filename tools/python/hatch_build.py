@@ -1,7 +1,10 @@
 """Hatchling build hook: put the cargo-built plugin and info command into the wheel.
 
 The files come from the release directory (``$NCCL_ERDMA_RELEASE_DIR``, else
-``<repo>/target/release``); build them first (``scripts/package/package.sh`` does). The wheel is tagged
+``<repo>/target/release``); build them first (``scripts/package/package.sh`` does). The library
+goes in twice, as ``lib/libnccl-net-erdma.so`` and as ``lib/libnccl-net.so``, the one name NCCL
+2.9 and 2.10 open (they ignore ``NCCL_NET_PLUGIN``): a copy, as a wheel holds no symbolic links.
+The wheel is tagged
 ``py3-none-manylinux_2_NN_x86_64``, NN the newest glibc symbol version the two files require
 (read from their version references with ``objdump -p``): the oldest glibc they run on; for
 2.17 also ``manylinux2014_x86_64``, its older name.
@@ -9,7 +12,9 @@ The files come from the release directory (``$NCCL_ERDMA_RELEASE_DIR``, else
 
 import os
 import re
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from hatchling.builders.hooks.plugin.interface import BuildHookInterface
@@ -19,6 +24,8 @@ ARTIFACTS = [
     ("libnccl_net_erdma.so", "nccl_net_erdma/lib/libnccl-net-erdma.so"),
     ("nccl-net-erdma-info", "nccl_net_erdma/bin/nccl-net-erdma-info"),
 ]
+# The library again under the name every NCCL opens without NCCL_NET_PLUGIN.
+DEFAULT_NAME = "nccl_net_erdma/lib/libnccl-net.so"
 
 
 def glibc_floor(paths):
@@ -54,4 +61,14 @@ class CustomBuildHook(BuildHookInterface):
         build_data["tag"] = f"py3-none-{tag}"
         for src, (_, dest) in zip(sources, ARTIFACTS):
             build_data["force_include"][str(src)] = dest
+        # force_include maps each source file to one place: the second name is a copy's.
+        self._copy_dir = tempfile.mkdtemp(prefix="nccl-net-erdma-wheel-")
+        copy = Path(self._copy_dir, "libnccl-net.so")
+        shutil.copy2(sources[0], copy)
+        build_data["force_include"][str(copy)] = DEFAULT_NAME
         self.app.display_info(f"wheel tag {build_data['tag']} (from the glibc versions of {release})")
+
+    def finalize(self, version, build_data, artifact_path):
+        copy_dir = getattr(self, "_copy_dir", None)
+        if copy_dir:
+            shutil.rmtree(copy_dir, ignore_errors=True)

@@ -1,18 +1,28 @@
 //! `nccl-net-erdma-info`: what the plugin sees on this host, as the plugin would use it, with
 //! a fix for every problem found. Exit status 0 when the plugin can run here, 1 otherwise.
 //! The library runs its `init` once and hands over the facts (`report::collect`); this
-//! program only renders them, as text or JSON.
+//! program only renders them, as text or JSON. Besides, it opens the library file installed
+//! with it (or `--lib`) as NCCL does and names the `ncclNetPlugin_vN` tables it exports and the
+//! NCCL releases that load each, and what the dynamic loader finds here under the names NCCL
+//! opens (`libnccl-net.so`, `libnccl-net-erdma.so`).
 
-use std::{fmt::Write as _, io::Write, process::ExitCode};
+use std::{
+    fmt::Write as _,
+    io::Write,
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
 
 use clap::Parser;
 use nccl_net_erdma::report::{self, Port, Report};
+use nccl_net_erdma_tools::loader::{self, KNOWN_TABLES};
 use serde_json::{json, Value};
 
 /// What nccl-net-erdma sees on this host: RDMA devices and ports as the plugin would use
 /// them (GID, MTU, speed, QPs per connection, NUMA node), GPUDirect RDMA readiness, NIC
 /// fusion, every setting and where it came from, what NCCL would get, and warnings with their
-/// fixes. Run it with the same environment as the job. Exit status 0 when the plugin can run
+/// fixes; the ncclNetPlugin_vN tables the library file exports and which NCCL releases load
+/// each. Run it with the same environment as the job. Exit status 0 when the plugin can run
 /// here, 1 otherwise.
 #[derive(Parser)]
 #[command(name = "nccl-net-erdma-info", version)]
@@ -20,6 +30,271 @@ struct Args {
     /// Print one JSON document instead of text (for scripts and support tickets).
     #[arg(long)]
     json: bool,
+    /// The plugin library file whose tables to list (default: the one installed with this
+    /// command: beside it, or in ../lib/ as the wheel and the .deb place it).
+    #[arg(long, value_name = "PATH")]
+    lib: Option<PathBuf>,
+}
+
+/// The library this command was installed with, and where it looked: beside it (a build
+/// directory, the test tiers' stage), cargo's `deps/`, `../lib/` (the wheel) and
+/// `../lib/<arch>-linux-gnu/` (the .deb).
+fn installed_library() -> (Option<PathBuf>, Vec<PathBuf>) {
+    let Some(dir) = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(Path::to_path_buf))
+    else {
+        return (None, Vec::new());
+    };
+    let multiarch = format!("{}-linux-gnu", std::env::consts::ARCH);
+    let candidates = vec![
+        dir.join("libnccl-net-erdma.so"),
+        dir.join("libnccl_net_erdma.so"),
+        dir.join("deps/libnccl_net_erdma.so"),
+        dir.join("../lib/libnccl-net-erdma.so"),
+        dir.join("../lib")
+            .join(multiarch)
+            .join("libnccl-net-erdma.so"),
+    ];
+    let found = candidates
+        .iter()
+        .find(|p| p.is_file())
+        .map(|p| p.canonicalize().unwrap_or_else(|_| p.clone()));
+    (found, candidates)
+}
+
+/// What an NCCL release gets from the library file, and what the loader finds by name here.
+struct Loading {
+    /// The library inspected.
+    library: Option<PathBuf>,
+    /// Where it was looked for (when not given).
+    searched: Vec<PathBuf>,
+    /// Its `ncclNetPlugin_vN` tables, or why it does not open.
+    tables: Result<Vec<u32>, String>,
+    /// The same library as `libnccl-net.so` where the packages put it (beside it: the wheel;
+    /// in `nccl-net-erdma/`: the .deb), and whether it is the same library.
+    default_name: Option<(PathBuf, bool)>,
+    /// `libnccl-net.so` and `libnccl-net-erdma.so` looked up by name as NCCL opens them.
+    by_name: Vec<(&'static str, Result<Option<PathBuf>, String>)>,
+}
+
+impl Loading {
+    fn inspect(lib: Option<PathBuf>) -> Loading {
+        let (library, searched) = match lib {
+            Some(p) => (Some(p), Vec::new()),
+            None => installed_library(),
+        };
+        let tables = match &library {
+            Some(p) => loader::exported_tables(p),
+            None => Err("not found".into()),
+        };
+        let default_name = library.as_ref().and_then(|lib| {
+            let dir = lib.parent()?;
+            [
+                dir.join("libnccl-net.so"),
+                dir.join("nccl-net-erdma/libnccl-net.so"),
+            ]
+            .into_iter()
+            .find(|p| p.is_file() && p != lib)
+            .map(|p| {
+                let same = loader::same_library(&p, lib);
+                (p, same)
+            })
+        });
+        let by_name = ["libnccl-net.so", "libnccl-net-erdma.so"]
+            .into_iter()
+            .map(|name| (name, loader::resolve(name)))
+            .collect();
+        Loading {
+            library,
+            searched,
+            tables,
+            default_name,
+            by_name,
+        }
+    }
+
+    /// `ncclNetPlugin_v6 .. v12`, from the file; else what the plugin was compiled with.
+    fn abi(&self, r: &Report) -> String {
+        match &self.tables {
+            Ok(t) if !t.is_empty() => {
+                let contiguous = t.windows(2).all(|w| w[1] == w[0] + 1);
+                if contiguous && t.len() > 1 {
+                    format!("ncclNetPlugin_v{} .. v{}", t[0], t[t.len() - 1])
+                } else {
+                    let v: Vec<_> = t.iter().map(|v| format!("v{v}")).collect();
+                    format!("ncclNetPlugin_{}", v.join(", "))
+                }
+            }
+            Ok(_) => "none: the library exports no ncclNetPlugin_vN table".into(),
+            Err(_) => format!(
+                "{} (compiled in; the library file was not inspected)",
+                r.abi
+            ),
+        }
+    }
+
+    /// The library's directory as text.
+    fn dir(&self) -> String {
+        self.library
+            .as_ref()
+            .and_then(|p| p.parent())
+            .map_or("<its directory>".into(), |d| d.display().to_string())
+    }
+
+    /// The directory of its `libnccl-net.so` as text.
+    fn default_name_dir(&self) -> String {
+        match &self.default_name {
+            Some((p, _)) => p.parent().map_or(self.dir(), |d| d.display().to_string()),
+            None => self.dir(),
+        }
+    }
+
+    /// The text section: a line per table, then the file names NCCL opens.
+    fn lines(&self) -> Vec<String> {
+        let mut lines = Vec::new();
+        let exported = match (&self.library, &self.tables) {
+            (Some(lib), Ok(t)) => {
+                lines.push(format!("library: {}", lib.display()));
+                t.clone()
+            }
+            (Some(lib), Err(e)) => {
+                lines.push(format!("library: {}: cannot be opened: {e}", lib.display()));
+                return lines;
+            }
+            (None, _) => {
+                let looked: Vec<_> = self
+                    .searched
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect();
+                lines.push(format!(
+                    "library: not found beside this command (looked for {}); name it with \
+                     --lib PATH",
+                    looked.join(", ")
+                ));
+                return lines;
+            }
+        };
+        let (used, unserved) = loader::served(&exported);
+        for s in &used {
+            let mut line = format!(
+                "{:<18} {}",
+                format!("ncclNetPlugin_v{}", s.version),
+                s.releases()
+            );
+            if let Some(names) = s.file_names() {
+                let _ = write!(line, " ({names})");
+            }
+            lines.push(line);
+        }
+        if !unserved.is_empty() {
+            let missing: Vec<_> = KNOWN_TABLES
+                .filter(|v| !exported.contains(v))
+                .map(|v| format!("v{v}"))
+                .collect();
+            let releases: Vec<_> = unserved
+                .iter()
+                .map(|&(f, l)| loader::releases(f, l))
+                .collect();
+            lines.push(format!(
+                "no table for {}: the library exports no ncclNetPlugin_{} (those releases use \
+                 their own IB or Socket transport)",
+                releases.join(", "),
+                missing.join(", ")
+            ));
+        }
+        const BESIDE: &str = "libnccl-net.so beside it (the one name NCCL 2.9 - 2.10 open)";
+        lines.push(match &self.default_name {
+            Some((p, true)) => format!("{BESIDE}: {}, the same library", p.display()),
+            Some((p, false)) => format!(
+                "{BESIDE}: {}, NOT the same library (a stale copy? reinstall)",
+                p.display()
+            ),
+            None => format!("{BESIDE}: none (the wheel and the .deb ship one)"),
+        });
+        let library = self.library.as_deref().unwrap_or(Path::new(""));
+        for (name, found) in &self.by_name {
+            let default = *name == "libnccl-net.so";
+            let who = if default {
+                "NCCL 2.9 - 2.10, and newer ones with NCCL_NET_PLUGIN unset,"
+            } else {
+                "NCCL 2.11 and newer with NCCL_NET_PLUGIN=erdma"
+            };
+            let what = match found {
+                Ok(Some(p)) if self.is_ours(p) => {
+                    format!("{}, this library: {who} load it", p.display())
+                }
+                Ok(Some(p)) => format!(
+                    "{}, another library: {who} load that one, not this plugin",
+                    p.display()
+                ),
+                Err(e) => format!("found, but it does not load ({e}): {who} load no plugin"),
+                Ok(None) if default => {
+                    let mut s = format!("not found: {who} load no plugin");
+                    if self.default_name.is_some() {
+                        let _ = write!(
+                            s,
+                            "; LD_LIBRARY_PATH={}:$LD_LIBRARY_PATH puts this library there",
+                            self.default_name_dir()
+                        );
+                    }
+                    s
+                }
+                Ok(None) => {
+                    let mut s = format!("not found: {who} load no plugin;");
+                    if library.file_name().is_some_and(|n| n == *name) {
+                        let _ = write!(
+                            s,
+                            " LD_LIBRARY_PATH={}:$LD_LIBRARY_PATH puts this library there;",
+                            self.dir()
+                        );
+                    }
+                    let _ = write!(
+                        s,
+                        " NCCL 2.21 and newer also take its full path, NCCL_NET_PLUGIN={}",
+                        library.display()
+                    );
+                    s
+                }
+            };
+            lines.push(format!("{name} on the loader path here: {what}"));
+        }
+        lines
+    }
+
+    fn is_ours(&self, p: &Path) -> bool {
+        self.library
+            .as_ref()
+            .is_some_and(|lib| loader::same_library(p, lib))
+    }
+
+    fn to_json(&self) -> Value {
+        let exported = self.tables.as_ref().ok();
+        let (used, unserved) = loader::served(exported.map_or(&[][..], |t| &t[..]));
+        json!({
+            "library": self.library,
+            "error": self.tables.as_ref().err(),
+            "tables": used.iter().map(|s| json!({
+                "symbol": format!("ncclNetPlugin_v{}", s.version),
+                "version": s.version,
+                "nccl": s.releases(),
+                "files": s.file_names(),
+            })).collect::<Vec<_>>(),
+            "no_table_for": unserved.iter().map(|&(f, l)| loader::releases(f, l)).collect::<Vec<_>>(),
+            "libnccl_net_so": self.default_name.as_ref().map(|(p, same)| json!({
+                "path": p, "same_library": same,
+            })),
+            "by_name": self.by_name.iter().map(|(name, found)| {
+                let (path, error) = match found {
+                    Ok(p) => (p.clone(), None),
+                    Err(e) => (None, Some(e)),
+                };
+                let ours = path.as_deref().is_some_and(|p| self.is_ours(p));
+                (name.to_string(), json!({"path": path, "this_library": ours, "error": error}))
+            }).collect::<serde_json::Map<_, _>>(),
+        })
+    }
 }
 
 fn yes_no(b: bool, yes: &str, no: &str) -> String {
@@ -94,15 +369,18 @@ fn describe_port(p: &Port) -> String {
 }
 
 /// The report as text: titled sections, then the warnings and the verdict.
-fn render(r: &Report) -> String {
+fn render(r: &Report, loading: &Loading) -> String {
     let f = &r.facts;
-    let mut sections: Vec<(&str, Vec<String>)> = vec![(
-        "plugin",
-        vec![
-            format!("nccl-net-erdma {}", r.version),
-            format!("ABI: {}", r.abi),
-        ],
-    )];
+    let mut sections: Vec<(&str, Vec<String>)> = vec![
+        (
+            "plugin",
+            vec![
+                format!("nccl-net-erdma {}", r.version),
+                format!("ABI: {}", loading.abi(r)),
+            ],
+        ),
+        ("NCCL releases that load it", loading.lines()),
+    ];
     if let Some(b) = &r.bootstrap {
         sections.push(("bootstrap", vec![b.clone()]));
     }
@@ -204,7 +482,7 @@ fn render(r: &Report) -> String {
     out
 }
 
-fn to_json(r: &Report) -> Value {
+fn to_json(r: &Report, loading: &Loading) -> Value {
     let f = &r.facts;
     let ports: Vec<Value> = f
         .ports
@@ -254,7 +532,8 @@ fn to_json(r: &Report) -> Value {
         .collect();
     json!({
         "version": r.version,
-        "abi": r.abi,
+        "abi": loading.abi(r),
+        "nccl_loading": loading.to_json(),
         "bootstrap": r.bootstrap,
         "libibverbs": f.libibverbs,
         "devices": ports,
@@ -294,10 +573,11 @@ fn to_json(r: &Report) -> Value {
 fn main() -> ExitCode {
     let args = Args::parse();
     let report = report::collect();
+    let loading = Loading::inspect(args.lib);
     let text = if args.json {
-        format!("{:#}\n", to_json(&report))
+        format!("{:#}\n", to_json(&report, &loading))
     } else {
-        render(&report)
+        render(&report, &loading)
     };
     // A closed pipe (`| head`) is not an error worth a panic.
     let _ = std::io::stdout().lock().write_all(text.as_bytes());
