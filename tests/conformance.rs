@@ -149,6 +149,87 @@ fn loopback_one_thread_all_sizes_every_version() {
     }
 }
 
+/// A listen comm serves every connection made to its handle, as NCCL's IB transport's
+/// listening socket does (aws-ofi-nccl's `reuse_listen_comm`: ten connections in turn over
+/// one listen comm, each from a fresh copy of the handle, each carrying data).
+#[test]
+fn a_listen_comm_accepts_ten_connections_in_turn_every_version() {
+    for v in ALL_VERSIONS {
+        let mut net = open(v);
+        let mut handle = [0u8; 128];
+        let listen = net.listen(0, &mut handle).expect("listen");
+        for i in 0..10u64 {
+            let mut copy = handle;
+            let (mut s, mut r) = (Opaque::NULL, Opaque::NULL);
+            let start = Instant::now();
+            while s.is_null() || r.is_null() {
+                if s.is_null() {
+                    s = net.connect(0, &mut copy).expect("connect");
+                }
+                if r.is_null() {
+                    r = net.accept(listen).expect("accept");
+                }
+                assert!(
+                    start.elapsed() < DEADLINE,
+                    "v{v}: connection {i} never came"
+                );
+            }
+            transfer(&net, s, r, 70_000, 70_000, i);
+            net.close_send(s).expect("closeSend");
+            net.close_recv(r).expect("closeRecv");
+        }
+        // Two connections at once over it, then data on each.
+        let mut copies = [handle; 2];
+        let sends = copies
+            .each_mut()
+            .map(|h| poll_until("connect", || net.connect(0, h).expect("connect")));
+        let recvs = [0, 1].map(|_| poll_until("accept", || net.accept(listen).expect("accept")));
+        net.close_listen(listen).expect("closeListen");
+        // Which accept got which connect is the order the hellos came in: one message each
+        // way round, each told by its bytes.
+        crossed_pair(&net, sends, recvs);
+        for (s, r) in sends.into_iter().zip(recvs) {
+            net.close_send(s).expect("closeSend");
+            net.close_recv(r).expect("closeRecv");
+        }
+        net.finalize().expect("finalize");
+    }
+}
+
+/// A message of 4 KiB from each of `sends` (seeds 50, 51), one receive posted on each of
+/// `recvs`: the two arrive, every byte, each at the comm its connection was accepted as.
+fn crossed_pair(net: &Net, sends: [Opaque; 2], recvs: [Opaque; 2]) {
+    let mut dsts = recvs.map(|r| reg(net, r, vec![0u8; 4096]));
+    let mut srcs = [0, 1].map(|i| reg(net, sends[i], pattern(50 + i as u64, 4096)));
+    let rreqs = [0, 1].map(|i| {
+        let (p, mh) = (dsts[i].buf.as_mut_ptr(), dsts[i].mh);
+        poll_until("irecv", || {
+            net.irecv(recvs[i], &[(p, 4096)], &[1], &[mh], false)
+                .expect("irecv")
+        })
+    });
+    let sreqs = [0, 1].map(|i| {
+        let (p, mh) = (srcs[i].buf.as_mut_ptr(), srcs[i].mh);
+        poll_until("isend", || {
+            net.isend(sends[i], p, 4096, 1, mh).expect("isend")
+        })
+    });
+    for req in sreqs.into_iter().chain(rreqs) {
+        assert_eq!(wait(net, req, 1), vec![4096]);
+    }
+    let mut got: Vec<Vec<u8>> = dsts.iter().map(|d| d.buf.clone()).collect();
+    got.sort();
+    let mut want = vec![pattern(50, 4096), pattern(51, 4096)];
+    want.sort();
+    assert!(got == want, "each connection's message arrived whole");
+    for (r, d) in recvs.into_iter().zip(dsts) {
+        dereg(net, r, d);
+    }
+    for (s, src) in sends.into_iter().zip(srcs) {
+        dereg(net, s, src);
+    }
+}
+
 // ---------------------------------------------------------------------------------------
 // NCCL 2.8 - 2.12 (v4, v5): connect to completion before accept; v4 with one buffer per call
 // and no tags.
