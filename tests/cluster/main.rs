@@ -94,6 +94,43 @@ fn every_size_both_ways(case: &str, hca: &str, qps: &str) {
     );
 }
 
+/// NCCL 2.9.9 (Horovod 0.28.1's images): the v4 table, each host calling `connect` once and
+/// then `accept` once on one thread, both hosts at the same time; then every size both ways,
+/// 8 receives in flight (NCCL's limit then), every byte verified.
+#[test]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
+fn nccl_2_9_v4_connects_before_it_accepts_and_streams_both_ways() {
+    let case = "nccl_2_9_v4_connects_before_it_accepts_and_streams_both_ways";
+    set(&[("NCCL_IB_HCA", "=rxe0")]);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = traffic::open_table(4);
+    let t0 = Instant::now();
+    let c = traffic::connect_once(&net, &mut p);
+    let setup = t0.elapsed();
+    let s = Stream {
+        sizes: &SIZES,
+        count: SIZES.len() * 2,
+        seed: 29,
+        window: 8,
+        limit: Duration::from_secs(120),
+    };
+    let there = one_way(&net, &c, &mut p, &s, false);
+    p.step("reverse");
+    let back = one_way(&net, &c, &mut p, &Stream { seed: 290, ..s }, true);
+    close(&net, c);
+    p.step("closed");
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=completed table=v4 setup_ms={} bytes_verified={} secs={:.1}",
+            setup.as_millis(),
+            there.bytes + back.bytes,
+            (there.elapsed + back.elapsed).as_secs_f64()
+        ),
+    );
+}
+
 #[test]
 #[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
 fn rail_a_every_size_both_ways_one_qp() {

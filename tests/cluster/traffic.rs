@@ -17,7 +17,13 @@ const HOST: i32 = 1;
 
 /// The plugin under test: `NCCL_ERDMA_PLUGIN_LIB` (the staged library), its v12 table.
 pub fn open() -> Net {
-    let mut net = Net::open(&client::default_library(), 12).unwrap_or_else(|e| panic!("{e}"));
+    open_table(12)
+}
+
+/// The plugin through its `ncclNetPlugin_v<version>` table, initialised.
+pub fn open_table(version: u32) -> Net {
+    let lib = client::default_library();
+    let mut net = Net::open(&lib, version).unwrap_or_else(|e| panic!("{e}"));
     net.init().expect("init");
     net
 }
@@ -53,6 +59,22 @@ pub fn connect_on(net: &Net, peer: &mut Peer, dev: i32) -> Comms {
             "connect/accept between the hosts did not complete"
         );
     }
+    net.close_listen(listen).expect("closeListen");
+    peer.step("connected");
+    Comms { send, recv }
+}
+
+/// Connects both ways as NCCL 2.9 does (v4): each host calls `connect` once, then `accept`
+/// once, on one thread; each must return its comm (neither waits for the other's call).
+pub fn connect_once(net: &Net, peer: &mut Peer) -> Comms {
+    let mut ours = [0u8; 128];
+    let listen = net.listen(0, &mut ours).expect("listen");
+    peer.send(&format!("handle {}", handle_to_hex(&ours)));
+    let mut theirs = handle_from_hex(&peer.expect("handle")).expect("a handle");
+    let send = net.connect(0, &mut theirs).expect("connect");
+    assert!(!send.is_null(), "one connect returns the comm");
+    let recv = net.accept(listen).expect("accept");
+    assert!(!recv.is_null(), "one accept returns the comm");
     net.close_listen(listen).expect("closeListen");
     peer.step("connected");
     Comms { send, recv }
