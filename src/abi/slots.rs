@@ -8,6 +8,7 @@
 use std::{
     ffi::{c_int, c_void},
     sync::Arc,
+    time::{Duration, Instant},
 };
 
 use super::profiler::{self, NetEvent};
@@ -68,18 +69,68 @@ pub(super) extern "C" fn listen(
     listen_with(plugin::get(), dev, handle, listen_comm)
 }
 
+/// How a version's `connect` and `accept` return.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum Steps {
+    /// After one non-blocking step, with NULL for "not yet" (v5 and later).
+    One,
+    /// With the comm, stepped to completion (v4: [`until_comm`]).
+    ToCompletion,
+}
+
+/// Steps `step` (one non-blocking connect or accept step, as the v5+ slots take) until it
+/// yields a comm or fails; past `NCCL_ERDMA_CONNECT_TIMEOUT_MS` it fails with
+/// `ncclRemoteError`, `what` naming the call and the peer.
+///
+/// The one place the plugin waits on NCCL's thread: NCCL <= 2.11 calls `connect` and
+/// `accept` once each and hands the comm to `regMr` at once, so the v4 contract itself asks
+/// for a usable comm from one call (NVIDIA's own example shims for v4 and older loop the
+/// same way). The handshake is one-way, so the wait is only for the hello to go out (connect)
+/// or to come (accept), never for the peer's other call.
+fn until_comm<C>(what: &str, mut step: impl FnMut() -> Result<Option<C>>) -> Result<C> {
+    let timeout = Duration::from_millis(plugin::get()?.config.connect_timeout_ms.value);
+    let start = Instant::now();
+    // Short naps first, so a setup that is nearly done is not held back; then 1 ms, so a
+    // long wait (the peer's rank still starting) costs little CPU.
+    let mut nap = Duration::from_micros(50);
+    loop {
+        if let Some(comm) = step()? {
+            return Ok(comm);
+        }
+        if start.elapsed() >= timeout {
+            return Err(Error::remote(format!(
+                "{what} did not complete within {} ms (NCCL_ERDMA_CONNECT_TIMEOUT_MS)",
+                timeout.as_millis()
+            )));
+        }
+        std::thread::sleep(nap);
+        nap = (nap * 2).min(Duration::from_millis(1));
+    }
+}
+
 pub(super) fn connect_with(
     plugin: Result<Arc<Plugin>>,
     dev: c_int,
     handle: *mut c_void,
     send_comm: *mut *mut c_void,
     traffic_class: Option<i32>,
+    steps: Steps,
 ) -> ncclResult_t {
     boundary("connect", || {
         non_null(send_comm, "sendComm")?;
         // SAFETY: checked non-NULL; writable pointer slot. NULL means "not yet".
         unsafe { *send_comm = std::ptr::null_mut() };
-        if let Some(comm) = plugin?.connect(dev, handle_buf(handle)?, traffic_class)? {
+        let (plugin, buf) = (plugin?, handle_buf(handle)?);
+        let comm = match steps {
+            Steps::One => plugin.connect(dev, buf, traffic_class)?,
+            Steps::ToCompletion => {
+                let what = format!("connect to {}", plugin::handle_peer(buf));
+                Some(until_comm(&what, || {
+                    plugin.connect(dev, buf, traffic_class)
+                })?)
+            }
+        };
+        if let Some(comm) = comm {
             // SAFETY: as above.
             unsafe { *send_comm = Box::into_raw(comm) as *mut c_void };
         }
@@ -92,7 +143,7 @@ pub(super) extern "C" fn connect_v6(
     handle: *mut c_void,
     send_comm: *mut *mut c_void,
 ) -> ncclResult_t {
-    connect_with(plugin::get(), dev, handle, send_comm, None)
+    connect_with(plugin::get(), dev, handle, send_comm, None, Steps::One)
 }
 
 pub(super) extern "C" fn connect_v7(
@@ -101,7 +152,7 @@ pub(super) extern "C" fn connect_v7(
     send_comm: *mut *mut c_void,
     _dev_comm: *mut *mut ncclNetDeviceHandle_v7_t,
 ) -> ncclResult_t {
-    connect_with(plugin::get(), dev, handle, send_comm, None)
+    connect_with(plugin::get(), dev, handle, send_comm, None, Steps::One)
 }
 
 pub(super) extern "C" fn connect_v10(
@@ -113,12 +164,13 @@ pub(super) extern "C" fn connect_v10(
 ) -> ncclResult_t {
     // SAFETY: NCCL passes NULL or a valid config for the duration of the call.
     let tc = (!config.is_null()).then(|| unsafe { (*config).trafficClass });
-    connect_with(plugin::get(), dev, handle, send_comm, tc)
+    connect_with(plugin::get(), dev, handle, send_comm, tc, Steps::One)
 }
 
-pub(super) extern "C" fn accept_v6(
+pub(super) fn accept_with(
     listen_comm: *mut c_void,
     recv_comm: *mut *mut c_void,
+    steps: Steps,
 ) -> ncclResult_t {
     boundary("accept", || {
         non_null(recv_comm, "recvComm")?;
@@ -126,12 +178,27 @@ pub(super) extern "C" fn accept_v6(
         unsafe { *recv_comm = std::ptr::null_mut() };
         // SAFETY: NCCL passes back a listen comm we returned (checked by magic).
         let listen = unsafe { super::listen_comm(listen_comm)? };
-        if let Some(comm) = plugin::get()?.accept(listen)? {
+        let plugin = plugin::get()?;
+        let comm = match steps {
+            Steps::One => plugin.accept(listen)?,
+            Steps::ToCompletion => {
+                let what = "accept of a peer's connection";
+                Some(until_comm(what, || plugin.accept(listen))?)
+            }
+        };
+        if let Some(comm) = comm {
             // SAFETY: as above.
             unsafe { *recv_comm = Box::into_raw(comm) as *mut c_void };
         }
         Ok(())
     })
+}
+
+pub(super) extern "C" fn accept_v6(
+    listen_comm: *mut c_void,
+    recv_comm: *mut *mut c_void,
+) -> ncclResult_t {
+    accept_with(listen_comm, recv_comm, Steps::One)
 }
 
 pub(super) extern "C" fn accept_v7(

@@ -8,12 +8,11 @@ use std::{
     collections::HashSet,
     ffi::{c_char, c_int, c_void},
     sync::Arc,
-    time::{Duration, Instant},
 };
 
 use parking_lot::Mutex;
 
-use super::slots::{connect_with, handle_buf, listen_with};
+use super::slots::{accept_with, connect_with, listen_with, Steps};
 use super::{boundary, install_logging, non_null, profiler};
 use crate::error::{Error, Result};
 use crate::ffi::*;
@@ -183,70 +182,20 @@ pub(super) extern "C" fn get_properties_v12(
 // ---------------------------------------------------------------------------------------
 // v4: connect and accept that return the comm
 
-/// Steps `step` (one non-blocking connect or accept step, as the v5+ slots take) until it
-/// yields a comm or fails; past `NCCL_ERDMA_CONNECT_TIMEOUT_MS` it fails with
-/// `ncclRemoteError`, `what` naming the call and the peer.
-///
-/// The one place the plugin waits on NCCL's thread: NCCL <= 2.11 calls `connect` and
-/// `accept` once each and hands the comm to `regMr` at once, so the v4 contract itself asks
-/// for a usable comm from one call (NVIDIA's own example shims for v4 and older loop the
-/// same way). It only polls: when a step completes is the handshake's business.
-fn until_comm<C>(what: &str, mut step: impl FnMut() -> Result<Option<C>>) -> Result<C> {
-    let timeout = Duration::from_millis(plugin::get()?.config.connect_timeout_ms.value);
-    let start = Instant::now();
-    // Short naps first, so a setup that is nearly done is not held back; then 1 ms, so a
-    // long wait (the peer's rank still starting) costs little CPU.
-    let mut nap = Duration::from_micros(50);
-    loop {
-        if let Some(comm) = step()? {
-            return Ok(comm);
-        }
-        if start.elapsed() >= timeout {
-            return Err(Error::remote(format!(
-                "{what} did not complete within {} ms (NCCL_ERDMA_CONNECT_TIMEOUT_MS)",
-                timeout.as_millis()
-            )));
-        }
-        std::thread::sleep(nap);
-        nap = (nap * 2).min(Duration::from_millis(1));
-    }
-}
-
 pub(super) extern "C" fn connect_v4(
     dev: c_int,
     handle: *mut c_void,
     send_comm: *mut *mut c_void,
 ) -> ncclResult_t {
-    boundary("connect", || {
-        non_null(send_comm, "sendComm")?;
-        // SAFETY: checked non-NULL; writable pointer slot. Stays NULL on failure.
-        unsafe { *send_comm = std::ptr::null_mut() };
-        let plugin = plugin::get()?;
-        let buf = handle_buf(handle)?;
-        let what = format!("connect to {}", plugin::handle_peer(buf));
-        let comm = until_comm(&what, || plugin.connect(dev, buf, None))?;
-        // SAFETY: as above.
-        unsafe { *send_comm = Box::into_raw(comm) as *mut c_void };
-        Ok(())
-    })
+    let steps = Steps::ToCompletion;
+    connect_with(plugin::get(), dev, handle, send_comm, None, steps)
 }
 
 pub(super) extern "C" fn accept_v4(
     listen_comm: *mut c_void,
     recv_comm: *mut *mut c_void,
 ) -> ncclResult_t {
-    boundary("accept", || {
-        non_null(recv_comm, "recvComm")?;
-        // SAFETY: checked non-NULL; writable pointer slot. Stays NULL on failure.
-        unsafe { *recv_comm = std::ptr::null_mut() };
-        // SAFETY: NCCL passes back a listen comm we returned (checked by magic).
-        let listen = unsafe { super::listen_comm(listen_comm)? };
-        let plugin = plugin::get()?;
-        let comm = until_comm("accept of a peer's connection", || plugin.accept(listen))?;
-        // SAFETY: as above.
-        unsafe { *recv_comm = Box::into_raw(comm) as *mut c_void };
-        Ok(())
-    })
+    accept_with(listen_comm, recv_comm, Steps::ToCompletion)
 }
 
 /// `makeVDevice` for any version: `ndevs` devices from `devs`, at most `max`.
@@ -399,5 +348,12 @@ pub(super) extern "C" fn connect_v11(
     _dev_comm: *mut *mut ncclNetDeviceHandle_v11_t,
 ) -> ncclResult_t {
     let traffic_class = context(ctx).ok().and_then(|_| context_traffic_class(ctx));
-    connect_with(context(ctx), dev, handle, send_comm, traffic_class)
+    connect_with(
+        context(ctx),
+        dev,
+        handle,
+        send_comm,
+        traffic_class,
+        Steps::One,
+    )
 }
