@@ -117,38 +117,6 @@ pub fn connect_pair_on(net: &Net, dev: i32) -> (Opaque, Opaque) {
     (send, recv)
 }
 
-/// A connected loopback pair on device 0, set up the way NCCL <= 2.12 (v4, v5) does it on
-/// each side: `connect` to completion, then `accept`. One process plays both sides, so the
-/// accept runs on a second thread: this thread's connect may wait for it. A v4 `connect` and
-/// `accept` must each return the comm from their one call.
-pub fn connect_pair_accepting_aside(net: &Net) -> (Opaque, Opaque) {
-    let mut handle = [0u8; 128];
-    let listen = net.listen(0, &mut handle).expect("listen");
-    let once = net.version() == 4;
-    let (send, recv) = std::thread::scope(|scope| {
-        let acceptor = scope.spawn(|| {
-            if once {
-                net.accept(listen).expect("accept")
-            } else {
-                poll_until("accept", || net.accept(listen).expect("accept"))
-            }
-        });
-        let send = if once {
-            net.connect(0, &mut handle).expect("connect")
-        } else {
-            poll_until("connect", || net.connect(0, &mut handle).expect("connect"))
-        };
-        (send, acceptor.join().expect("the accepting thread"))
-    });
-    assert!(
-        !send.is_null() && !recv.is_null(),
-        "v{}: connect and accept return their comms",
-        net.version()
-    );
-    net.close_listen(listen).expect("closeListen");
-    (send, recv)
-}
-
 /// Closes a pair from [`connect_pair`] and finalizes the client's context (v11), asserting
 /// each call succeeds.
 pub fn close_pair(net: &mut Net, s: Opaque, r: Opaque) {
