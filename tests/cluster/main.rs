@@ -58,6 +58,29 @@ fn one_way(
     done
 }
 
+/// `s` one way (host 2 sending), then the other way with seed `back_seed`: what each did.
+fn there_and_back(
+    net: &nccl_net_erdma_tools::client::Net,
+    c: &Comms,
+    p: &mut Peer,
+    s: &Stream,
+    back_seed: u64,
+) -> (traffic::Done, traffic::Done) {
+    let there = one_way(net, c, p, s, false);
+    p.step("reverse");
+    let back = one_way(
+        net,
+        c,
+        p,
+        &Stream {
+            seed: back_seed,
+            ..*s
+        },
+        true,
+    );
+    (there, back)
+}
+
 /// Every size both ways over one rail, with the GID of each rail in that rail's subnet.
 fn every_size_both_ways(case: &str, hca: &str, qps: &str) {
     set(&[("NCCL_IB_HCA", hca), ("NCCL_IB_QPS_PER_CONNECTION", qps)]);
@@ -77,9 +100,7 @@ fn every_size_both_ways(case: &str, hca: &str, qps: &str) {
         window: 4,
         limit: Duration::from_secs(120),
     };
-    let there = one_way(&net, &c, &mut p, &s, false);
-    p.step("reverse");
-    let back = one_way(&net, &c, &mut p, &Stream { seed: 1000, ..s }, true);
+    let (there, back) = there_and_back(&net, &c, &mut p, &s, 1000);
     close(&net, c);
     p.step("closed");
     result(
@@ -114,9 +135,7 @@ fn nccl_2_9_v4_connects_before_it_accepts_and_streams_both_ways() {
         window: 8,
         limit: Duration::from_secs(120),
     };
-    let there = one_way(&net, &c, &mut p, &s, false);
-    p.step("reverse");
-    let back = one_way(&net, &c, &mut p, &Stream { seed: 290, ..s }, true);
+    let (there, back) = there_and_back(&net, &c, &mut p, &s, 290);
     close(&net, c);
     p.step("closed");
     result(
@@ -475,9 +494,7 @@ fn lossy_rail_both_ways(case: &str, loss: &str, sizes: &[usize]) {
         window: 4,
         limit: Duration::from_secs(240),
     };
-    let there = one_way(&net, &c, &mut p, &s, false);
-    p.step("reverse");
-    let back = one_way(&net, &c, &mut p, &Stream { seed: 171, ..s }, true);
+    let (there, back) = there_and_back(&net, &c, &mut p, &s, 171);
     drop(injected);
     close(&net, c);
     p.step("closed");
@@ -795,9 +812,7 @@ fn mtus_that_differ_use_the_smaller() {
         window: 4,
         limit: Duration::from_secs(120),
     };
-    let there = one_way(&net, &c, &mut p, &s, false);
-    p.step("reverse");
-    let back = one_way(&net, &c, &mut p, &Stream { seed: 99, ..s }, true);
+    let (there, back) = there_and_back(&net, &c, &mut p, &s, 99);
     close(&net, c);
     let said = nccl_net_erdma_tools::client::logged_lines()
         .into_iter()
