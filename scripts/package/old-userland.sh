@@ -79,7 +79,12 @@ cat >"$work/inner.sh" <<INNER
 ip link set lo up
 export NCCL_ERDMA_TRANSPORT=tcp NCCL_SOCKET_IFNAME=lo
 cd /opt/pkg
-bench() { ./$(basename "$bench") --lib "\$1" --sizes 8,64K --iters 20 >bench.txt 2>&1 && grep -qF "library:   \$1 " bench.txt && grep -qE '^ +64 KiB ' bench.txt; }
+# bench LIB [ABI]: 8 B and 64 KiB through LIB (its table ABI: v4 as NCCL 2.9 loads it, or the
+# highest), the table named in the report.
+bench() {
+  ./$(basename "$bench") --lib "\$1" \${2:+--abi \$2} --sizes 8,64K --iters 20 >bench.txt 2>&1 &&
+    grep -qF "library:   \$1 (ncclNetPlugin_v\${2:-12}," bench.txt && grep -qE '^ +64 KiB ' bench.txt
+}
 echo "userland: \$(. /etc/os-release; echo "\$PRETTY_NAME"), \$(ldd --version | head -n 1), \$(python3 --version)"
 if python3 -m venv /opt/venv && /opt/venv/bin/pip install --quiet --no-index --disable-pip-version-check ./$(basename "$whl"); then
   echo "RESULT PASS pip-install"
@@ -92,13 +97,13 @@ if [[ -f \$lib ]] && /opt/venv/bin/nccl-net-erdma-info >info.txt 2>&1; then
 else
   echo "RESULT FAIL python-and-info '\$lib'"; tail -n 5 info.txt
 fi
-if bench "\$lib" && (eval "\$(/opt/venv/bin/python -m nccl_net_erdma --env --nccl 2.9.9)" && bench libnccl-net.so); then
-  echo "RESULT PASS bench-wheel 8 B and 64 KiB checked through \$lib, and through libnccl-net.so found by name"
+if bench "\$lib" && (eval "\$(/opt/venv/bin/python -m nccl_net_erdma --env --nccl 2.9.9)" && bench libnccl-net.so 4); then
+  echo "RESULT PASS bench-wheel 8 B and 64 KiB checked through \$lib, and through libnccl-net.so found by name and its v4 table (NCCL 2.9)"
 else
   echo "RESULT FAIL bench-wheel"; tail -n 5 bench.txt
 fi
 if dpkg -i ./$(basename "$deb") >dpkg.txt 2>&1 && /usr/bin/nccl-net-erdma-info >info.txt 2>&1 && bench libnccl-net-erdma.so &&
-  LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/nccl-net-erdma bench libnccl-net.so; then
+  LD_LIBRARY_PATH=/usr/lib/x86_64-linux-gnu/nccl-net-erdma bench libnccl-net.so 4; then
   echo "RESULT PASS deb \$(dpkg-query -W -f='\${Package} \${Version}' nccl-net-erdma), found by name (and its libnccl-net.so with LD_LIBRARY_PATH)"
 else
   echo "RESULT FAIL deb"; tail -n 5 dpkg.txt info.txt bench.txt 2>/dev/null

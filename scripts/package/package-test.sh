@@ -234,14 +234,14 @@ t=$(now)
 # shellcheck disable=SC2016 # expanded by the inner shell
 env -u LD_LIBRARY_PATH bash -c 'eval "$1" && shift && NCCL_ERDMA_TRANSPORT=tcp nccl-net-erdma-info >info-29.txt 2>&1 &&
   NCCL_ERDMA_TRANSPORT=tcp NCCL_SOCKET_IFNAME=lo timeout -k 5 120 "$@" >bench-29.txt 2>&1' \
-  sh "$env29" "$rel/nccl-net-bench" --lib libnccl-net.so --sizes 8,64K --iters 20
+  sh "$env29" "$rel/nccl-net-bench" --lib libnccl-net.so --abi 4 --sizes 8,64K --iters 20
 rc=$?
 found=$(grep '^  libnccl-net.so on the loader path here: ' info-29.txt)
 echo "${found#  }"
 grep -E '^(library|transport): ' bench-29.txt
 if [[ $rc -eq 0 && $found == "  libnccl-net.so on the loader path here: $libdir/libnccl-net.so, this library: "* ]] &&
-  grep -qF "library:   libnccl-net.so " bench-29.txt && grep -qE '^ +64 KiB ' bench-29.txt; then
-  result PASS by-name-2.9 "$t" "the loader finds $libdir/libnccl-net.so; 8 B and 64 KiB moved through it"
+  grep -qF "library:   libnccl-net.so (ncclNetPlugin_v4," bench-29.txt && grep -qE '^ +64 KiB ' bench-29.txt; then
+  result PASS by-name-2.9 "$t" "the loader finds $libdir/libnccl-net.so; 8 B and 64 KiB moved through its v4 table"
 else
   tail -n 5 bench-29.txt
   result FAIL by-name-2.9 "$t" "exit $rc; the info command says: ${found:-no libnccl-net.so line}"
