@@ -140,7 +140,7 @@ impl PeerLink {
         let peer = &self.peer;
         let e = match cause {
             Cause::PeerSilent => Error::remote(format!(
-                "peer {peer} stopped answering with requests still in flight{PEER_SILENT}"
+                "peer {peer} stopped answering while this end still needed it{PEER_SILENT}"
             )),
             Cause::Protocol => Error::remote(format!(
                 "peer {peer} broke the connection's protocol: {why} (is the same plugin \
@@ -148,7 +148,7 @@ impl PeerLink {
             )),
             _ => Error::remote(format!(
                 "peer {peer} closed its connection (its process exited or closed the comm) \
-                 with requests still in flight"
+                 while this end still needed it (a request in flight, or the setup)"
             )),
         };
         self.ended = Some(Fault::new(cause, e));

@@ -199,11 +199,17 @@ impl World {
             self.fail(op, RETRY_EXCEEDED);
             return Outcome::Done;
         };
-        let Some(rnic) = self.qps.get(&rqpn).map(|r| r.nic) else {
+        let Some((rnic, responder_up)) = self.qps.get(&rqpn).map(|r| (r.nic, r.remote.is_some()))
+        else {
             // The peer's QP is gone: nothing acknowledges, the retries run out.
             self.fail(op, RETRY_EXCEEDED);
             return Outcome::Done;
         };
+        if !responder_up {
+            // The peer's QP is not brought up yet: its NIC drops the packets, and the
+            // requester retries until it is.
+            return Outcome::Wait;
+        }
         match self.nics[nic].cut.or(self.nics[rnic].cut) {
             Some(Cut::Silent) => return Outcome::Wait,
             Some(Cut::Fail(status)) => {

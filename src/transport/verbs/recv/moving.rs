@@ -114,7 +114,8 @@ impl<N: Nic> RecvState<N> {
             (Movement::Answered(m, _), Step::Resume) if msg.epoch == m.epoch => {
                 self.resume(&msg.body)
             }
-            (_, Step::Refuse) if msg.epoch >= epoch => Err(failover::refused(peer, &msg)),
+            // Of this move or an earlier one: the peer fails its comm with it.
+            (_, Step::Refuse) => Err(failover::refused(peer, &msg)),
             // A message of an older move.
             _ if msg.epoch < epoch => Ok(()),
             (Movement::Still, _) => Err(failover::out_of_turn(peer, &msg, "carried data")),

@@ -113,6 +113,11 @@ pub(crate) struct SendState<N: Nic> {
     fifo_regs: Vec<N::Mr>,
     /// A rail failed under this comm: its QPs go to the reaper at close.
     broken: bool,
+    /// The receiver announced a receive since the rails were last joined (setup, or a move):
+    /// it has read the `Resume` and brought its probe QPs up, so an idle `isend` may probe
+    /// the paths. Before, a probe would go unanswered by a receiver merely slow to make its
+    /// first call; its host's silence is the bootstrap link's to find.
+    receiver_up: bool,
 }
 
 impl<N: Nic> SendState<N> {
@@ -155,6 +160,7 @@ impl<N: Nic> SendState<N> {
             })),
             fifo_regs: Vec::new(),
             broken: false,
+            receiver_up: false,
         }
     }
 
@@ -232,6 +238,7 @@ impl<N: Nic> SendState<N> {
             // gate read what an earlier call left.
             return Ok(None);
         }
+        self.receiver_up = true;
         let slot = (self.seq % SLOTS as u64) as usize;
         let want = self.seq + 1;
         let base = cts_index(slot, 0);
@@ -417,7 +424,7 @@ impl<N: Nic> SendState<N> {
     /// An idle isend's look around: drains the CQs (the watchdog and peer link ride along)
     /// and returns the comm's failure or a vanished peer as the error.
     fn look_around(&mut self) -> Result<()> {
-        let r = self.progress(true);
+        let r = self.progress(self.receiver_up);
         self.failure.record(r)?;
         self.failure.check()?;
         if let Some(gone) = self.link.ended() {

@@ -3,7 +3,7 @@
 //! them; on the receiver's answer it joins the receiver's rails, counts done every posted send
 //! the receiver does not wait for, and sends the others again before anything else. Setup is
 //! move 0: the comm starts with its rails offered in the connector's hello, and the
-//! listener's answer also gives the connection its shape (`take_shape`).
+//! listener's answer also gives the connection its shape (`shape_of`).
 
 use super::slot::Replay;
 use super::{MovedRegs, Movement, Offered, SendState, PROBE_AT, SLOTS};
@@ -135,9 +135,8 @@ impl<N: Nic> SendState<N> {
                         }
                         break;
                     }
-                    Step::Refuse if msg.epoch == epoch => {
-                        return Err(failover::refused(peer, &msg));
-                    }
+                    // Of this move, or of an earlier one the peer could not finish.
+                    Step::Refuse => return Err(failover::refused(peer, &msg)),
                     // A `Down` that crossed the offer, or a message of an older move.
                     Step::Down if msg.epoch <= epoch => {}
                     _ if msg.epoch < epoch => {}
@@ -175,8 +174,8 @@ impl<N: Nic> SendState<N> {
         } = *o;
         let (info, waiting) = decode_answer(body)?;
         let remote = ConnInfo::decode(info)?;
-        if moving.is_setup() {
-            self.take_shape(&mut new, &remote)?;
+        let shape = if moving.is_setup() {
+            Some(self.shape_of(&mut new, &remote)?)
         } else if remote.qps.len() != self.plan.nqps {
             return Err(Error::remote(format!(
                 "{} answered the move with {} QPs for {}",
@@ -184,7 +183,9 @@ impl<N: Nic> SendState<N> {
                 remote.qps.len(),
                 self.plan.nqps
             )));
-        }
+        } else {
+            None
+        };
         // The receiver's probes read the byte after the size records, keyed on the new NICs.
         let mut lkeys = [0; MAX_RAILS];
         for (r, k) in lkeys.iter_mut().enumerate().take(new.rails().len()) {
@@ -195,6 +196,9 @@ impl<N: Nic> SendState<N> {
         }
         let landing = (self.sizes_local.addr(PROBE_AT), lkeys);
         new.join(&remote, landing, self.link.peer())?;
+        if let Some((plan, cost)) = shape {
+            (self.plan, self.mobility.cost) = (plan, cost);
+        }
         let ours = new.probe_qps();
         let old_rails = std::mem::replace(&mut self.rails, new.into_rails());
         if let Some(MovedRegs { sizes, fifo }) = regs {
@@ -205,6 +209,8 @@ impl<N: Nic> SendState<N> {
         }
         self.remote_sizes = (remote.addr, rkeys(&remote), remote.rails.len());
         self.mobility.peer_mobile = remote.mobile;
+        // Its probe QPs come up as it reads the `Resume`.
+        self.receiver_up = false;
         self.keys.reorder(self.mobility.order);
         self.reset_room();
         // The receives still waiting, keyed for the new NICs, as if their entries had landed.
@@ -238,10 +244,11 @@ impl<N: Nic> SendState<N> {
         Ok(())
     }
 
-    /// The connection's shape, from the listener's answer `remote` to the setup's `offer`:
-    /// the listener may take fewer QPs than offered (its device's limits), never fewer than
-    /// this end's rails; the split setting is the receiver's.
-    fn take_shape(&mut self, offer: &mut Bringup<N>, remote: &ConnInfo) -> Result<()> {
+    /// The connection's shape, from the listener's answer `remote` to the setup's `offer`
+    /// (which keeps the QPs taken): the listener may take fewer QPs than offered (its
+    /// device's limits), never fewer than this end's rails; the split setting is the
+    /// receiver's. The plan and the cost the rails are made as, for once they are joined.
+    fn shape_of(&mut self, offer: &mut Bringup<N>, remote: &ConnInfo) -> Result<(QpPlan, EndCost)> {
         let offered: usize = offer.rails().iter().map(|r| r.qps.len()).sum();
         let (rails, nqps) = (offer.rails().len(), remote.qps.len());
         if nqps > offered || nqps < rails {
@@ -260,18 +267,18 @@ impl<N: Nic> SendState<N> {
                 self.link.peer()
             );
         }
-        self.plan = QpPlan {
+        self.link.name_devices(&remote.devices());
+        let plan = QpPlan {
             nqps,
             rails,
             split: remote.split,
         };
-        self.link.name_devices(&remote.devices());
-        self.mobility.cost = EndCost {
+        let cost = EndCost {
             qps: nqps,
             peer_rails: remote.rails.len(),
             ..self.mobility.cost
         };
-        Ok(())
+        Ok((plan, cost))
     }
 
     /// What the receiver's answer means for each slot posted (`waits`: the receive numbers

@@ -192,6 +192,8 @@ fn a_receiver_waiting_on_a_dead_link_probes_and_fails() {
 #[test]
 fn a_sender_waiting_for_a_clear_to_send_on_a_dead_link_probes_and_fails() {
     let c = connect(watchdog_params());
+    // The receiver has announced a receive: it is up, and its paths are probed.
+    super::failover::through(&c, 64, 1);
     c.fabric.cut(&c.tx_nics[0], Some(Cut::Silent));
     let mut src = c.buf(true, 64, 0);
     let deadline = Instant::now() + Duration::from_secs(10);

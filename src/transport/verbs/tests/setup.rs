@@ -15,22 +15,28 @@ struct Rig {
     rx: Arc<FakeNic>,
     registry: Arc<Registry>,
     listen: VerbsListener<FakeNic>,
+    params: ConnParams,
     /// What `register` made, kept while the rig lives.
     mrs: std::cell::RefCell<Vec<FakeMr>>,
 }
 
 fn rig_over(fabric: Fabric, tx: Arc<FakeNic>, rx: Arc<FakeNic>) -> Rig {
+    rig_with(fabric, (tx, rx), params())
+}
+
+/// A rig whose ends both run with `p`.
+fn rig_with(fabric: Fabric, (tx, rx): (Arc<FakeNic>, Arc<FakeNic>), p: ConnParams) -> Rig {
     let registry: Arc<Registry> = Arc::default();
     let keys = CommKeys::new(Arc::clone(&registry), 0);
     let rails = (&[Arc::clone(&rx)][..], &[][..]);
-    let listen =
-        VerbsListener::bind("127.0.0.1".parse().unwrap(), rails, params(), keys).expect("listen");
+    let listen = VerbsListener::bind("127.0.0.1".parse().unwrap(), rails, p, keys).expect("listen");
     Rig {
         fabric,
         tx,
         rx,
         registry,
         listen,
+        params: p,
         mrs: Default::default(),
     }
 }
@@ -58,7 +64,7 @@ impl Rig {
         let keys = CommKeys::new(Arc::clone(&self.registry), 0);
         let rails = (&[Arc::clone(&self.tx)][..], &[][..]);
         let handle = *self.listen.handle();
-        let mut connecting = VerbsConnector::start(rails, &handle, params(), keys).unwrap();
+        let mut connecting = VerbsConnector::start(rails, &handle, self.params, keys).unwrap();
         until("connect", || connecting.poll()).expect("connect")
     }
 
@@ -128,6 +134,38 @@ fn connect_returns_before_accept_and_the_first_data_calls_finish_the_setup() {
     assert_eq!(done, (Completion::single(4096), Completion::single(4096)));
     assert_eq!(dst.bytes(), TestMem::pattern(4096, 9));
     through(&c, 64 << 10, 2);
+}
+
+#[test]
+fn a_receiver_slow_to_make_its_first_call_is_not_probed_before_it_is_up() {
+    // Probes every 75 ms, each answered within 300 ms or the path is dead.
+    let p = ConnParams {
+        work_timeout: Some(Duration::from_millis(300)),
+        ..params()
+    };
+    let fabric = Fabric::new();
+    let nics = (fabric.nic("fake0"), fabric.nic("fake1"));
+    let mut rig = rig_with(fabric, nics, p);
+    let send = rig.connect();
+    let recv = rig.accept().expect("accept");
+    // The sender's proxy keeps trying to send; the receiver's rank is busy elsewhere for a
+    // second (its probe QPs come up only as its first call reads the sender's `Resume`).
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_secs(1) {
+        let idle = send.isend(UserBuffer::EMPTY, 1, 0).expect("not failed");
+        assert_eq!(idle, None);
+    }
+    let c = rig.conn(send, recv);
+    through(&c, 4096, 5);
+    // Up, idle and waiting for a receive, the sender probes: the receiver answers.
+    let t0 = Instant::now();
+    while t0.elapsed() < Duration::from_millis(800) {
+        assert_eq!(
+            c.send.isend(UserBuffer::EMPTY, 1, 0).expect("not failed"),
+            None
+        );
+    }
+    through(&c, 64, 6);
 }
 
 #[test]
