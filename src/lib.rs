@@ -20,6 +20,7 @@
 
 mod abi;
 mod buffer;
+mod codec;
 mod config;
 mod error;
 pub mod ffi;

@@ -23,13 +23,13 @@ fn layer(module: &str) -> Option<u32> {
         "verbs" => 5,
         "log" => 4,
         "config" => 3,
-        "error" | "buffer" | "random" | "sysfs" | "ffi" => 1,
+        "error" | "codec" | "buffer" | "random" | "sysfs" | "ffi" => 1,
         _ => return None,
     })
 }
 
 /// The modules below everything, which any layer may use.
-const LEAVES: [&str; 6] = ["error", "buffer", "random", "sysfs", "ffi", "log"];
+const LEAVES: [&str; 7] = ["error", "codec", "buffer", "random", "sysfs", "ffi", "log"];
 
 /// What a top module may import besides its own modules, where the layers alone allow more:
 /// the C boundary only the core and the leaves; the info report the core, the settings and

@@ -10,6 +10,7 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
+use crate::codec::{Reader, WireError, Writer};
 use crate::error::{Error, Result};
 
 /// The bytes of NCCL's handle buffer the plugin reads and writes (bytes 0..56 are used).
@@ -34,7 +35,7 @@ pub enum TransportKind {
 }
 
 impl TransportKind {
-    fn from_u8(v: u8) -> Option<Self> {
+    pub(crate) fn from_u8(v: u8) -> Option<Self> {
         match v {
             1 => Some(TransportKind::Tcp),
             2 => Some(TransportKind::Verbs),
@@ -62,78 +63,68 @@ pub struct Handle {
 }
 
 // Byte layout (all integers little-endian, except the port which is in network order):
-const OFF_MAGIC: usize = 0; // u64
-const OFF_VERSION: usize = 8; // u16
-const OFF_FAMILY: usize = 10; // u8: 4 or 6
-const OFF_TRANSPORT: usize = 11; // u8
-const OFF_PORT: usize = 12; // u16 big-endian
-const OFF_ADDR: usize = 16; // 16 bytes
-const OFF_NONCE: usize = 32; // u64
-const OFF_STAGE: usize = 40; // u64: connector stage id, 0 = not started
-const OFF_STAGE_CHECK: usize = 48; // u64: stage id ^ nonce ^ magic
-const _: () = assert!(OFF_STAGE_CHECK + 8 <= HANDLE_SIZE);
+// magic u64 | version u16 | family u8 (4 or 6) | transport u8 | port u16 | 2 reserved |
+// address 16 bytes | nonce u64 | connector stage id u64 (0 = not started) |
+// stage check u64 (stage id ^ nonce ^ magic) | 8 unused.
+const OFF_STAGE: usize = 40;
+const STAGE_BYTES: usize = 16;
+const _: () = assert!(OFF_STAGE + STAGE_BYTES <= HANDLE_SIZE);
 
 impl Handle {
     /// Writes the handle; the connector's stage area is zeroed so the peer starts fresh.
     pub fn encode(&self, out: &mut [u8; HANDLE_SIZE]) {
-        out.fill(0);
-        out[OFF_MAGIC..OFF_MAGIC + 8].copy_from_slice(&HANDLE_MAGIC.to_le_bytes());
-        out[OFF_VERSION..OFF_VERSION + 2].copy_from_slice(&PROTOCOL_VERSION.to_le_bytes());
-        out[OFF_TRANSPORT] = self.transport as u8;
-        out[OFF_PORT..OFF_PORT + 2].copy_from_slice(&self.addr.port().to_be_bytes());
-        match self.addr.ip() {
-            IpAddr::V4(ip) => {
-                out[OFF_FAMILY] = 4;
-                out[OFF_ADDR..OFF_ADDR + 4].copy_from_slice(&ip.octets());
-            }
-            IpAddr::V6(ip) => {
-                out[OFF_FAMILY] = 6;
-                out[OFF_ADDR..OFF_ADDR + 16].copy_from_slice(&ip.octets());
-            }
-        }
-        out[OFF_NONCE..OFF_NONCE + 8].copy_from_slice(&self.nonce.to_le_bytes());
+        let (family, ip): (u8, &[u8]) = match self.addr.ip() {
+            IpAddr::V4(ip) => (4, &ip.octets()),
+            IpAddr::V6(ip) => (6, &ip.octets()),
+        };
+        let mut w = Writer::over(&mut out[..]);
+        w.u64(HANDLE_MAGIC)
+            .u16(PROTOCOL_VERSION)
+            .u8(family)
+            .u8(self.transport as u8)
+            .u16_be(self.addr.port())
+            .zeros(2)
+            .padded(ip, 16)
+            .u64(self.nonce)
+            .zeros(HANDLE_SIZE - OFF_STAGE);
     }
 
     /// Validates and decodes a handle received from a peer.
     pub fn decode(buf: &[u8; HANDLE_SIZE]) -> Result<Self> {
-        let magic = u64_at(buf, OFF_MAGIC);
-        if magic != HANDLE_MAGIC {
+        // Fixed fields of a fixed-size buffer: the reads cannot run short.
+        let raw = Raw::read(&mut Reader::new("connection handle", buf))
+            .map_err(|e| Error::misuse(e.to_string()))?;
+        if raw.magic != HANDLE_MAGIC {
             return Err(Error::misuse(format!(
-                "connection handle has magic {magic:#018x}, expected {HANDLE_MAGIC:#018x}: \
-                 it was not made by this plugin's listen (mixed plugins or a corrupted handle)"
+                "connection handle has magic {:#018x}, expected {HANDLE_MAGIC:#018x}: \
+                 it was not made by this plugin's listen (mixed plugins or a corrupted handle)",
+                raw.magic
             )));
         }
-        let version = u16::from_le_bytes([buf[OFF_VERSION], buf[OFF_VERSION + 1]]);
-        if version != PROTOCOL_VERSION {
+        if raw.version != PROTOCOL_VERSION {
             return Err(Error::misuse(format!(
-                "connection handle has protocol version {version}, this plugin speaks \
-                 {PROTOCOL_VERSION}: run the same plugin build on every node"
+                "connection handle has protocol version {}, this plugin speaks \
+                 {PROTOCOL_VERSION}: run the same plugin build on every node",
+                raw.version
             )));
         }
-        let transport = TransportKind::from_u8(buf[OFF_TRANSPORT]).ok_or_else(|| {
+        let transport = TransportKind::from_u8(raw.transport).ok_or_else(|| {
             Error::misuse(format!(
                 "connection handle names unknown transport {}",
-                buf[OFF_TRANSPORT]
+                raw.transport
             ))
         })?;
-        let port = u16::from_be_bytes([buf[OFF_PORT], buf[OFF_PORT + 1]]);
-        let ip = match buf[OFF_FAMILY] {
-            4 => {
-                let mut o = [0u8; 4];
-                o.copy_from_slice(&buf[OFF_ADDR..OFF_ADDR + 4]);
-                IpAddr::V4(Ipv4Addr::from(o))
-            }
-            6 => {
-                let mut o = [0u8; 16];
-                o.copy_from_slice(&buf[OFF_ADDR..OFF_ADDR + 16]);
-                IpAddr::V6(Ipv6Addr::from(o))
-            }
+        let a = raw.addr;
+        let ip = match raw.family {
+            4 => IpAddr::V4(Ipv4Addr::new(a[0], a[1], a[2], a[3])),
+            6 => IpAddr::V6(Ipv6Addr::from(a)),
             f => {
                 return Err(Error::misuse(format!(
                     "connection handle has unknown address family {f}"
                 )))
             }
         };
+        let port = raw.port;
         if port == 0 || ip.is_unspecified() || ip.is_multicast() {
             return Err(Error::misuse(format!(
                 "connection handle has an unusable address {ip} port {port}"
@@ -142,18 +133,55 @@ impl Handle {
         Ok(Handle {
             addr: SocketAddr::new(ip, port),
             transport,
-            nonce: u64_at(buf, OFF_NONCE),
+            nonce: raw.nonce,
         })
     }
 }
 
+/// A handle's fields as they lie, before they are checked.
+struct Raw {
+    magic: u64,
+    version: u16,
+    family: u8,
+    transport: u8,
+    port: u16,
+    addr: [u8; 16],
+    nonce: u64,
+}
+
+impl Raw {
+    fn read(r: &mut Reader<'_>) -> std::result::Result<Self, WireError> {
+        Ok(Raw {
+            magic: r.u64("magic")?,
+            version: r.u16("version")?,
+            family: r.u8("family")?,
+            transport: r.u8("transport")?,
+            port: r.u16_be("port")?,
+            addr: {
+                r.take(2, "reserved")?;
+                r.array("address")?
+            },
+            nonce: r.u64("nonce")?,
+        })
+    }
+}
+
+/// The handle's nonce and its stage area: (nonce, stage id, check).
+fn stage_area(buf: &[u8; HANDLE_SIZE]) -> (u64, u64, u64) {
+    // Fixed offsets inside a fixed-size buffer: the reads cannot fail.
+    let word = |at: usize| {
+        let mut r = Reader::new("connection handle", &buf[at..]);
+        r.u64("stage").unwrap_or(0)
+    };
+    (word(OFF_STAGE - 8), word(OFF_STAGE), word(OFF_STAGE + 8))
+}
+
 /// The connector's stage id stored in a handle: `Ok(None)` before the first `connect`.
 pub fn stage_id(buf: &[u8; HANDLE_SIZE]) -> Result<Option<u64>> {
-    let id = u64_at(buf, OFF_STAGE);
-    let check = u64_at(buf, OFF_STAGE_CHECK);
+    let (nonce, id, check) = stage_area(buf);
     match id {
         0 if check == 0 => Ok(None),
-        _ if check == id ^ u64_at(buf, OFF_NONCE) ^ HANDLE_MAGIC => Ok(Some(id)),
+        _ if check == id ^ nonce ^ HANDLE_MAGIC => Ok(Some(id)),
         _ => Err(Error::misuse(
             "connection handle carries a corrupted connect stage".into(),
         )),
@@ -162,15 +190,10 @@ pub fn stage_id(buf: &[u8; HANDLE_SIZE]) -> Result<Option<u64>> {
 
 /// Records the connector's stage id in the handle NCCL will pass to the next `connect`.
 pub fn set_stage_id(buf: &mut [u8; HANDLE_SIZE], id: u64) {
-    let check = id ^ u64_at(buf, OFF_NONCE) ^ HANDLE_MAGIC;
-    buf[OFF_STAGE..OFF_STAGE + 8].copy_from_slice(&id.to_le_bytes());
-    buf[OFF_STAGE_CHECK..OFF_STAGE_CHECK + 8].copy_from_slice(&check.to_le_bytes());
-}
-
-fn u64_at(buf: &[u8], off: usize) -> u64 {
-    let mut b = [0u8; 8];
-    b.copy_from_slice(&buf[off..off + 8]);
-    u64::from_le_bytes(b)
+    let (nonce, _, _) = stage_area(buf);
+    Writer::over(&mut buf[OFF_STAGE..])
+        .u64(id)
+        .u64(id ^ nonce ^ HANDLE_MAGIC);
 }
 
 #[cfg(test)]
@@ -213,14 +236,14 @@ mod tests {
             .to_string()
             .contains("magic"));
         let mut bad = buf;
-        bad[OFF_VERSION] = 9;
+        bad[8] = 9;
         assert!(Handle::decode(&bad)
             .unwrap_err()
             .to_string()
             .contains("version"));
         let mut bad = buf;
-        bad[OFF_PORT] = 0;
-        bad[OFF_PORT + 1] = 0;
+        bad[12] = 0;
+        bad[13] = 0;
         assert!(Handle::decode(&bad).is_err());
         // A deterministic pseudo-random stream: none of these decodes.
         let mut x = 0x9e37_79b9_7f4a_7c15u64;

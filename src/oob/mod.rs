@@ -20,6 +20,7 @@ use socket2::{Domain, Protocol, SockAddr, SockRef, Socket, TcpKeepalive, Type};
 
 pub use handle::{Handle, TransportKind, HANDLE_SIZE};
 
+use crate::codec::{Reader, Writer};
 use crate::error::{Error, ErrorDetail, Result};
 
 /// How long the bootstrap waits on a peer.
@@ -115,35 +116,39 @@ impl MsgKind {
     }
 }
 
-/// Encodes a message header.
+/// Encodes a message header: magic u32 | version u16 | kind u16 | payload length u32 |
+/// 4 reserved.
 pub fn encode_header(kind: MsgKind, len: usize) -> [u8; MSG_HEADER] {
     let mut h = [0u8; MSG_HEADER];
-    h[0..4].copy_from_slice(&MSG_MAGIC.to_le_bytes());
-    h[4..6].copy_from_slice(&handle::PROTOCOL_VERSION.to_le_bytes());
-    h[6..8].copy_from_slice(&(kind as u16).to_le_bytes());
-    h[8..12].copy_from_slice(&(len as u32).to_le_bytes());
+    Writer::over(&mut h[..])
+        .u32(MSG_MAGIC)
+        .u16(handle::PROTOCOL_VERSION)
+        .u16(kind as u16)
+        .u32(len as u32)
+        .zeros(4);
     h
 }
 
 /// Decodes and validates a message header: returns the kind and payload length.
 pub fn decode_header(h: &[u8; MSG_HEADER]) -> Result<(MsgKind, usize)> {
-    let magic = u32::from_le_bytes([h[0], h[1], h[2], h[3]]);
+    let mut r = Reader::new("handshake message header", h);
+    let magic = r.u32("magic")?;
     if magic != MSG_MAGIC {
         return Err(Error::remote(format!(
             "handshake message has magic {magic:#010x}, expected {MSG_MAGIC:#010x}"
         )));
     }
-    let version = u16::from_le_bytes([h[4], h[5]]);
+    let version = r.u16("version")?;
     if version != handle::PROTOCOL_VERSION {
         return Err(Error::remote(format!(
             "handshake protocol version {version}, this plugin speaks {}",
             handle::PROTOCOL_VERSION
         )));
     }
-    let kind_raw = u16::from_le_bytes([h[6], h[7]]);
-    let kind = MsgKind::from_u16(kind_raw)
-        .ok_or_else(|| Error::remote(format!("unknown handshake message type {kind_raw}")))?;
-    let len = u32::from_le_bytes([h[8], h[9], h[10], h[11]]) as usize;
+    let kind = r.u16("kind")?;
+    let kind = MsgKind::from_u16(kind)
+        .ok_or_else(|| Error::remote(format!("unknown handshake message type {kind}")))?;
+    let len = r.u32("length")? as usize;
     if len > MAX_PAYLOAD {
         return Err(Error::remote(format!(
             "handshake message of {len} bytes exceeds the {MAX_PAYLOAD}-byte limit"
@@ -383,34 +388,26 @@ pub struct Hello {
 }
 
 impl Hello {
-    /// Serialises the hello payload.
+    /// Serialises the hello payload: nonce u64 | transport u8 | the transport's payload.
     pub fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(9 + self.payload.len());
-        v.extend_from_slice(&self.nonce.to_le_bytes());
-        v.push(self.transport as u8);
-        v.extend_from_slice(&self.payload);
-        v
+        let mut w = Writer::with_capacity(9 + self.payload.len());
+        w.u64(self.nonce)
+            .u8(self.transport as u8)
+            .bytes(&self.payload);
+        w.into_vec()
     }
 
     /// Parses a hello payload.
     pub fn decode(p: &[u8]) -> Result<Self> {
-        if p.len() < 9 {
-            return Err(Error::remote(format!(
-                "hello of {} bytes is too short",
-                p.len()
-            )));
-        }
-        let mut nonce = [0u8; 8];
-        nonce.copy_from_slice(&p[..8]);
-        let transport = match p[8] {
-            1 => TransportKind::Tcp,
-            2 => TransportKind::Verbs,
-            t => return Err(Error::remote(format!("hello names unknown transport {t}"))),
-        };
+        let mut r = Reader::new("hello", p);
+        let nonce = r.u64("nonce")?;
+        let transport = r.u8("transport")?;
+        let transport = TransportKind::from_u8(transport)
+            .ok_or_else(|| Error::remote(format!("hello names unknown transport {transport}")))?;
         Ok(Hello {
-            nonce: u64::from_le_bytes(nonce),
+            nonce,
             transport,
-            payload: p[9..].to_vec(),
+            payload: r.rest().to_vec(),
         })
     }
 }

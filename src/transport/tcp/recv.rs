@@ -10,10 +10,7 @@ use std::{
 use parking_lot::Mutex;
 use socket2::Socket;
 
-use super::frame::{
-    note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER, FLAG_TRUNC, FRAME_CTS,
-    FRAME_DATA,
-};
+use super::frame::{note_broken, send_nosignal, CtsFrame, DataHeader, CTS_MAX, DATA_HEADER};
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
@@ -145,16 +142,18 @@ impl Receiver for TcpReceiver {
         req.sizes = [0; MAX_RECVS];
         req.arrived = 0;
         req.truncated = None;
-        let mut frame = [0u8; CTS_MAX];
-        frame[0] = FRAME_CTS;
-        frame[1] = n as u8;
-        frame[4..8].copy_from_slice(&seq.to_le_bytes());
+        let mut cts = CtsFrame {
+            seq,
+            n,
+            sizes: [0; MAX_RECVS],
+            tags: [0; MAX_RECVS],
+        };
         for (i, (b, tag)) in bufs.iter().zip(tags).enumerate() {
-            let e = &mut frame[CTS_HEADER + i * CTS_ENTRY..CTS_HEADER + (i + 1) * CTS_ENTRY];
-            e[0..8].copy_from_slice(&(b.len() as u64).to_le_bytes());
-            e[8..12].copy_from_slice(&tag.to_le_bytes());
+            cts.sizes[i] = b.len() as u64;
+            cts.tags[i] = *tag;
         }
-        let len = CTS_HEADER + n * CTS_ENTRY;
+        let mut frame = [0u8; CTS_MAX];
+        let len = cts.encode(&mut frame);
         s.cts_out.extend(&frame[..len]);
         s.next_seq = seq.wrapping_add(1);
         s.progress();
@@ -292,29 +291,25 @@ impl TcpRecvState {
     }
 
     fn start_message(&mut self, h: &[u8; DATA_HEADER]) -> Result<()> {
-        let entry = h[1] as usize;
-        let flags = h[2];
-        let seq = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
-        let mut size_b = [0u8; 8];
-        size_b.copy_from_slice(&h[8..16]);
-        let size = u64::from_le_bytes(size_b) as usize;
+        let h = DataHeader::decode(h)?;
+        let (entry, seq) = (usize::from(h.entry), h.seq);
+        let size = h.size as usize;
         let slot = seq as usize % MAX_REQUESTS;
         let req = &mut self.reqs[slot];
-        let valid = h[0] == FRAME_DATA
-            && seq == self.fill_seq
+        let valid = seq == self.fill_seq
             && req.stage == RecvStage::Active
             && req.seq == seq
             && entry < req.n
             && req.arrived & (1 << entry) == 0;
         if !valid {
             return Err(Error::remote(format!(
-                "protocol error: unexpected data frame (type {}, receive {seq}, entry {entry}; \
+                "protocol error: unexpected data frame (receive {seq}, buffer {entry}; \
                  expected receive {})",
-                h[0], self.fill_seq
+                self.fill_seq
             )));
         }
         let capacity = req.bufs[entry].len();
-        if flags & FLAG_TRUNC != 0 {
+        if h.truncated {
             req.truncated = Some((size, capacity));
             self.finish_message(slot, entry, 0);
             return Ok(());

@@ -9,10 +9,7 @@ use std::{
 use parking_lot::Mutex;
 use socket2::Socket;
 
-use super::frame::{
-    note_broken, send_nosignal, CTS_ENTRY, CTS_HEADER, CTS_MAX, DATA_HEADER, FLAG_TRUNC, FRAME_CTS,
-    FRAME_DATA,
-};
+use super::frame::{note_broken, send_nosignal, CtsFrame, DataHeader, CTS_MAX, DATA_HEADER};
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
@@ -150,12 +147,13 @@ impl Sender for TcpSender {
             s.cts_matched = s.cts_matched.wrapping_add(1);
         }
         let truncated = buf.len() > posted;
-        let mut header = [0u8; DATA_HEADER];
-        header[0] = FRAME_DATA;
-        header[1] = entry as u8;
-        header[2] = if truncated { FLAG_TRUNC } else { 0 };
-        header[4..8].copy_from_slice(&group_seq.to_le_bytes());
-        header[8..16].copy_from_slice(&(buf.len() as u64).to_le_bytes());
+        let header = DataHeader {
+            entry: entry as u8,
+            truncated,
+            seq: group_seq,
+            size: buf.len() as u64,
+        }
+        .encode();
         s.reqs[slot] = SendRequest {
             stage: SendStage::Queued,
             header,
@@ -241,39 +239,27 @@ impl TcpSendState {
             };
             self.rx_len += n;
             let mut at = 0;
-            while self.rx_len - at >= CTS_HEADER {
-                let f = &self.rx[at..self.rx_len];
-                let count = f[1] as usize;
-                let seq = u32::from_le_bytes([f[4], f[5], f[6], f[7]]);
-                if f[0] != FRAME_CTS
-                    || count == 0
-                    || count > MAX_RECVS
-                    || seq != self.cts_received
+            while let Some((frame, len)) = CtsFrame::decode(&self.rx[at..self.rx_len])? {
+                let seq = frame.seq;
+                if seq != self.cts_received
                     || self.cts_received.wrapping_sub(self.cts_matched) as usize >= MAX_REQUESTS
                 {
                     return Err(Error::remote(format!(
-                        "protocol error: bad clear-to-send frame (type {}, n {count}, \
-                         receive {seq}, expected {})",
-                        f[0], self.cts_received
+                        "protocol error: clear-to-send for receive {seq}, expected {} \
+                         ({} unmatched)",
+                        self.cts_received,
+                        self.cts_received.wrapping_sub(self.cts_matched)
                     )));
                 }
-                let len = CTS_HEADER + count * CTS_ENTRY;
-                if f.len() < len {
-                    break;
-                }
                 let mut group = CtsGroup {
-                    n: count,
+                    n: frame.n,
                     seq,
                     sizes: [0; MAX_RECVS],
-                    tags: [0; MAX_RECVS],
+                    tags: frame.tags,
                     matched: 0,
                 };
-                for i in 0..count {
-                    let e = &f[CTS_HEADER + i * CTS_ENTRY..];
-                    let mut size = [0u8; 8];
-                    size.copy_from_slice(&e[0..8]);
-                    group.sizes[i] = u64::from_le_bytes(size) as usize;
-                    group.tags[i] = i32::from_le_bytes([e[8], e[9], e[10], e[11]]);
+                for (size, sent) in group.sizes.iter_mut().zip(frame.sizes) {
+                    *size = usize::try_from(sent).unwrap_or(usize::MAX);
                 }
                 self.cts[seq as usize % MAX_REQUESTS] = group;
                 self.cts_received = self.cts_received.wrapping_add(1);

@@ -9,7 +9,7 @@ use crate::error::Error;
 use crate::oob::{Channel, MsgKind, PEER_SILENT};
 
 use super::fault::{Cause, Fault};
-use super::wire::MoveMsg;
+use super::wire::{decode_bye, encode_bye, MoveMsg};
 
 /// See the module doc.
 pub(crate) struct PeerLink {
@@ -84,11 +84,13 @@ impl PeerLink {
                 },
                 // The peer's bootstrap listener refused the hello (another transport).
                 MsgKind::Reject => return Some(MoveMsg::refusal(0, m.payload)),
-                MsgKind::Bye => {
-                    self.landed = <[u8; 8]>::try_from(&m.payload[..])
-                        .ok()
-                        .map(u64::from_le_bytes);
-                }
+                MsgKind::Bye => match decode_bye(&m.payload) {
+                    Ok(landed) => self.landed = landed,
+                    Err(e) => {
+                        self.end(Cause::Protocol, &e.to_string());
+                        return None;
+                    }
+                },
                 kind => {
                     self.end(
                         Cause::Protocol,
@@ -118,8 +120,7 @@ impl PeerLink {
             return;
         }
         self.said_bye = true;
-        let body = landed.map_or(Vec::new(), |n| n.to_le_bytes().to_vec());
-        self.chan.queue(MsgKind::Bye, &body);
+        self.chan.queue(MsgKind::Bye, &encode_bye(landed));
         let _ = self.chan.flush();
     }
 

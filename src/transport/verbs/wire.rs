@@ -4,7 +4,8 @@
 //! the work-request ids both sides post with, how QPs are dealt over rails ([`locate`]) and
 //! how a message is split over several QPs. Pure data and arithmetic, no verbs.
 
-use crate::error::{Error, Result};
+use crate::codec::{Reader, Sink, WireError, Writer};
+use crate::error::Result;
 use crate::transport::{MAX_RAILS, MAX_RECVS, MAX_REQUESTS};
 
 /// Receive slots per connection: one per request NCCL may keep in flight.
@@ -70,33 +71,34 @@ impl CtsEntry {
 }
 
 impl CtsEntry {
-    /// The entry as a failover answer carries it (little-endian fields, in order).
-    pub(crate) fn to_bytes(self) -> [u8; CTS_BYTES] {
-        let mut b = [0u8; CTS_BYTES];
-        b[..8].copy_from_slice(&self.addr.to_le_bytes());
-        b[8..12].copy_from_slice(&self.tag.to_le_bytes());
-        b[12..16].copy_from_slice(&self.size.to_le_bytes());
-        b[16..20].copy_from_slice(&self.nreqs.to_le_bytes());
-        for (r, k) in self.rkeys.iter().enumerate() {
-            b[24 + 4 * r..28 + 4 * r].copy_from_slice(&k.to_le_bytes());
+    /// Writes the entry as a move's answer carries it: its fields in order, little-endian.
+    pub(crate) fn write<S: Sink>(&self, w: &mut Writer<S>) {
+        w.u64(self.addr)
+            .i32(self.tag)
+            .u32(self.size)
+            .u32(self.nreqs)
+            .zeros(4);
+        for k in self.rkeys {
+            w.u32(k);
         }
-        b[56..].copy_from_slice(&self.seq.to_le_bytes());
-        b
+        w.u64(self.seq);
     }
 
-    /// [`Self::to_bytes`] back, from `CTS_BYTES` bytes.
-    pub(crate) fn from_bytes(b: &[u8]) -> Self {
-        let u32_at = |o: usize| u32::from_le_bytes([b[o], b[o + 1], b[o + 2], b[o + 3]]);
-        let u64_at = |o: usize| u64::from(u32_at(o)) | u64::from(u32_at(o + 4)) << 32;
-        CtsEntry {
-            addr: u64_at(0),
-            tag: u32_at(8) as i32,
-            size: u32_at(12),
-            nreqs: u32_at(16),
-            _reserved: 0,
-            rkeys: std::array::from_fn(|r| u32_at(24 + 4 * r)),
-            seq: u64_at(56),
+    /// [`Self::write`] back.
+    pub(crate) fn read(r: &mut Reader<'_>) -> Result<Self, WireError> {
+        let mut e = CtsEntry {
+            addr: r.u64("entry address")?,
+            tag: r.i32("entry tag")?,
+            size: r.u32("entry size")?,
+            nreqs: r.u32("entry buffers")?,
+            ..CtsEntry::default()
+        };
+        r.take(4, "entry reserved")?;
+        for k in &mut e.rkeys {
+            *k = r.u32("entry key")?;
         }
+        e.seq = r.u64("entry sequence")?;
+        Ok(e)
     }
 }
 
@@ -332,36 +334,44 @@ pub(crate) fn paths(
     out
 }
 
-/// The probe QPs of one end, as the sender sends them in its `Resume`.
+/// The probe QPs of one end, as the sender sends them in its `Resume`: a `u16` count, then
+/// (QP number, PSN) pairs.
 pub(crate) fn encode_qps(qps: &[(u32, u32)]) -> Vec<u8> {
-    let mut v = Vec::with_capacity(2 + 8 * qps.len());
-    v.extend_from_slice(&(qps.len() as u16).to_le_bytes());
-    for (qpn, psn) in qps {
-        v.extend_from_slice(&qpn.to_le_bytes());
-        v.extend_from_slice(&psn.to_le_bytes());
-    }
-    v
+    let mut w = Writer::with_capacity(2 + 8 * qps.len());
+    write_qps(&mut w, qps);
+    w.into_vec()
 }
 
 /// [`encode_qps`]' message back; `want` of them.
 pub(crate) fn decode_qps(p: &[u8], want: usize) -> Result<Vec<(u32, u32)>> {
-    let n = p
-        .get(..2)
-        .map(|b| u16::from_le_bytes([b[0], b[1]]) as usize);
-    if n != Some(want) || p.len() != 2 + 8 * want {
-        return Err(Error::remote(format!(
-            "invalid probe QPs: {} bytes for {want} paths",
-            p.len()
-        )));
+    let mut r = Reader::new("probe QP list", p);
+    let n = r.u16("probe QPs")?;
+    if usize::from(n) != want {
+        return Err(r.invalid(n, format_args!("{want}, one per path")).into());
     }
-    let u32_at = |o: usize| u32::from_le_bytes([p[o], p[o + 1], p[o + 2], p[o + 3]]);
-    Ok((0..want)
-        .map(|i| (u32_at(2 + 8 * i), u32_at(6 + 8 * i)))
-        .collect())
+    let qps = read_pairs(&mut r, want)?;
+    r.end()?;
+    Ok(qps)
+}
+
+/// A `u16` count of QPs, then each one's (QP number, PSN).
+fn write_qps<S: Sink>(w: &mut Writer<S>, qps: &[(u32, u32)]) {
+    w.u16(qps.len() as u16);
+    for &(qpn, psn) in qps {
+        w.u32(qpn).u32(psn);
+    }
+}
+
+/// `n` (QP number, PSN) pairs.
+fn read_pairs(r: &mut Reader<'_>, n: usize) -> Result<Vec<(u32, u32)>, WireError> {
+    (0..n)
+        .map(|_| Ok((r.u32("QP number")?, r.u32("PSN")?)))
+        .collect()
 }
 
 const CONN_FIXED: usize = 16;
 const RAIL_BYTES: usize = 60;
+const DEVICE_NAME: usize = 32;
 const FLAG_SPLIT: u8 = 1;
 const FLAG_MOBILE: u8 = 2;
 
@@ -372,92 +382,98 @@ impl ConnInfo {
         names.join("+")
     }
 
+    /// The message: QPs u16 | rails u8 | flags u8 | tc u8 | sl u8 | 2 reserved | address
+    /// u64, then per rail: link layer, MTU, port, GID index (u8 each) | LID u16 | 2 reserved |
+    /// GID 16 bytes | key u32 | device name 32 bytes (zero-padded), then per QP its number and
+    /// PSN (u32 each), then the probe QPs (a `u16` count and pairs).
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut v =
-            Vec::with_capacity(CONN_FIXED + RAIL_BYTES * self.rails.len() + 8 * self.qps.len());
-        v.extend_from_slice(&(self.qps.len() as u16).to_le_bytes());
+        let mut w = Writer::with_capacity(
+            CONN_FIXED
+                + RAIL_BYTES * self.rails.len()
+                + 8 * (self.qps.len() + self.probes.len())
+                + 2,
+        );
         let flags = (u8::from(self.split) * FLAG_SPLIT) | (u8::from(self.mobile) * FLAG_MOBILE);
-        v.extend_from_slice(&[self.rails.len() as u8, flags, self.tc, self.sl, 0, 0]);
-        v.extend_from_slice(&self.addr.to_le_bytes());
+        w.u16(self.qps.len() as u16)
+            .u8(self.rails.len() as u8)
+            .u8(flags)
+            .u8(self.tc)
+            .u8(self.sl)
+            .zeros(2)
+            .u64(self.addr);
         for r in &self.rails {
-            v.extend_from_slice(&[r.link_layer, r.mtu, r.port, r.gid_index]);
-            v.extend_from_slice(&r.lid.to_le_bytes());
-            v.extend_from_slice(&[0, 0]);
-            v.extend_from_slice(&r.gid);
-            v.extend_from_slice(&r.rkey.to_le_bytes());
-            let mut name = [0u8; 32];
-            let n = r.device.len().min(32);
-            name[..n].copy_from_slice(&r.device.as_bytes()[..n]);
-            v.extend_from_slice(&name);
+            w.u8(r.link_layer)
+                .u8(r.mtu)
+                .u8(r.port)
+                .u8(r.gid_index)
+                .u16(r.lid)
+                .zeros(2)
+                .bytes(&r.gid)
+                .u32(r.rkey)
+                .padded(r.device.as_bytes(), DEVICE_NAME);
         }
-        for (qpn, psn) in &self.qps {
-            v.extend_from_slice(&qpn.to_le_bytes());
-            v.extend_from_slice(&psn.to_le_bytes());
+        for &(qpn, psn) in &self.qps {
+            w.u32(qpn).u32(psn);
         }
-        v.extend_from_slice(&encode_qps(&self.probes));
-        v
+        write_qps(&mut w, &self.probes);
+        w.into_vec()
     }
 
     pub(crate) fn decode(p: &[u8]) -> Result<Self> {
-        let bad = |why: &str| Error::remote(format!("invalid connection info: {why}"));
-        if p.len() < CONN_FIXED {
-            return Err(bad("too short"));
+        let mut r = Reader::new("connection info", p);
+        let nqps = r.count_u16("QPs", MAX_QPS)?;
+        let nrails = r.count_u8("rails", MAX_RAILS)?;
+        if nrails == 0 || nqps < nrails {
+            return Err(r
+                .invalid(
+                    nrails as u64,
+                    format_args!("1 to {}, at most the QPs ({nqps})", MAX_RAILS),
+                )
+                .into());
         }
-        let nqps = u16::from_le_bytes([p[0], p[1]]) as usize;
-        let nrails = p[2] as usize;
-        if nrails == 0 || nrails > MAX_RAILS || nqps < nrails || nqps > MAX_QPS {
-            return Err(bad(&format!("{nqps} QPs over {nrails} rails")));
-        }
-        let qps_at = CONN_FIXED + RAIL_BYTES * nrails;
-        let probes_at = qps_at + 8 * nqps;
-        let nprobes = p
-            .get(probes_at..probes_at + 2)
-            .map(|b| u16::from_le_bytes([b[0], b[1]]) as usize);
-        let Some(nprobes) = nprobes.filter(|&n| n <= nqps) else {
-            return Err(bad(&format!(
-                "{} bytes for {nqps} QPs over {nrails} rails",
-                p.len()
-            )));
-        };
-        if p.len() != probes_at + 2 + 8 * nprobes {
-            return Err(bad(&format!(
-                "{} bytes for {nqps} QPs over {nrails} rails and {nprobes} paths",
-                p.len()
-            )));
-        }
-        let u32_at = |o: usize| u32::from_le_bytes([p[o], p[o + 1], p[o + 2], p[o + 3]]);
-        let mut addr = [0u8; 8];
-        addr.copy_from_slice(&p[8..16]);
+        let flags = r.u8("flags")?;
+        let (tc, sl) = (r.u8("traffic class")?, r.u8("service level")?);
+        r.take(2, "reserved")?;
+        let addr = r.u64("address")?;
         let rails = (0..nrails)
-            .map(|i| {
-                let r = &p[CONN_FIXED + RAIL_BYTES * i..CONN_FIXED + RAIL_BYTES * (i + 1)];
-                let mut gid = [0u8; 16];
-                gid.copy_from_slice(&r[8..24]);
-                let name = &r[28..60];
-                let end = name.iter().position(|b| *b == 0).unwrap_or(32);
-                RailInfo {
-                    link_layer: r[0],
-                    mtu: r[1],
-                    port: r[2],
-                    gid_index: r[3],
-                    lid: u16::from_le_bytes([r[4], r[5]]),
+            .map(|_| {
+                let (link_layer, mtu, port, gid_index) = (
+                    r.u8("link layer")?,
+                    r.u8("MTU")?,
+                    r.u8("port")?,
+                    r.u8("GID index")?,
+                );
+                let lid = r.u16("LID")?;
+                r.take(2, "rail reserved")?;
+                let gid = r.array("GID")?;
+                let rkey = r.u32("key")?;
+                let name = r.take(DEVICE_NAME, "device name")?;
+                let end = name.iter().position(|b| *b == 0).unwrap_or(DEVICE_NAME);
+                Ok(RailInfo {
+                    link_layer,
+                    mtu,
+                    port,
+                    gid_index,
+                    lid,
                     gid,
-                    rkey: u32::from_le_bytes([r[24], r[25], r[26], r[27]]),
+                    rkey,
                     device: String::from_utf8_lossy(&name[..end]).into_owned(),
-                }
+                })
             })
-            .collect();
+            .collect::<Result<Vec<_>, WireError>>()?;
+        let qps = read_pairs(&mut r, nqps)?;
+        let nprobes = r.count_u16("probe QPs", nqps)?;
+        let probes = read_pairs(&mut r, nprobes)?;
+        r.end()?;
         Ok(ConnInfo {
-            addr: u64::from_le_bytes(addr),
-            tc: p[4],
-            sl: p[5],
-            split: p[3] & FLAG_SPLIT != 0,
-            mobile: p[3] & FLAG_MOBILE != 0,
+            addr,
+            tc,
+            sl,
+            split: flags & FLAG_SPLIT != 0,
+            mobile: flags & FLAG_MOBILE != 0,
             rails,
-            qps: (0..nqps)
-                .map(|i| (u32_at(qps_at + 8 * i), u32_at(qps_at + 8 * i + 4)))
-                .collect(),
-            probes: decode_qps(&p[probes_at..], nprobes)?,
+            qps,
+            probes,
         })
     }
 }
@@ -498,33 +514,38 @@ impl MoveMsg {
         }
     }
 
+    /// The message: step u8 | epoch u32 | lost rails [u8; 2] | the step's body.
     pub(crate) fn encode(&self) -> Vec<u8> {
-        let mut v = Vec::with_capacity(7 + self.body.len());
-        v.push(self.step as u8);
-        v.extend_from_slice(&self.epoch.to_le_bytes());
-        v.extend_from_slice(&self.lost);
-        v.extend_from_slice(&self.body);
-        v
+        let mut w = Writer::with_capacity(7 + self.body.len());
+        w.u8(self.step as u8)
+            .u32(self.epoch)
+            .bytes(&self.lost)
+            .bytes(&self.body);
+        w.into_vec()
     }
 
     pub(crate) fn decode(p: &[u8]) -> Result<Self> {
-        let bad = || Error::remote(format!("invalid move message of {} bytes", p.len()));
-        if p.len() < 7 {
-            return Err(bad());
-        }
-        let step = match p[0] {
+        let mut r = Reader::new("move message", p);
+        let step = r.u8("step")?;
+        let step = Step::from_u8(step).ok_or_else(|| r.invalid(step, "1 to 5"))?;
+        Ok(MoveMsg {
+            step,
+            epoch: r.u32("epoch")?,
+            lost: r.array("lost rails")?,
+            body: r.rest().to_vec(),
+        })
+    }
+}
+
+impl Step {
+    fn from_u8(v: u8) -> Option<Self> {
+        Some(match v {
             1 => Step::Down,
             2 => Step::Offer,
             3 => Step::Answer,
             4 => Step::Resume,
             5 => Step::Refuse,
-            _ => return Err(bad()),
-        };
-        Ok(MoveMsg {
-            step,
-            epoch: u32::from_le_bytes([p[1], p[2], p[3], p[4]]),
-            lost: [p[5], p[6]],
-            body: p[7..].to_vec(),
+            _ => return None,
         })
     }
 }
@@ -532,56 +553,69 @@ impl MoveMsg {
 /// The receives still waiting, as an answer carries them: (slot, its clear-to-send entries).
 pub(crate) type Waiting = Vec<(usize, Vec<CtsEntry>)>;
 
-/// An answer's body: the receiver's rails (an encoded `ConnInfo`), then the waiting receives.
+/// An answer's body: the receiver's rails (an encoded `ConnInfo`, after its length u32),
+/// then the waiting receives (a `u16` count; each its slot u8, its entries' count u8 and the
+/// entries).
 pub(crate) fn encode_answer(info: &[u8], waiting: &Waiting) -> Vec<u8> {
-    let mut v = Vec::with_capacity(8 + info.len() + waiting.len() * 8 * CTS_BYTES);
-    v.extend_from_slice(&(info.len() as u32).to_le_bytes());
-    v.extend_from_slice(info);
-    v.extend_from_slice(&(waiting.len() as u16).to_le_bytes());
+    let mut w = Writer::with_capacity(8 + info.len() + waiting.len() * 8 * CTS_BYTES);
+    w.u32(info.len() as u32)
+        .bytes(info)
+        .u16(waiting.len() as u16);
     for (slot, entries) in waiting {
-        v.push(*slot as u8);
-        v.push(entries.len() as u8);
+        w.u8(*slot as u8).u8(entries.len() as u8);
         for e in entries {
-            v.extend_from_slice(&e.to_bytes());
+            e.write(&mut w);
         }
     }
-    v
+    w.into_vec()
 }
 
 /// [`encode_answer`] back: the `ConnInfo` bytes and the waiting receives (each a slot of the
 /// connection with 1 to `MAX_RECVS` entries).
 pub(crate) fn decode_answer(p: &[u8]) -> Result<(&[u8], Waiting)> {
-    let bad = || Error::remote(format!("invalid move answer of {} bytes", p.len()));
-    let len = p.get(..4).ok_or_else(bad)?;
-    let len = u32::from_le_bytes([len[0], len[1], len[2], len[3]]) as usize;
-    let info = p.get(4..4usize.saturating_add(len)).ok_or_else(bad)?;
-    let mut at = 4 + len;
-    let n = p.get(at..at + 2).ok_or_else(bad)?;
-    let n = u16::from_le_bytes([n[0], n[1]]) as usize;
-    at += 2;
-    if n > SLOTS {
-        return Err(bad());
-    }
-    let mut waiting = Vec::with_capacity(n);
-    for _ in 0..n {
-        let head = p.get(at..at + 2).ok_or_else(bad)?;
-        let (slot, k) = (head[0] as usize, head[1] as usize);
-        if slot >= SLOTS || !(1..=MAX_RECVS).contains(&k) {
-            return Err(bad());
-        }
-        at += 2;
-        let mut entries = Vec::with_capacity(k);
-        for _ in 0..k {
-            let raw = p.get(at..at + CTS_BYTES).ok_or_else(bad)?;
-            entries.push(CtsEntry::from_bytes(raw));
-            at += CTS_BYTES;
-        }
-        waiting.push((slot, entries));
-    }
-    if at != p.len() {
-        return Err(bad());
-    }
+    let mut r = Reader::new("move answer", p);
+    let len = r.count_u32("connection info length", p.len())?;
+    let info = r.take(len, "connection info")?;
+    let n = r.count_u16("waiting receives", SLOTS)?;
+    let waiting = (0..n)
+        .map(|_| {
+            let slot = r.u8("slot")?;
+            if usize::from(slot) >= SLOTS {
+                return Err(r.invalid(slot, format_args!("below {SLOTS}")));
+            }
+            let k = r.u8("buffers")?;
+            if !(1..=MAX_RECVS).contains(&usize::from(k)) {
+                return Err(r.invalid(k, format_args!("1 to {MAX_RECVS}")));
+            }
+            let entries = (0..k)
+                .map(|_| CtsEntry::read(&mut r))
+                .collect::<Result<Vec<_>, WireError>>()?;
+            Ok((usize::from(slot), entries))
+        })
+        .collect::<Result<Waiting, WireError>>()?;
+    r.end()?;
     Ok((info, waiting))
+}
+
+/// A `Bye`'s body: nothing from a sender; from a receiver, the number its landed receives
+/// lie below (u64).
+pub(crate) fn encode_bye(landed: Option<u64>) -> Vec<u8> {
+    let mut w = Writer::with_capacity(8);
+    if let Some(n) = landed {
+        w.u64(n);
+    }
+    w.into_vec()
+}
+
+/// [`encode_bye`] back.
+pub(crate) fn decode_bye(p: &[u8]) -> Result<Option<u64>> {
+    if p.is_empty() {
+        return Ok(None);
+    }
+    let mut r = Reader::new("bye", p);
+    let landed = r.u64("landed receives")?;
+    r.end()?;
+    Ok(Some(landed))
 }
 
 #[cfg(test)]
@@ -604,7 +638,7 @@ mod tests {
         let (info, back) = decode_answer(&body).unwrap();
         assert_eq!(info, b"info");
         assert_eq!(back.len(), 2);
-        assert_eq!(back[0].1[1].to_bytes(), e.to_bytes());
+        assert_eq!(back, waiting);
         assert!(decode_answer(&body[..body.len() - 1]).is_err());
         let far = encode_answer(b"", &vec![(SLOTS, vec![e])]);
         assert!(decode_answer(&far).is_err(), "a slot the connection lacks");
