@@ -41,6 +41,11 @@ pub enum Problem {
         /// How many.
         extra: usize,
     },
+    /// A text field is not UTF-8 from this byte of it on.
+    NotText {
+        /// Its bytes before the first that is not UTF-8.
+        valid: usize,
+    },
     /// The field holds a value it may not.
     Invalid {
         /// The value read.
@@ -62,6 +67,10 @@ impl fmt::Display for WireError {
             Problem::Trailing { extra } => write!(
                 f,
                 "invalid {message}: {extra} bytes follow its last field `{field}` at offset {at}"
+            ),
+            Problem::NotText { valid } => write!(
+                f,
+                "invalid {message}: field `{field}` at offset {at} is not UTF-8 after {valid} bytes"
             ),
             Problem::Invalid { value, allowed } => write!(
                 f,
@@ -96,6 +105,8 @@ impl<'a> Reader<'a> {
     /// A reader of `bytes`, a `message` (its name in errors).
     #[inline]
     pub fn new(message: &'static str, bytes: &'a [u8]) -> Self {
+        #[cfg(test)]
+        tap::saw(message, bytes);
         Reader {
             bytes,
             at: 0,
@@ -125,6 +136,20 @@ impl<'a> Reader<'a> {
         let mut a = [0u8; N];
         a.copy_from_slice(self.take(N, field)?);
         Ok(a)
+    }
+
+    /// A text field of `n` bytes, zero-padded: the UTF-8 before its first zero byte.
+    pub fn text(&mut self, n: usize, field: &'static str) -> Result<&'a str, WireError> {
+        let b = self.take(n, field)?;
+        let end = b.iter().position(|c| *c == 0).unwrap_or(n);
+        std::str::from_utf8(&b[..end]).map_err(|e| WireError {
+            message: self.message,
+            field,
+            at: self.last_at,
+            problem: Problem::NotText {
+                valid: e.valid_up_to(),
+            },
+        })
     }
 
     /// The next byte.
@@ -368,6 +393,36 @@ impl<S: Sink> Writer<S> {
     }
 }
 
+/// Test builds: every message a [`Reader`] is given, kept while a test listens, so the fuzz
+/// targets' seed corpora are real messages captured from a run.
+#[cfg(test)]
+pub(crate) mod tap {
+    use std::sync::atomic::{AtomicBool, Ordering};
+
+    use parking_lot::Mutex;
+
+    static LISTENING: AtomicBool = AtomicBool::new(false);
+    static SEEN: Mutex<Vec<(&'static str, Vec<u8>)>> = Mutex::new(Vec::new());
+
+    /// Keeps what readers are given from now on.
+    pub(crate) fn listen() {
+        SEEN.lock().clear();
+        LISTENING.store(true, Ordering::SeqCst);
+    }
+
+    /// Stops keeping; returns what was kept: (message, bytes), in order.
+    pub(crate) fn heard() -> Vec<(&'static str, Vec<u8>)> {
+        LISTENING.store(false, Ordering::SeqCst);
+        std::mem::take(&mut *SEEN.lock())
+    }
+
+    pub(super) fn saw(message: &'static str, bytes: &[u8]) {
+        if LISTENING.load(Ordering::Relaxed) {
+            SEEN.lock().push((message, bytes.to_vec()));
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -433,10 +488,14 @@ mod tests {
         assert_eq!(r.u32("d").unwrap(), 4);
         assert_eq!(r.i32("e").unwrap(), -5);
         assert_eq!(r.u64("f").unwrap(), 6);
-        assert_eq!(r.take(5, "g").unwrap(), b"abc\0\0");
+        assert_eq!(r.text(5, "g").unwrap(), "abc");
         assert_eq!(r.take(3, "h").unwrap(), b"too");
         assert_eq!(r.rest(), &[0u8; 20]);
         r.end().unwrap();
+        let e = Reader::new("sample", b"ab\xffc")
+            .text(4, "name")
+            .unwrap_err();
+        assert_eq!(e.problem, Problem::NotText { valid: 2 });
         let mut fixed = [0xffu8; 8];
         let mut w = Writer::over(&mut fixed[..]);
         w.u16_be(0x0102).zeros(2).u32(7);

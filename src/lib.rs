@@ -11,8 +11,8 @@
 //! hands down.
 //!
 //! The crate's public surface is what the tools and tests need besides the exported tables:
-//! [`ffi`] (the ABI types), [`protocol`] (the wire format of the handle and handshake, for
-//! fuzzing) and [`report`] (the host report behind `nccl-net-erdma-info`).
+//! [`ffi`] (the ABI types), [`protocol`] (every wire format a peer sends, for fuzzing and
+//! hostile-peer tests) and [`report`] (the host report behind `nccl-net-erdma-info`).
 
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
@@ -27,19 +27,9 @@ pub mod ffi;
 mod log;
 mod oob;
 mod plugin;
+pub mod protocol;
 mod random;
 pub mod report;
 mod sysfs;
 mod transport;
 mod verbs;
-
-/// The wire format of the connection handle and the bootstrap handshake: what a peer (or a
-/// fuzzer, or a stranger on the port) sends the plugin before any data moves.
-pub mod protocol {
-    pub use crate::error::{Error, ErrorKind};
-    pub use crate::oob::handle;
-    pub use crate::oob::{
-        decode_header, encode_header, Handle, Hello, MsgKind, TransportKind, HANDLE_SIZE,
-        MAX_PAYLOAD, MSG_HEADER,
-    };
-}

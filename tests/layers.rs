@@ -16,7 +16,7 @@ use std::path::{Path, PathBuf};
 /// A module's layer: higher layers may import lower ones and their own, never higher.
 fn layer(module: &str) -> Option<u32> {
     Some(match module {
-        "abi" | "report" => 9,
+        "abi" | "report" | "protocol" => 9,
         "plugin" => 8,
         "transport" => 7,
         "oob" => 6,
@@ -38,6 +38,7 @@ fn allowed_imports(top: &str) -> Option<&'static [&'static str]> {
     match top {
         "abi" => Some(&["plugin"]),
         "report" => Some(&["plugin", "config", "transport::facts"]),
+        "protocol" => Some(&["oob", "transport::either"]),
         _ => None,
     }
 }

@@ -1,7 +1,8 @@
 //! The one place that names both transports: [`open`] picks the one `NCCL_ERDMA_TRANSPORT`
 //! asks for, and the `Any*` types are either transport's listener, connector and ends behind
 //! the contract, dispatched by a `match` (the transports are a closed set, so the plugin's
-//! calls need no vtable).
+//! calls need no vtable). [`wire`] gathers both transports' wire formats for the crate's
+//! `protocol` surface (fuzzing, hostile-peer tests).
 
 use std::{net::IpAddr, sync::Arc};
 
@@ -16,6 +17,21 @@ use crate::config::{Config, TransportChoice};
 use crate::error::{Error, Result};
 use crate::log::INIT;
 use crate::oob::{iface::LocalAddr, Handle, TransportKind};
+
+/// Both transports' wire formats: what `protocol` checks.
+pub(crate) mod wire {
+    pub(crate) use super::super::tcp::frame::{CtsFrame, DataHeader, CTS_MAX, DATA_HEADER};
+    pub use super::super::tcp::frame::{TCP_RECEIVER_READS, TCP_SENDER_READS};
+    pub(crate) use super::super::verbs::wire::{
+        decode_answer, decode_bye, decode_qps, encode_answer, encode_bye, encode_qps, ConnInfo,
+        MoveMsg, Step,
+    };
+    /// What `protocol`'s round-trip tests generate.
+    #[cfg(test)]
+    pub(crate) use super::super::verbs::wire::{CtsEntry, RailInfo, Waiting, MAX_QPS, SLOTS};
+    #[cfg(test)]
+    pub(crate) use super::super::{MAX_RAILS, MAX_RECVS};
+}
 
 /// Runs `$body` with `$x` bound to whichever transport's value `$value` holds, and wraps what
 /// it returns in the same variant of `$wrap` (or returns it as is, without `=>`).

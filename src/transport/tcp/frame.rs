@@ -22,9 +22,16 @@ const FLAG_TRUNC: u8 = 1;
 /// Bytes of a clear-to-send frame's header and of each of its entries, and the most it takes.
 const CTS_HEADER: usize = 8;
 const CTS_ENTRY: usize = 16;
-pub(super) const CTS_MAX: usize = CTS_HEADER + MAX_RECVS * CTS_ENTRY;
+pub(crate) const CTS_MAX: usize = CTS_HEADER + MAX_RECVS * CTS_ENTRY;
 /// Bytes of a data frame's header.
-pub(super) const DATA_HEADER: usize = 16;
+pub(crate) const DATA_HEADER: usize = 16;
+
+/// Which tcp stream the `tcp_frames` fuzz target reads: the first byte of its input, even
+/// for what a sender reads (clear-to-send frames), odd for what a receiver reads (data frame
+/// headers).
+pub const TCP_SENDER_READS: u8 = 0;
+/// See [`TCP_SENDER_READS`].
+pub const TCP_RECEIVER_READS: u8 = 1;
 
 /// A receive's clear-to-send: type u8 (1) | buffers u8 | 2 reserved | the receive's sequence
 /// number u32, then per buffer its size u64 | tag i32 | 4 reserved.

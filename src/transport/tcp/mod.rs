@@ -10,9 +10,11 @@
 //! and `close` just closes the socket. Setup is one-way: the connector's comm is returned once
 //! its hello is out, the listener's once a hello came; the frames follow on the same socket.
 
-mod frame;
+pub(crate) mod frame;
 mod recv;
 mod send;
+#[cfg(test)]
+mod tests;
 
 use std::{ffi::CString, net::IpAddr, sync::Arc, time::Duration};
 

@@ -40,7 +40,7 @@ mod setup;
 mod survey;
 #[cfg(test)]
 mod tests;
-mod wire;
+pub(crate) mod wire;
 
 use std::{net::IpAddr, sync::Arc};
 

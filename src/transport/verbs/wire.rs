@@ -410,7 +410,7 @@ impl ConnInfo {
                 .zeros(2)
                 .bytes(&r.gid)
                 .u32(r.rkey)
-                .padded(r.device.as_bytes(), DEVICE_NAME);
+                .padded(name_within(&r.device, DEVICE_NAME).as_bytes(), DEVICE_NAME);
         }
         for &(qpn, psn) in &self.qps {
             w.u32(qpn).u32(psn);
@@ -447,8 +447,7 @@ impl ConnInfo {
                 r.take(2, "rail reserved")?;
                 let gid = r.array("GID")?;
                 let rkey = r.u32("key")?;
-                let name = r.take(DEVICE_NAME, "device name")?;
-                let end = name.iter().position(|b| *b == 0).unwrap_or(DEVICE_NAME);
+                let device = r.text(DEVICE_NAME, "device name")?.to_string();
                 Ok(RailInfo {
                     link_layer,
                     mtu,
@@ -457,7 +456,7 @@ impl ConnInfo {
                     lid,
                     gid,
                     rkey,
-                    device: String::from_utf8_lossy(&name[..end]).into_owned(),
+                    device,
                 })
             })
             .collect::<Result<Vec<_>, WireError>>()?;
@@ -476,6 +475,16 @@ impl ConnInfo {
             probes,
         })
     }
+}
+
+/// `name`, cut to at most `width` bytes at a character boundary (device names are ASCII;
+/// a longer one must still decode).
+fn name_within(name: &str, width: usize) -> &str {
+    let mut end = name.len().min(width);
+    while !name.is_char_boundary(end) {
+        end -= 1;
+    }
+    &name[..end]
 }
 
 /// The steps of a move (`failover`'s module doc): a receiver that lost a path says `Down`;

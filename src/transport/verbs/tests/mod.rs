@@ -3,6 +3,7 @@
 //! and size checked, and the faults the VM tiers cannot stage exactly (a write half placed, a
 //! sequence number crossing 2^32, a link that never answers, a failed work request).
 
+mod corpus;
 mod failover;
 mod faults;
 mod interleavings;
