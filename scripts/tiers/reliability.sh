@@ -3,11 +3,14 @@
 #
 #   scripts/tiers/reliability.sh
 #
-# 1. Fuzzing (cargo-fuzz, libFuzzer, nightly toolchain): fuzz/fuzz_targets/handle_decode.rs
-#    (oob::Handle::decode + oob::handle::stage_id) and handshake.rs (oob::decode_header +
-#    oob::Hello::decode), both at once, each for $RELIABILITY_FUZZ_SECONDS (60) over the
-#    committed seed corpus fuzz/corpus/<target>/. New inputs go to a scratch directory, so
-#    the committed corpus is not modified; a crash leaves its input in fuzz/artifacts/<target>/.
+# 1. Fuzzing (cargo-fuzz, libFuzzer, nightly toolchain): one target per decoder of bytes a
+#    peer sends (fuzz/fuzz_targets/): handle_decode (oob::Handle::decode + stage_id),
+#    handshake (message headers + Hello), conn_info, move_message, answer, probe_qps, bye and
+#    tcp_frames (each through its check in src/protocol.rs: decodes as the plugin does, and
+#    what decodes re-encodes alike). All at once, each for $RELIABILITY_FUZZ_SECONDS (60)
+#    over its committed seed corpus fuzz/corpus/<target>/ (captured-*: real messages from a
+#    run, see src/protocol.rs). New inputs go to a scratch directory, so the committed corpus
+#    is not modified; a crash leaves its input in fuzz/artifacts/<target>/.
 # 2. valgrind memcheck over the host test binaries (tests/conformance.rs and
 #    tests/reliability.rs, release build, tcp transport), following the child processes the
 #    tests start (--trace-children=yes; only system tools the tests run are skipped). Every
@@ -34,7 +37,7 @@ source scripts/common.sh
 CARGO_FUZZ_VERSION=0.13.2
 fuzz_seconds=${RELIABILITY_FUZZ_SECONDS:-60}
 fuzz_target_dir=${RELIABILITY_FUZZ_TARGET_DIR:-$HOME/.cache/nccl-net-erdma/fuzz-target}
-targets=(handle_decode handshake)
+targets=(handle_decode handshake conn_info move_message answer probe_qps bye tcp_frames)
 
 step_prefix reliability
 start=$(now)
@@ -91,7 +94,7 @@ else
 fi
 
 if [[ $fuzz_ready == 1 ]]; then
-  echo "== reliability: fuzz ${targets[*]} for $fuzz_seconds s each (in parallel)"
+  echo "== reliability: fuzz ${targets[*]} for $fuzz_seconds s each (all at once)"
   t=$(now)
   pids=()
   for target in "${targets[@]}"; do
