@@ -19,8 +19,9 @@
 //! | 6 dlclose/dlopen | `lifecycle::fifty_dlclose_dlopen_cycles_leave_nothing_behind` |
 //! | 7 fork | `lifecycle::verbs_fork_after_registration_keeps_parent_transfers_correct` (verbs) |
 //! | 8 stress | `lifecycle::stress_service_and_progress_threads_on_64_comms` |
-//! | 9 fuzzing | `fuzz/` (cargo-fuzz), seeds checked by `handles::fuzz_seed_corpus_decodes` |
+//! | 9 fuzzing | `fuzz/` (cargo-fuzz, a target per decoder of peer bytes), seeds checked by `handles::fuzz_seed_corpus_decodes` and the library's `protocol` tests |
 //! | 10 valgrind | `scripts/tiers/reliability.sh` |
+//! | 11 hostile peers past the listen port (setup messages, move messages and tcp frames mid-stream) | `hostile::hostile_peers_fail_only_their_comm_with_a_warn_naming_the_field` |
 //!
 //! | file | holds |
 //! |---|---|
@@ -31,6 +32,7 @@
 //! | `handles.rs` | case 4, and the fuzzers' seed corpus (case 9) |
 //! | `arguments.rs`, `arguments/` | case 5: one check function per entry point; raw table calls |
 //! | `lifecycle.rs` | cases 6, 7 and 8 |
+//! | `hostile.rs` | case 11: a man in the middle that rewrites or slips in messages |
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -38,6 +40,7 @@ mod support;
 
 mod arguments;
 mod handles;
+mod hostile;
 mod lifecycle;
 mod listeners;
 mod peers;
