@@ -216,6 +216,15 @@ impl<N: Nic> RecvState<N> {
         self.cts_posted != self.seq || self.lost() || !self.still()
     }
 
+    /// Whether this end is up and answered the setup, and the sender is not up yet (its
+    /// `Resume` has not come): receives are posted on the rails, which are this end's for
+    /// good, but their clear-to-send entries wait, as the sender's QPs may not take a write
+    /// yet. A rank may post receives before its peer makes any call (NCCL's ranks, or one
+    /// thread driving both ends, do), so waiting here for the sender would never end.
+    fn awaits_sender_up(&self) -> bool {
+        matches!(&self.movement, Movement::Answered(m, _) if m.is_setup())
+    }
+
     /// Whether the comm has failed or its peer is gone: a receive still waiting never ends.
     fn lost(&self) -> bool {
         self.failure.is_set() || self.link.ended().is_some()
@@ -242,7 +251,7 @@ impl<N: Nic> RecvState<N> {
             // else before its receives are posted.
             if !self.still() {
                 let moving = self.step_move(gate);
-                if self.failure.record(moving)? {
+                if self.failure.record(moving)? && !self.awaits_sender_up() {
                     // Posted after the move, on the new rails.
                     return Ok(None);
                 }
@@ -591,6 +600,9 @@ impl<N: Nic> RecvState<N> {
     /// a slot announces, each checked by its sequence number).
     #[inline(always)]
     fn post_pending_cts(&mut self) -> Result<()> {
+        if self.awaits_sender_up() {
+            return Ok(());
+        }
         let first = (self.cts_posted % SLOTS as u64) as usize;
         if self.seq - self.cts_posted == 1 {
             // The receive just posted (every receive, at the hardware default of no batching).

@@ -116,19 +116,21 @@ fn connect_returns_before_accept_and_the_first_data_calls_finish_the_setup() {
     let mut src = TestMem::new(4096, 9);
     let dst_mh = rig.register(&rig.rx, &dst);
     let src_mh = rig.register(&rig.tx, &src);
-    // NCCL's proxies: the receiver posts, the sender tries to send, until both are up.
-    let mut calls = 0;
-    let r = until("the first irecv", || {
-        calls += 1;
-        let r = recv.irecv(&[dst.buffer()], &[1], &[dst_mh])?;
-        if r.is_none() {
-            assert_eq!(send.isend(src.buffer(), 1, src_mh)?, None, "no receive yet");
+    // The receiver's rank posts before the sender made any call (one thread may drive both
+    // ends, so this must not wait for the sender); its clear-to-send waits until the sender
+    // is up (the fake drops a write to a QP not brought up: the data would never come).
+    let r = recv
+        .irecv(&[dst.buffer()], &[1], &[dst_mh])
+        .unwrap()
+        .expect("a receive taken before the sender is up");
+    let s = until("the send", || {
+        let s = send.isend(src.buffer(), 1, src_mh)?;
+        if s.is_none() {
+            assert!(matches!(test_recv(&recv, r), Ok(None)), "done before it was sent");
         }
-        Ok(r)
+        Ok(s)
     })
     .unwrap();
-    assert!(calls > 1, "the receiver announced before the sender was up");
-    let s = until("the send", || send.isend(src.buffer(), 1, src_mh)).unwrap();
     let c = rig.conn(send, recv);
     let done = wait_both(&c, s, r).unwrap();
     assert_eq!(done, (Completion::single(4096), Completion::single(4096)));
