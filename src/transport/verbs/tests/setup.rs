@@ -126,7 +126,10 @@ fn connect_returns_before_accept_and_the_first_data_calls_finish_the_setup() {
     let s = until("the send", || {
         let s = send.isend(src.buffer(), 1, src_mh)?;
         if s.is_none() {
-            assert!(matches!(test_recv(&recv, r), Ok(None)), "done before it was sent");
+            assert!(
+                matches!(test_recv(&recv, r), Ok(None)),
+                "done before it was sent"
+            );
         }
         Ok(s)
     })
