@@ -61,14 +61,19 @@ impl Middle {
             let mut payload = vec![0u8; len];
             from_sender.read_exact(&mut payload).unwrap();
             let payload = hello(payload);
-            to_receiver.write_all(&encode_header(kind, payload.len())).unwrap();
+            to_receiver
+                .write_all(&encode_header(kind, payload.len()))
+                .unwrap();
             to_receiver.write_all(&payload).unwrap();
             *shared.lock().unwrap() = Some([
                 to_receiver.try_clone().unwrap(),
                 from_sender.try_clone().unwrap(),
             ]);
             let back = Arc::clone(&shared);
-            let (r, s) = (to_receiver.try_clone().unwrap(), from_sender.try_clone().unwrap());
+            let (r, s) = (
+                to_receiver.try_clone().unwrap(),
+                from_sender.try_clone().unwrap(),
+            );
             thread::spawn(move || relay(r, back, Toward::Sender));
             relay(s, shared, Toward::Receiver);
         });
@@ -157,7 +162,10 @@ fn message(net: &Net, s: Opaque, r: Opaque, len: usize, seed: u64) -> Result<(),
         while !(sent && received) {
             sent = sent || net.test(sreq, None)?;
             received = received || net.test(rreq, Some(&mut sizes))?;
-            assert!(start.elapsed() < DEADLINE, "the message neither arrived nor failed");
+            assert!(
+                start.elapsed() < DEADLINE,
+                "the message neither arrived nor failed"
+            );
         }
         assert_eq!(sizes[0] as usize, len);
         Ok(())
@@ -412,7 +420,11 @@ fn child_hostile_peers() {
                 |p| hello_claiming(p, 1, 0),
                 "field `rails`",
             ),
-            ("a truncated ConnInfo", |p| p[..p.len() - 5].to_vec(), "field"),
+            (
+                "a truncated ConnInfo",
+                |p| p[..p.len() - 5].to_vec(),
+                "field",
+            ),
         ] {
             let seen = warns().len();
             let mut handle = [0u8; NCCL_HANDLE];
