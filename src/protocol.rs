@@ -202,6 +202,11 @@ mod tests {
         }
     }
 
+    /// (QP number, PSN): 24 bits each.
+    fn qp_pairs() -> impl Strategy<Value = (u32, u32)> {
+        (0..1u32 << 24, 0..1u32 << 24)
+    }
+
     fn rail() -> impl Strategy<Value = RailInfo> {
         (
             any::<[u8; 4]>(),
@@ -223,7 +228,7 @@ mod tests {
     }
 
     fn conn_infos() -> impl Strategy<Value = ConnInfo> {
-        let pairs = |n| prop::collection::vec(any::<(u32, u32)>(), n);
+        let pairs = |n| prop::collection::vec(qp_pairs(), n);
         (1..=MAX_RAILS, 1..=MAX_QPS)
             .prop_flat_map(move |(rails, qps)| {
                 let qps = qps.max(rails);
@@ -350,7 +355,7 @@ mod tests {
 
         #[test]
         fn probe_lists_and_byes_round_trip(
-            qps in prop::collection::vec(any::<(u32, u32)>(), 0..=MAX_QPS),
+            qps in prop::collection::vec(qp_pairs(), 0..=MAX_QPS),
             landed: Option<u64>,
         ) {
             prop_assert_eq!(decode_qps(&encode_qps(&qps), qps.len()).unwrap(), qps);

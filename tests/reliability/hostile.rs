@@ -1,6 +1,7 @@
 //! Case 11, hostile peers past the listen port: a man in the middle on loopback (`Middle`)
 //! relays a real connection and changes what passes. Over verbs it rewrites the connector's
-//! setup message (`ConnInfo`: absurd counts of QPs and rails, a truncated body), and during a
+//! setup message (`ConnInfo`: absurd counts of QPs and rails, a QP number past 24 bits, a
+//! truncated body), and during a
 //! stream it slips move messages to either end: out of turn, of a stale or a future epoch,
 //! truncated, of an unknown step, and a `Bye` of the wrong size. Over tcp it slips frames into
 //! the stream: a clear-to-send of too many buffers or for a receive out of order, data for a
@@ -419,6 +420,16 @@ fn child_hostile_peers() {
                 "a ConnInfo of no rail",
                 |p| hello_claiming(p, 1, 0),
                 "field `rails`",
+            ),
+            (
+                "a ConnInfo naming QP number 2^32-1",
+                |p| {
+                    let mut hello = Hello::decode(&p).unwrap();
+                    let first_qp = 16 + 60 * usize::from(hello.payload[2]);
+                    hello.payload[first_qp..first_qp + 4].fill(0xff);
+                    hello.encode()
+                },
+                "field `QP number`",
             ),
             (
                 "a truncated ConnInfo",

@@ -362,10 +362,20 @@ fn write_qps<S: Sink>(w: &mut Writer<S>, qps: &[(u32, u32)]) {
     }
 }
 
-/// `n` (QP number, PSN) pairs.
+/// QP numbers and packet sequence numbers are 24 bits wide.
+const QP_FIELD_LIMIT: u32 = 1 << 24;
+
+/// `n` (QP number, PSN) pairs, each 24 bits.
 fn read_pairs(r: &mut Reader<'_>, n: usize) -> Result<Vec<(u32, u32)>, WireError> {
+    let mut field = |r: &mut Reader<'_>, name| {
+        let v = r.u32(name)?;
+        if v >= QP_FIELD_LIMIT {
+            return Err(r.invalid(v, format_args!("below {QP_FIELD_LIMIT} (24 bits)")));
+        }
+        Ok(v)
+    };
     (0..n)
-        .map(|_| Ok((r.u32("QP number")?, r.u32("PSN")?)))
+        .map(|_| Ok((field(r, "QP number")?, field(r, "PSN")?)))
         .collect()
 }
 
