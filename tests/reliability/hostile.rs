@@ -121,8 +121,9 @@ fn relay(mut from: TcpStream, ends: Arc<Mutex<Option<[TcpStream; 2]>>>, toward: 
     }
 }
 
-/// A pair whose connection goes through a [`Middle`] that rewrites the hello with `hello`.
-fn pair_through(net: &Net, hello: fn(Vec<u8>) -> Vec<u8>) -> (Opaque, Opaque, Middle) {
+/// A connect to a new listener through a [`Middle`] that rewrites the hello with `hello`:
+/// the listen comm, the send comm and the middle.
+fn connect_through(net: &Net, hello: fn(Vec<u8>) -> Vec<u8>) -> (Opaque, Opaque, Middle) {
     let mut handle = [0u8; NCCL_HANDLE];
     let listen = net.listen(0, &mut handle).unwrap();
     let mut h = Handle::decode(plugin_part(&mut handle)).unwrap();
@@ -130,6 +131,12 @@ fn pair_through(net: &Net, hello: fn(Vec<u8>) -> Vec<u8>) -> (Opaque, Opaque, Mi
     h.addr = middle.addr;
     h.encode(plugin_part(&mut handle));
     let send = connected(net, &mut handle).expect("connect through the middle");
+    (listen, send, middle)
+}
+
+/// A pair whose connection goes through a [`Middle`] that relays it as it is.
+fn pair_through(net: &Net) -> (Opaque, Opaque, Middle) {
+    let (listen, send, middle) = connect_through(net, |hello| hello);
     let recv = poll_until("accept", || net.accept(listen).expect("accept"));
     net.close_listen(listen).unwrap();
     (send, recv, middle)
@@ -377,7 +384,7 @@ fn child_hostile_peers() {
         TransportKind::Tcp => tcp_cases(),
     };
     for (i, case) in cases.iter().enumerate() {
-        let (s, r, middle) = pair_through(&net, |hello| hello);
+        let (s, r, middle) = pair_through(&net);
         message(&net, s, r, 70_000, i as u64).expect("a clean message first");
         let seen = warns().len();
         middle.inject(case.toward, &case.bytes);
@@ -438,13 +445,7 @@ fn child_hostile_peers() {
             ),
         ] {
             let seen = warns().len();
-            let mut handle = [0u8; NCCL_HANDLE];
-            let listen = net.listen(0, &mut handle).unwrap();
-            let mut h = Handle::decode(plugin_part(&mut handle)).unwrap();
-            let middle = Middle::start(h.addr, hello);
-            h.addr = middle.addr;
-            h.encode(plugin_part(&mut handle));
-            let s = connected(&net, &mut handle).expect("connect through the middle");
+            let (listen, s, middle) = connect_through(&net, hello);
             let start = Instant::now();
             let accepted = loop {
                 match net.accept(listen) {
