@@ -367,7 +367,7 @@ const QP_FIELD_LIMIT: u32 = 1 << 24;
 
 /// `n` (QP number, PSN) pairs, each 24 bits.
 fn read_pairs(r: &mut Reader<'_>, n: usize) -> Result<Vec<(u32, u32)>, WireError> {
-    let mut field = |r: &mut Reader<'_>, name| {
+    let field = |r: &mut Reader<'_>, name| {
         let v = r.u32(name)?;
         if v >= QP_FIELD_LIMIT {
             return Err(r.invalid(v, format_args!("below {QP_FIELD_LIMIT} (24 bits)")));
