@@ -210,7 +210,7 @@ fn crossed_pair(net: &Net, sends: [Opaque; 2], recvs: [Opaque; 2]) {
     });
     let sreqs = [0, 1].map(|i| {
         let (p, mh) = (srcs[i].buf.as_mut_ptr(), srcs[i].mh);
-        poll_until("isend", || {
+        isend_testing(net, rreqs[i], || {
             net.isend(sends[i], p, 4096, 1, mh).expect("isend")
         })
     });
@@ -259,8 +259,9 @@ fn v4_messages_without_tags_match_in_posting_order() {
     let sreqs: Vec<Opaque> = srcs
         .iter_mut()
         .zip(sizes)
-        .map(|(src, len)| {
-            poll_until("isend", || {
+        .zip(&rreqs)
+        .map(|((src, len), &rreq)| {
+            isend_testing(&net, rreq, || {
                 net.isend(s, src.buf.as_mut_ptr(), len, 0, src.mh).unwrap()
             })
         })
@@ -428,7 +429,7 @@ fn grouped_receive_with_mixed_tags_fills_every_size() {
         for &i in &order {
             let len = 100 * i + 1;
             let mut src = reg(&net, s, pattern(i as u64, len));
-            let req = poll_until("isend", || {
+            let req = isend_testing(&net, rreq, || {
                 net.isend(s, src.buf.as_mut_ptr(), len, tags[i], src.mh)
                     .unwrap()
             });
@@ -483,8 +484,8 @@ fn requests_are_null_when_they_cannot_be_posted_and_32_by_8_fit() {
     assert!(net.irecv(r, &bufs, &tags, &mhs, false).unwrap().is_null());
     // 32 x 8 = 256 sends in flight on the send comm.
     let mut sreqs = Vec::new();
-    for _ in 0..256 {
-        sreqs.push(poll_until("isend", || {
+    for m in 0..256 {
+        sreqs.push(isend_testing(&net, rreqs[m / 8], || {
             net.isend(s, src.buf.as_mut_ptr(), 64, 1, src.mh).unwrap()
         }));
     }
@@ -570,7 +571,7 @@ fn optional_receive_hint_is_always_overwritten() {
             .unwrap();
         assert_ne!(req.0 as usize, 1, "v{v}: the 0x1 hint was left in *request");
         assert!(!req.is_null());
-        let sreq = poll_until("isend", || {
+        let sreq = isend_testing(&net, req, || {
             net.isend(s, src.buf.as_mut_ptr(), 16, 0, src.mh).unwrap()
         });
         assert_eq!(wait(&net, req, 1), vec![16]);
@@ -636,7 +637,7 @@ fn bad_arguments_are_error_codes() {
     };
     assert_eq!(send_error(Opaque(0xdead as _), 8), internal);
     assert_eq!(send_error(mh, 65), internal, "outside the registration");
-    let sreq = poll_until("isend", || net.isend(s, p, 8, 0, mh).expect("isend"));
+    let sreq = isend_testing(&net, rreq, || net.isend(s, p, 8, 0, mh).expect("isend"));
     wait(&net, sreq, 1);
     assert_eq!(
         wait(&net, rreq, 1),
@@ -1051,7 +1052,7 @@ fn child_verbs_traffic() {
     for i in [2usize, 7, 0, 5, 3, 1, 6, 4] {
         let len = 600 * i;
         let mut src = reg(&net, s, pattern(50 + i as u64, len));
-        let req = poll_until("isend", || {
+        let req = isend_testing(&net, rreq, || {
             net.isend(s, src.buf.as_mut_ptr(), len, tags[i], src.mh)
                 .unwrap()
         });
@@ -1080,9 +1081,9 @@ fn child_verbs_traffic() {
         .map(|i| reg(&net, s, pattern(900 + i, 2000)))
         .collect();
     let mut sreqs = Vec::new();
-    for src in srcs.iter_mut() {
+    for (src, &rreq) in srcs.iter_mut().zip(&rreqs) {
         let p = src.buf.as_mut_ptr();
-        sreqs.push(poll_until("isend", || {
+        sreqs.push(isend_testing(&net, rreq, || {
             net.isend(s, p, 2000, 1, src.mh).unwrap()
         }));
     }
@@ -1254,7 +1255,7 @@ fn child_verbs_flush() {
         net.irecv(r, &[(dst.buf.as_mut_ptr(), 4096)], &[3], &[dst.mh], false)
             .unwrap()
     });
-    let sreq = poll_until("isend", || {
+    let sreq = isend_testing(&net, rreq, || {
         net.isend(s, src.buf.as_mut_ptr(), 3000, 3, src.mh).unwrap()
     });
     assert_eq!(wait(&net, rreq, 1), vec![3000]);
@@ -1366,7 +1367,7 @@ fn child_verbs_gpu_memory_not_inlined() {
     let rreq = poll_until("irecv", || {
         net.irecv(r, &[(d, 8)], &[1], &[dst.mh], false).unwrap()
     });
-    let sreq = poll_until("isend", || net.isend(s, gpu, 8, 1, mh).unwrap());
+    let sreq = isend_testing(&net, rreq, || net.isend(s, gpu, 8, 1, mh).unwrap());
     assert_eq!(wait(&net, rreq, 1), vec![8]);
     wait(&net, sreq, 1);
     // A group of two: the chained path.
@@ -1380,10 +1381,10 @@ fn child_verbs_gpu_memory_not_inlined() {
         )
         .unwrap()
     });
-    let s2 = poll_until("isend", || {
+    let s2 = isend_testing(&net, rreq, || {
         net.isend(s, gpu.wrapping_add(8), 16, 2, mh).unwrap()
     });
-    let s3 = poll_until("isend", || {
+    let s3 = isend_testing(&net, rreq, || {
         net.isend(s, gpu.wrapping_add(24), 16, 3, mh).unwrap()
     });
     assert_eq!(wait(&net, rreq, 2), vec![16, 16]);

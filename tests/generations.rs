@@ -236,9 +236,10 @@ fn stream(net: &Net, s: Opaque, r: Opaque, seed: u64) {
         let sreqs: Vec<Opaque> = srcs
             .iter_mut()
             .zip(&sizes)
-            .map(|(src, &n)| {
+            .zip(&rreqs)
+            .map(|((src, &n), &rreq)| {
                 let (p, mh) = (src.buf.as_mut_ptr(), src.mh);
-                poll_until("isend", || net.isend(s, p, n, 0, mh).expect("isend"))
+                isend_testing(net, rreq, || net.isend(s, p, n, 0, mh).expect("isend"))
             })
             .collect();
         for (i, (&sreq, &rreq)) in sreqs.iter().zip(&rreqs).enumerate() {

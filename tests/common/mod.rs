@@ -94,6 +94,23 @@ pub fn connect_pair(net: &Net) -> (Opaque, Opaque) {
     connect_pair_on(net, 0)
 }
 
+/// Polls `isend` until it posts, testing receive `rreq` (the one this send is for) between
+/// tries, as NCCL's proxy progresses every request it holds on each pass. Setup is one-way:
+/// a receive posted before its sender was up announces its buffers once one of the
+/// receiver's own calls has heard the sender (NCCL's IB transport has `irecv` wait for that
+/// too), so a driver that only retried the send would wait forever. The receive cannot
+/// finish before this send is posted.
+pub fn isend_testing(net: &Net, rreq: Opaque, mut isend: impl FnMut() -> Opaque) -> Opaque {
+    poll_until("isend", || {
+        let sreq = isend();
+        if sreq.is_null() {
+            let done = net.test(rreq, None).expect("test of the receive");
+            assert!(!done, "a receive finished before its send was posted");
+        }
+        sreq
+    })
+}
+
 /// A connected loopback pair on device `dev`: (send comm, recv comm).
 pub fn connect_pair_on(net: &Net, dev: i32) -> (Opaque, Opaque) {
     let mut handle = [0u8; 128];
@@ -170,7 +187,7 @@ pub fn transfer(net: &Net, s: Opaque, r: Opaque, send_len: usize, recv_len: usiz
         )
         .expect("irecv")
     });
-    let sreq = poll_until("isend", || {
+    let sreq = isend_testing(net, rreq, || {
         net.isend(s, src.buf.as_mut_ptr(), send_len, seed as i32, src.mh)
             .expect("isend")
     });

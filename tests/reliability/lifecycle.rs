@@ -118,7 +118,7 @@ fn transfer_regs(net: &Net, s: Opaque, r: Opaque, src: &mut Reg, dst: &mut Reg, 
         net.irecv(r, &[(dst.buf.as_mut_ptr(), dlen)], &[3], &[dst.mh], false)
             .expect("irecv")
     });
-    let sreq = poll_until("isend", || {
+    let sreq = isend_testing(net, rreq, || {
         net.isend(s, src.buf.as_mut_ptr(), len, 3, src.mh)
             .expect("isend")
     });
@@ -258,7 +258,7 @@ fn progress_loop(
                 let mut sreqs = Vec::new();
                 for i in (0..3).rev() {
                     let p = src.buf.as_mut_ptr().wrapping_add(i * part);
-                    sreqs.push(poll_until("isend", || {
+                    sreqs.push(isend_testing(net, rreq, || {
                         net.isend(s, p, lens[i], tags[i], src.mh).unwrap()
                     }));
                 }
@@ -285,7 +285,7 @@ fn progress_loop(
                     net.irecv(r, &[(d, STRESS_BUF)], &[5], &[dst.mh], false)
                         .unwrap()
                 });
-                let sreq = poll_until("isend", || {
+                let sreq = isend_testing(net, rreq, || {
                     net.isend(s, src.buf.as_mut_ptr(), len, 5, src.mh).unwrap()
                 });
                 assert_eq!(

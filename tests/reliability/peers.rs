@@ -306,7 +306,7 @@ fn child_verbs_cq_error() {
     });
     net.dereg_mr(r, dst.mh).unwrap();
     let start = Instant::now();
-    let sreq = poll_until("isend", || {
+    let sreq = isend_testing(&net, rreq, || {
         net.isend(s, src.buf.as_mut_ptr(), HALF, 4, src.mh).unwrap()
     });
     let err = loop {
