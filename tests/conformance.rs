@@ -522,7 +522,11 @@ fn send_larger_than_receive_is_an_error_on_both_sides() {
     let start = Instant::now();
     let err = loop {
         match net.isend(s, src.buf.as_mut_ptr(), 100, 5, src.mh) {
-            Ok(req) if req.is_null() => assert!(start.elapsed() < DEADLINE),
+            Ok(req) if req.is_null() => {
+                // As NCCL's proxy: the receive is progressed too (see `isend_testing`).
+                let _ = net.test(rreq, None);
+                assert!(start.elapsed() < DEADLINE)
+            }
             Ok(_) => panic!("a send larger than its receive was accepted"),
             Err(e) => break e,
         }
@@ -632,6 +636,8 @@ fn bad_arguments_are_error_codes() {
                 Err(e) => return e,
                 Ok(req) => assert!(req.is_null(), "a bad send was accepted"),
             }
+            // As NCCL's proxy: the receive is progressed too (see `isend_testing`).
+            assert!(!net.test(rreq, None).unwrap(), "received before sent");
             assert!(start.elapsed() < DEADLINE, "isend never answered");
         }
     };
@@ -1201,7 +1207,8 @@ fn child_verbs_cts_batch() {
     dereg(&net, s, src);
     close_pair(&mut net, s, r);
     // The receive comm's summary: "(W clear-to-send writes for R receives)". One write per
-    // receive without batching; batched, several receives per write on average.
+    // receive without batching (the first few aside); batched, several receives per write
+    // on average.
     let batch: u64 = std::env::var("NCCL_ERDMA_CTS_BATCH")
         .unwrap()
         .parse()
@@ -1222,7 +1229,14 @@ fn child_verbs_cts_batch() {
     );
     assert_eq!(receives, groups as u64, "{}", summary.text);
     if batch == 1 {
-        assert_eq!(writes, receives, "{}", summary.text);
+        // One write per receive, but for those posted before the sender was up (at most
+        // the window), whose entries wait for it and then go out in one write.
+        let held = (WINDOW as u64).min(receives);
+        assert!(
+            writes <= receives && writes + held > receives,
+            "{}",
+            summary.text
+        );
     } else {
         assert!(writes * 2 <= receives, "{}", summary.text);
     }

@@ -108,7 +108,7 @@ fn strangers(nonce: u64) -> Vec<Stranger> {
             "hello too short",
             frame(hello_kind, 0, version, 4, &good[..4]),
             false,
-            "too short",
+            "field `nonce` needs 8 bytes",
         ),
         s(
             "hello naming an unknown transport",

@@ -5,7 +5,7 @@
 //! nothing else reads the socket. Nothing here blocks: what cannot be written now goes out
 //! at a later poll.
 
-use crate::error::Error;
+use crate::error::{Error, Result};
 use crate::oob::{Channel, MsgKind, PEER_SILENT};
 
 use super::fault::{Cause, Fault};
@@ -128,6 +128,16 @@ impl PeerLink {
     /// allow.
     pub(crate) fn ended(&self) -> Option<&Fault> {
         self.ended.as_ref()
+    }
+
+    /// The link's verdict on the comm: a peer that sent what the protocol does not allow can
+    /// no longer be trusted with the connection, which fails at once (a peer gone or silent
+    /// is judged by what of its work had landed).
+    pub(crate) fn trusted(&self) -> Result<()> {
+        match &self.ended {
+            Some(f) if f.cause == Cause::Protocol => Err(f.error.clone()),
+            _ => Ok(()),
+        }
     }
 
     /// The peer said in its `Bye` that its receives below this number had landed.

@@ -193,10 +193,12 @@ impl<N: Nic> VerbsListener<N> {
             return Ok(None);
         };
         let mut link = PeerLink::new(chan);
-        let answered = ConnInfo::decode(&hello.payload).and_then(|remote| {
-            link.name_devices(&remote.devices());
-            self.answer(&remote, link.peer())
-        });
+        let answered = ConnInfo::decode(&hello.payload)
+            .map_err(|e| Error::remote(format!("peer {}: {e}", link.peer())))
+            .and_then(|remote| {
+                link.name_devices(&remote.devices());
+                self.answer(&remote, link.peer())
+            });
         let (info, a) = match answered {
             Ok(answered) => answered,
             // The connector waits for the answer: it is told.

@@ -49,44 +49,44 @@ pub(super) fn isend_matched(b: &mut Bench, rmh: Opaque) {
     e.code(
         "isend of a NULL buffer",
         "isend",
-        isend_answer(net, s, null(), 8, mh, &mut req),
+        isend_answer(net, (s, rreq), null(), 8, mh, &mut req),
         INTERNAL,
     );
     if v <= 8 {
         e.code(
             "isend of size -1 (int)",
             "isend",
-            isend_answer(net, s, p, -1, mh, &mut req),
+            isend_answer(net, (s, rreq), p, -1, mh, &mut req),
             INTERNAL,
         );
         e.code(
             "isend of size INT_MIN (int)",
             "isend",
-            isend_answer(net, s, p, i64::from(i32::MIN), mh, &mut req),
+            isend_answer(net, (s, rreq), p, i64::from(i32::MIN), mh, &mut req),
             INTERNAL,
         );
     } else {
         e.code(
             "isend beyond maxP2pBytes",
             "isend",
-            isend_answer(net, s, p, (1 << 30) + 1, mh, &mut req),
+            isend_answer(net, (s, rreq), p, (1 << 30) + 1, mh, &mut req),
             INTERNAL,
         );
     }
     e.code(
         "isend with an unknown mhandle",
         "isend",
-        isend_answer(net, s, p, 8, unknown, &mut req),
+        isend_answer(net, (s, rreq), p, 8, unknown, &mut req),
         INTERNAL,
     );
     e.code(
         "isend with a released mhandle",
         "isend",
-        isend_answer(net, s, b.other.as_mut_ptr(), 8, released, &mut req),
+        isend_answer(net, (s, rreq), b.other.as_mut_ptr(), 8, released, &mut req),
         INTERNAL,
     );
     assert!(req.is_null(), "v{v}: no request from a failed isend");
-    let sreq = poll_until("isend", || net.isend(s, p, 8, 0, mh).expect("isend"));
+    let sreq = isend_testing(net, rreq, || net.isend(s, p, 8, 0, mh).expect("isend"));
     wait(net, sreq, 1);
     assert_eq!(
         wait(net, rreq, 1),
@@ -96,10 +96,11 @@ pub(super) fn isend_matched(b: &mut Bench, rmh: Opaque) {
 }
 
 /// Retries a raw isend of `len` bytes until it returns an error or a request (on verbs the
-/// receiver's clear-to-send takes a moment to land).
+/// receiver's clear-to-send takes a moment to land), testing the receive `rreq` it is for
+/// meanwhile, as NCCL's proxy does (see `isend_testing`).
 fn isend_answer(
     net: &Net,
-    s: Opaque,
+    (s, rreq): (Opaque, Opaque),
     p: *mut u8,
     len: i64,
     mh: Opaque,
@@ -111,6 +112,7 @@ fn isend_answer(
         if code != ncclResult_t::ncclSuccess || !req.is_null() {
             return code;
         }
+        assert!(!net.test(rreq, None).expect("test of the receive"));
         assert!(start.elapsed() < DEADLINE, "isend never answered");
     }
 }

@@ -75,6 +75,7 @@ impl<N: Nic> RecvState<N> {
         while let Some(msg) = self.link.poll() {
             self.heard(gate, msg)?;
         }
+        self.link.trusted()?;
         self.drain_old();
         Ok(())
     }

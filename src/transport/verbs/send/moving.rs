@@ -48,6 +48,7 @@ impl<N: Nic> SendState<N> {
         while let Some(msg) = self.link.poll() {
             self.heard(msg)?;
         }
+        self.link.trusted()?;
         if let Some(landed) = self.link.landed() {
             self.landed_below(landed);
         }
