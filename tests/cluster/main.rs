@@ -839,6 +839,17 @@ fn mgmt_cut_with_rails_up_keeps_data_flowing_then_fails_within_the_peer_timeout(
     let mut p = Peer::meet(case, Link::RailB);
     let net = open();
     let c = connect(&net, &mut p);
+    // Setup is one-way: it finishes over the bootstrap connection in the ends' first data
+    // calls. The connection carries a message before the cut, so the cut meets it up (a cut
+    // before that fails the comm within the peer timeout, as any wait on a silent peer).
+    let warm = Stream {
+        sizes: &[4096],
+        count: 2,
+        seed: 30,
+        window: 1,
+        limit: Duration::from_secs(60),
+    };
+    one_way(&net, &c, &mut p, &warm, false);
     let injected = (p.host == Host::Two)
         .then(|| Fault::inject("ip link set mgmt down", "ip link set mgmt up"));
     p.step("mgmt down");
