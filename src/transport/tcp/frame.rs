@@ -35,7 +35,7 @@ pub const TCP_RECEIVER_READS: u8 = 1;
 
 /// A receive's clear-to-send: type u8 (1) | buffers u8 | 2 reserved | the receive's sequence
 /// number u32, then per buffer its size u64 | tag i32 | 4 reserved.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct CtsFrame {
     /// The receive's sequence number.
     pub(crate) seq: u32,

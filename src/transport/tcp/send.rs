@@ -14,16 +14,14 @@ use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
 use crate::oob::would_block;
 use crate::transport::{
-    not_in_flight, CommKeys, Endpoint, Failure, Sender, Tested, Traffic, MAX_RECVS, MAX_REQUESTS,
+    not_in_flight, CommKeys, Endpoint, Failure, Sender, Tested, Traffic, MAX_REQUESTS,
     MAX_SEND_REQUESTS,
 };
 
-#[derive(Debug, Clone, Copy)]
+/// A receive's clear-to-send as it came, and which of its buffers sends have matched.
+#[derive(Debug, Clone, Copy, Default)]
 struct CtsGroup {
-    n: usize,
-    seq: u32,
-    sizes: [usize; MAX_RECVS],
-    tags: [i32; MAX_RECVS],
+    frame: CtsFrame,
     matched: u8,
 }
 
@@ -89,13 +87,7 @@ impl TcpSender {
             state: Mutex::new(TcpSendState {
                 sock,
                 peer,
-                cts: [CtsGroup {
-                    n: 0,
-                    seq: 0,
-                    sizes: [0; MAX_RECVS],
-                    tags: [0; MAX_RECVS],
-                    matched: 0,
-                }; MAX_REQUESTS],
+                cts: [CtsGroup::default(); MAX_REQUESTS],
                 cts_received: 0,
                 cts_matched: 0,
                 rx: [0; MAX_REQUESTS * CTS_MAX],
@@ -134,19 +126,19 @@ impl Sender for TcpSender {
         }
         let g = s.cts_matched as usize % MAX_REQUESTS;
         let group = &mut s.cts[g];
-        let Some(entry) =
-            (0..group.n).find(|&e| group.matched & (1 << e) == 0 && group.tags[e] == tag)
+        let Some(entry) = (0..group.frame.n)
+            .find(|&e| group.matched & (1 << e) == 0 && group.frame.tags[e] == tag)
         else {
             return Ok(None);
         };
         s.keys.keys(mhandle, buf)?;
         let group = &mut s.cts[g];
         group.matched |= 1 << entry;
-        let (group_seq, posted) = (group.seq, group.sizes[entry]);
-        if group.matched.count_ones() as usize == group.n {
+        let (group_seq, posted) = (group.frame.seq, group.frame.sizes[entry]);
+        if group.matched.count_ones() as usize == group.frame.n {
             s.cts_matched = s.cts_matched.wrapping_add(1);
         }
-        let truncated = buf.len() > posted;
+        let truncated = buf.len() as u64 > posted;
         let header = DataHeader {
             entry: entry as u8,
             truncated,
@@ -251,17 +243,7 @@ impl TcpSendState {
                         self.cts_received.wrapping_sub(self.cts_matched)
                     )));
                 }
-                let mut group = CtsGroup {
-                    n: frame.n,
-                    seq,
-                    sizes: [0; MAX_RECVS],
-                    tags: frame.tags,
-                    matched: 0,
-                };
-                for (size, sent) in group.sizes.iter_mut().zip(frame.sizes) {
-                    *size = usize::try_from(sent).unwrap_or(usize::MAX);
-                }
-                self.cts[seq as usize % MAX_REQUESTS] = group;
+                self.cts[seq as usize % MAX_REQUESTS] = CtsGroup { frame, matched: 0 };
                 self.cts_received = self.cts_received.wrapping_add(1);
                 at += len;
             }
