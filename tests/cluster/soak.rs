@@ -125,17 +125,6 @@ struct Round {
 /// it is done), rail A cut as `cut` says, healed at the end.
 fn round(net: &Net, p: &mut Peer, k: usize, cut: Cut) -> Round {
     let c = connect(net, p);
-    // Setup is one-way: it finishes in the ends' first data calls, and a NIC lost before
-    // then fails the comm instead of moving it (a known gap, see the README's failover
-    // section). The round's cuts come once the pair has carried a message each way.
-    let first = Stream {
-        sizes: &[4096],
-        count: 1,
-        seed: 1000 * k as u64 + 999,
-        window: 1,
-        limit: Duration::from_secs(60),
-    };
-    super::there_and_back(net, &c, p, &first, 1000 * k as u64 + 998);
     let (from, warned) = (logged().len(), traffic::warnings().len());
     let before = match (p.host, cut) {
         (Host::Two, Cut::Before { down }) => {

@@ -19,6 +19,7 @@ use std::sync::Arc;
 
 use super::budget::{EndCost, FLUSH_QUEUES, PROBE_QUEUES};
 use super::cq::{CqPoller, Watchdog};
+use super::fault::{Cause, Fault};
 use super::profile::{probe_floor, ConnParams};
 use super::rail::{ProbeTarget, Rail};
 use super::wire::{locate, paths, ConnInfo, RailInfo, MAX_INLINE};
@@ -99,10 +100,16 @@ impl Probes {
         self.paths.len()
     }
 
-    /// Brings this end's probe QPs, on `rails`, up against the peer's (`theirs`, per path).
-    pub(crate) fn connect<N: Nic>(&self, rails: &[Rail<N>], theirs: &[(u32, u32)]) -> Result<()> {
+    /// Brings this end's probe QPs, on `rails`, up against the peer's (`theirs`, per path;
+    /// of `peer`, for messages).
+    pub(crate) fn connect<N: Nic>(
+        &self,
+        rails: &[Rail<N>],
+        theirs: &[(u32, u32)],
+        peer: &str,
+    ) -> std::result::Result<(), Fault> {
         if theirs.len() != self.paths.len() {
-            return Err(Error::remote(format!(
+            return Err(protocol(format!(
                 "{} probe QPs for {} paths",
                 theirs.len(),
                 self.paths.len()
@@ -120,10 +127,34 @@ impl Probes {
                 lid: their_rail.lid,
             };
             let path = path(&*rail.nic, their_rail, &self.p, tc, sl);
-            rail.nic.connect_qp(&rail.probe_qps[i], &path, &rq)?;
+            join_qp(rail, &rail.probe_qps[i], (&path, &rq), peer)?;
         }
         Ok(())
     }
+}
+
+/// A fault of the peer's description: it cannot be joined.
+fn protocol(msg: String) -> Fault {
+    Fault::new(Cause::Protocol, Error::remote(msg))
+}
+
+/// Brings `qp` of `rail` up against `peer`'s QP `rq` over `path`; where the NIC cannot (its
+/// link down, no route to the peer), a fault of the rail that a move may mend.
+fn join_qp<N: Nic>(
+    rail: &Rail<N>,
+    qp: &N::Qp,
+    (path, rq): (&QpPath, &RemoteQp),
+    peer: &str,
+) -> std::result::Result<(), Fault> {
+    rail.nic.connect_qp(qp, path, rq).map_err(|e| {
+        let e = Error::remote(format!(
+            "QP {} on {} could not be brought up towards peer {peer}'s QP {}: {e}",
+            qp.qpn(),
+            rail.name(),
+            rq.qpn
+        ));
+        Fault::new(Cause::Unreachable, e).on_rail(rail.index)
+    })
 }
 
 /// The traffic class and service level of a connection: the sender's, as NCCL's IB transport
@@ -209,12 +240,12 @@ impl<N: Nic> Bringup<N> {
         remote: &ConnInfo,
         landing: (u64, [u32; MAX_RAILS]),
         peer: &str,
-    ) -> Result<()> {
-        check_links(&self.rails, remote, peer)?;
+    ) -> std::result::Result<(), Fault> {
+        check_links(&self.rails, remote, peer).map_err(|e| Fault::new(Cause::Protocol, e))?;
         let (tc, sl) = tc_sl(self.role, &self.p, Some(remote));
         let ours: usize = self.rails.iter().map(|r| r.qps.len()).sum();
         if remote.qps.len() < ours {
-            return Err(Error::remote(format!(
+            return Err(protocol(format!(
                 "{peer} has {} QPs for this end's {ours}",
                 remote.qps.len()
             )));
@@ -230,7 +261,7 @@ impl<N: Nic> Bringup<N> {
                 lid: theirs.lid,
             };
             let path = path(&*rail.nic, theirs, &self.p, tc, sl);
-            rail.nic.connect_qp(&rail.qps[i], &path, &rq)?;
+            join_qp(rail, &rail.qps[i], (&path, &rq), peer)?;
         }
         let paths = match self.role {
             Role::Offers => paths(ours, self.rails.len(), remote.rails.len()),
@@ -244,7 +275,9 @@ impl<N: Nic> Bringup<N> {
                 rkeys,
             };
         }
-        let made = self.make_probes(&paths, remote)?;
+        let made = self
+            .make_probes(&paths, remote)
+            .map_err(|e| Fault::new(Cause::Device, e))?;
         if let Some((threshold, report)) = self.p.wqe_latency {
             for rail in &mut self.rails {
                 rail.time_work(threshold, report, peer);
@@ -259,13 +292,13 @@ impl<N: Nic> Bringup<N> {
         };
         if self.role == Role::Offers {
             if remote.probes.len() != probes.paths() {
-                return Err(Error::remote(format!(
+                return Err(protocol(format!(
                     "{peer} answered with {} probe QPs for {} paths",
                     remote.probes.len(),
                     probes.paths()
                 )));
             }
-            probes.connect(&self.rails, &remote.probes)?;
+            probes.connect(&self.rails, &remote.probes, peer)?;
         }
         self.probes = Some(probes);
         Ok(())

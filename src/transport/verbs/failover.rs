@@ -23,6 +23,12 @@
 //!    immediate where it did (the data landed; the receiver had not seen the completion).
 //!    It says `Resume`; only then does the receiver poll its rails and announce again.
 //!
+//! A NIC that cannot be brought up towards the peer (its link went down since it was
+//! picked) is lost as on the data path, by the end that finds it: the sender joining the
+//! answer offers again, the receiver joining an offer or bringing its probes up at `Resume`
+//! says `Down` for the next move. Setup being move 0, a NIC lost between `connect`/`accept`
+//! and the first transfer moves the connection too.
+//!
 //! An end that cannot make the move the peer asks for, or runs out of NICs in one, `Refuse`s
 //! it with the reason, and both ends fail at once; an end whose peer cannot move at all (it
 //! said so at the last bring-up) fails a broken path as without failover. A move that cannot

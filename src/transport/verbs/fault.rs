@@ -1,7 +1,7 @@
 //! What breaks a connection's rail, or the connection, as a value: made where it is seen (a
 //! failed completion with its named status, a probe unanswered, work stalled, a fatal device
-//! event, a device call that failed, the peer's process gone or its host silent, a peer that
-//! broke the protocol), carried up as such, and judged in one place ([`Fault::movable`]):
+//! event, a device call that failed, a QP that could not be brought up towards the peer, the
+//! peer's process gone or its host silent, a peer that broke the protocol), carried up as such, and judged in one place ([`Fault::movable`]):
 //! whether moving the connection to another NIC can mend it. The error NCCL is given is made
 //! with the fault, once, where the facts for its message are at hand.
 
@@ -21,6 +21,9 @@ pub(crate) enum Cause {
     FatalEvent,
     /// A verbs call on the device failed (a poll, a post, a QP or CQ made in a move).
     Device,
+    /// A QP could not be brought up towards the peer's (setup's or a move's join): the NIC's
+    /// link is down, or it has no route to the peer.
+    Unreachable,
     /// The peer's process closed the bootstrap connection (it exited or closed the comm).
     PeerGone,
     /// The peer's host stopped answering (keepalive).
@@ -85,7 +88,9 @@ impl Fault {
                 status,
                 RetryExceeded | Flushed | LocalQpOperation | Fatal | ResponseTimeout
             ),
-            Cause::Unanswered | Cause::FatalEvent => true,
+            // Another NIC may reach the peer; each NIC is lost once per comm, so a join that
+            // fails everywhere ends with no NIC left.
+            Cause::Unanswered | Cause::FatalEvent | Cause::Unreachable => true,
             Cause::Stalled
             | Cause::Device
             | Cause::PeerGone
@@ -119,6 +124,7 @@ mod tests {
             assert!(!f(Cause::Completion(s)).movable(), "{s:?}");
         }
         assert!(f(Cause::Unanswered).movable() && f(Cause::FatalEvent).movable());
+        assert!(f(Cause::Unreachable).movable());
         assert!(!f(Cause::Stalled).movable() && !f(Cause::PeerGone).movable());
         assert_eq!(f(Cause::Device).on_rail(2).rail, Some(2));
     }

@@ -15,6 +15,7 @@ use std::sync::Arc;
 use super::bringup::{dma, rkeys, Bringup, Probes, Role};
 use super::budget::{self, EndCost};
 use super::failover::{self, Mobility, Moving};
+use super::fault::Fault;
 use super::peer::PeerLink;
 use super::profile::ConnParams;
 use super::rail::Rail;
@@ -238,7 +239,9 @@ impl<N: Nic> VerbsListener<N> {
         let mut bringup = Bringup::make(nics, &cost, self.params, Role::Answers)?;
         let flush_target = dma(nics, 2)?;
         let landing = (flush_target.addr(1), lkeys(&flush_target, cost.rails));
-        bringup.join(remote, landing, peer)?;
+        bringup
+            .join(remote, landing, peer)
+            .map_err(Fault::into_error)?;
         if remote.split != self.params.split_data {
             tracing::info!(
                 "NCCL_IB_SPLIT_DATA_ON_QPS is {} here and {} at the sender {peer}: the \

@@ -21,7 +21,7 @@
 //!
 //! and the faults of a real network: work held back and placed later, or only in part
 //! ([`Fabric::hold`], [`Fabric::place_partial`]), a link cut that makes
-//! work never complete (a device retrying for ever) or fail ([`Fabric::cut`]), a QP that
+//! work never complete (a device retrying for ever) or fail, or a link down ([`Fabric::cut`]), a QP that
 //! fails, a fatal asynchronous event, and GPU memory the CPU cannot read (inline data from it
 //! is a crash on real hardware, a panic here). Knobs model what differs between devices:
 //! eRDMA refusing a post to a QP in the error state ([`Fabric::reject_posts_in_error`]),
@@ -418,6 +418,10 @@ unsafe impl Nic for FakeNic {
 
     fn connect_qp(&self, qp: &FakeQp, _path: &QpPath, remote: &RemoteQp) -> Result<()> {
         let mut w = self.world.lock();
+        if w.nics[self.index].cut == Some(Cut::Down) {
+            let e = std::io::Error::from_raw_os_error(libc::ENETUNREACH);
+            return Err(Error::io("ibv_modify_qp to RTR (fake fabric)", e));
+        }
         let gid_ok = w
             .qps
             .get(&remote.qpn)

@@ -22,6 +22,28 @@ pub(crate) enum Cut {
     Silent,
     /// Work fails with this `ibv_wc_status` (e.g. [`RETRY_EXCEEDED`]).
     Fail(u32),
+    /// The link is down, as Soft-RoCE has it: work sent from the NIC fails with a local QP
+    /// operation error, work sent to it runs out of retries, and a QP of the NIC cannot be
+    /// brought up towards a peer (no route).
+    Down,
+}
+
+impl Cut {
+    /// How the cut of the NIC that sends the work acts on it.
+    fn here(self) -> Cut {
+        match self {
+            Cut::Down => Cut::Fail(ibv_wc_status::IBV_WC_LOC_QP_OP_ERR),
+            c => c,
+        }
+    }
+
+    /// How the cut of the NIC the work goes to acts on it.
+    fn there(self) -> Cut {
+        match self {
+            Cut::Down => Cut::Fail(RETRY_EXCEEDED),
+            c => c,
+        }
+    }
 }
 
 /// One posted send work request, as the fabric carries it out.
@@ -210,13 +232,14 @@ impl World {
             // requester retries until it is.
             return Outcome::Wait;
         }
-        match self.nics[nic].cut.or(self.nics[rnic].cut) {
+        let cut = self.nics[nic].cut.map(Cut::here);
+        match cut.or(self.nics[rnic].cut.map(Cut::there)) {
             Some(Cut::Silent) => return Outcome::Wait,
             Some(Cut::Fail(status)) => {
                 self.fail(op, status);
                 return Outcome::Done;
             }
-            None => {}
+            Some(Cut::Down) | None => {}
         }
         let len = op.local.1 as usize;
         let (laddr, lkey) = (op.local.0, op.local.2);

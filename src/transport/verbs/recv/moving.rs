@@ -2,7 +2,10 @@
 //! sender's offer, stops its QPs, and what its CQs already hold is final; on the offer it
 //! makes its rails again, joins the sender's, posts again the receives still waiting and
 //! answers with their clear-to-send entries; on `Resume` it brings its probes up and carries
-//! data again. None of it waits: each step is taken by a later call.
+//! data again. None of it waits: each step is taken by a later call. A NIC that cannot be
+//! brought up towards the sender (its link went down) is lost as on the data path: where
+//! this end finds it (joining an offer, its probes at `Resume`) it says `Down` for the next
+//! move; where the sender does, its next offer comes in place of the `Resume`.
 //!
 //! A receiver using GPUDirect keeps the dead NIC's loopback flush QPs going after the stop:
 //! the flushes posted there complete there, and one more read through each orders every write
@@ -58,6 +61,12 @@ impl<N: Nic> RecvState<N> {
             // A move the peer began; or the peer left (`test` fails what did not land).
             return Ok(());
         }
+        self.move_off(gate, f)
+    }
+
+    /// Moves the connection off what `f` broke (this end's rails carrying data, or just up):
+    /// its QPs stop and the sender is told `Down`; else `f` fails the comm.
+    fn move_off(&mut self, gate: &RecvGate<N>, f: Fault) -> Result<()> {
         let shape = (self.plan.nqps, self.rails.len(), self.plan.rails);
         let ([mine, theirs], why) = self.mobility.lost_to(f, shape, self.link.peer())?;
         let epoch = self.mobility.epoch + 1;
@@ -97,14 +106,17 @@ impl<N: Nic> RecvState<N> {
         let peer = self.link.peer();
         let epoch = self.mobility.epoch;
         match (&self.movement, msg.step) {
-            (Movement::Still, Step::Offer) if msg.epoch > epoch && self.mobility.able() => {
+            // Carrying data; or answered, and the sender could not join the answer.
+            (Movement::Still | Movement::Answered(..), Step::Offer)
+                if msg.epoch > epoch && self.mobility.able() =>
+            {
                 self.mobility.epoch = msg.epoch;
                 let why = format!("peer {peer} lost a path of the connection");
                 let moving = Moving::new(msg.epoch, msg.lost, why, &self.mobility.params);
                 self.stop(gate);
                 self.accept_offer(gate, moving, &msg)
             }
-            (Movement::Still, Step::Offer) if msg.epoch > epoch => {
+            (Movement::Still | Movement::Answered(..), Step::Offer) if msg.epoch > epoch => {
                 let e = failover::cannot_move(peer);
                 Err(failover::refuse(&mut self.link, msg.epoch, e))
             }
@@ -113,7 +125,7 @@ impl<N: Nic> RecvState<N> {
                 self.accept_offer(gate, moving, &msg)
             }
             (Movement::Answered(m, _), Step::Resume) if msg.epoch == m.epoch => {
-                self.resume(&msg.body)
+                self.resume(gate, &msg.body)
             }
             // Of this move or an earlier one: the peer fails its comm with it.
             (_, Step::Refuse) => Err(failover::refused(peer, &msg)),
@@ -194,25 +206,30 @@ impl<N: Nic> RecvState<N> {
             let cost = self
                 .mobility
                 .fitted(&nics, self.plan.nqps, self.link.peer())?;
-            let mut new = Bringup::make(&nics, &cost, p, Role::Answers)?;
+            let new = Bringup::make(&nics, &cost, p, Role::Answers)?;
             let register = register_on(&nics);
             let regs = (
                 self.cts_local.register_again(rails_n, register)?,
                 self.sizes_record.register_again(rails_n, register)?,
                 self.flush_target.register_again(rails_n, register)?,
             );
-            let mut lkeys = [0; MAX_RAILS];
-            for (k, reg) in lkeys.iter_mut().zip(&regs.2) {
-                *k = reg.1;
-            }
-            let landing = (self.flush_target.addr(1), lkeys);
-            new.join(&remote, landing, self.link.peer())?;
             Ok((new, regs))
         })();
-        let (new, regs) = match made {
+        let (mut new, regs) = match made {
             Ok(made) => made,
             Err(e) => return Err(failover::refuse(&mut self.link, moving.epoch, e)),
         };
+        let mut lkeys = [0; MAX_RAILS];
+        for (k, reg) in lkeys.iter_mut().zip(&regs.2) {
+            *k = reg.1;
+        }
+        let landing = (self.flush_target.addr(1), lkeys);
+        if let Err(f) = new.join(&remote, landing, self.link.peer()) {
+            // A NIC taken cannot reach the sender: lost too, in the next move.
+            reaper::bury((new, regs));
+            self.mobility.peer_mobile = remote.mobile;
+            return self.move_off(gate, f);
+        }
         let records = self.sizes_record.addr(0);
         let info = new.describe(records, |r| regs.1[r].2, self.mobility.able());
         let (rails, probes) = new.into_parts()?;
@@ -378,14 +395,17 @@ impl<N: Nic> RecvState<N> {
 
     /// The sender is up (`body`: its probe QPs): this end's probes come up, the flushes asked
     /// for meanwhile go out, and the connection carries data again.
-    fn resume(&mut self, body: &[u8]) -> Result<()> {
+    fn resume(&mut self, gate: &RecvGate<N>, body: &[u8]) -> Result<()> {
         let Movement::Answered(moving, probes) =
             std::mem::replace(&mut self.movement, Movement::Still)
         else {
             return Ok(());
         };
         let theirs = decode_qps(body, probes.paths())?;
-        probes.connect(&self.rails, &theirs)?;
+        if let Err(f) = probes.connect(&self.rails, &theirs, self.link.peer()) {
+            // A NIC whose link went down since the answer: lost as on the data path.
+            return self.move_off(gate, f);
+        }
         self.flush_again()?;
         let (peer, ms) = (self.link.peer(), moving.took().as_millis());
         if moving.is_setup() {

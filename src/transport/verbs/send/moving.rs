@@ -1,7 +1,9 @@
 //! The sender's half of a move (the protocol is in `failover`): a fault it saw, or the
 //! receiver's `Down`, stops its QPs; it makes its rails again on the NICs left and offers
 //! them; on the receiver's answer it joins the receiver's rails, counts done every posted send
-//! the receiver does not wait for, and sends the others again before anything else. Setup is
+//! the receiver does not wait for, and sends the others again before anything else. A NIC
+//! that cannot join (its link went down since it was offered) is lost as any other: the next
+//! move begins at once, and so it does where the receiver says `Down` for its offer. Setup is
 //! move 0: the comm starts with its rails offered in the connector's hello, and the
 //! listener's answer also gives the connection its shape (`shape_of`).
 
@@ -11,13 +13,21 @@ use crate::error::{Error, Result};
 use crate::transport::verbs::bringup::{register_on, rkeys, Bringup, Role};
 use crate::transport::verbs::budget::EndCost;
 use crate::transport::verbs::failover::{self, Moving};
-use crate::transport::verbs::fault::Fault;
+use crate::transport::verbs::fault::{Cause, Fault};
 use crate::transport::verbs::reaper;
 use crate::transport::verbs::wire::{
-    cts_index, decode_answer, encode_qps, ConnInfo, MoveMsg, QpPlan, Step, WrKind,
+    cts_index, decode_answer, encode_qps, ConnInfo, MoveMsg, QpPlan, Step, Waiting, WrKind,
 };
 use crate::transport::{MAX_RAILS, MAX_RECVS};
 use crate::verbs::nic::Nic;
+
+/// A move's rails, joined to the receiver's answer, which waits for `waiting`.
+struct Joined<N: Nic> {
+    moving: Moving,
+    new: Bringup<N>,
+    regs: Option<MovedRegs<N>>,
+    waiting: Waiting,
+}
 
 impl<N: Nic> SendState<N> {
     /// A rail met `f`: the connection moves where a move can mend it and both ends can move;
@@ -37,9 +47,13 @@ impl<N: Nic> SendState<N> {
             // `test` fails only the others, with its leaving.
             return Ok(());
         }
-        let shape = (self.plan.nqps, self.rails.len(), self.remote_sizes.2);
-        let (lost, why) = self.mobility.lost_to(f, shape, self.link.peer())?;
+        let (lost, why) = self.mobility.lost_to(f, self.shape(), self.link.peer())?;
         self.begin_move(self.mobility.epoch + 1, lost, why)
+    }
+
+    /// This end's QPs, its rails and the peer's: what a fault's lost rails are read against.
+    fn shape(&self) -> (usize, usize, usize) {
+        (self.plan.nqps, self.rails.len(), self.remote_sizes.2)
     }
 
     /// Reads what the peer sent: a move it begins, its `Bye`.
@@ -130,14 +144,34 @@ impl<N: Nic> SendState<N> {
                 let peer = self.link.peer();
                 match msg.step {
                     Step::Answer if msg.epoch == epoch => {
-                        if let Err(e) = self.finish_move(&msg.body) {
-                            // The receiver waits for a `Resume` that will not come.
+                        // The receiver waits for a `Resume`: else a new offer, or a refusal.
+                        let Movement::Offered(offered) =
+                            std::mem::replace(&mut self.movement, Movement::Still)
+                        else {
+                            break;
+                        };
+                        let moved = match self.join_answer(*offered, &msg.body) {
+                            Ok(joined) => self.finish_move(joined),
+                            Err(f) => self.move_again(f),
+                        };
+                        if let Err(e) = moved {
                             return Err(failover::refuse(&mut self.link, epoch, e));
                         }
                         break;
                     }
                     // Of this move, or of an earlier one the peer could not finish.
                     Step::Refuse => return Err(failover::refused(peer, &msg)),
+                    // The receiver could not bring its rails up against the offer.
+                    Step::Down if msg.epoch > epoch => {
+                        if let Movement::Offered(o) =
+                            std::mem::replace(&mut self.movement, Movement::Still)
+                        {
+                            reaper::bury((o.new, o.regs));
+                        }
+                        let why = format!("peer {peer} could not join the move's rails");
+                        self.begin_move(msg.epoch, msg.lost, why)?;
+                        return Ok(true);
+                    }
                     // A `Down` that crossed the offer, or a message of an older move.
                     Step::Down if msg.epoch <= epoch => {}
                     _ if msg.epoch < epoch => {}
@@ -161,32 +195,36 @@ impl<N: Nic> SendState<N> {
         Ok(matches!(self.movement, Movement::Offered(_)))
     }
 
-    /// The receiver answered (`body`): the new rails come up against its, the old go to the
-    /// reaper, and the sends it waits for are due again. At setup, the answer also gives the
-    /// connection its shape.
-    fn finish_move(&mut self, body: &[u8]) -> Result<()> {
-        let Movement::Offered(o) = std::mem::replace(&mut self.movement, Movement::Still) else {
-            return Ok(());
-        };
+    /// The receiver answered (`body`) the move `offered`: its rails come up against the
+    /// receiver's. At setup, the answer also gives the connection its shape. Where a rail
+    /// cannot be brought up, the rails made are the connection's (stopped), for the next move
+    /// to replace the lost one.
+    fn join_answer(
+        &mut self,
+        offered: Offered<N>,
+        body: &[u8],
+    ) -> std::result::Result<Joined<N>, Fault> {
         let Offered {
             moving,
             mut new,
             regs,
-        } = *o;
-        let (info, waiting) = decode_answer(body)?;
-        let remote = ConnInfo::decode(info)?;
-        let shape = if moving.is_setup() {
-            Some(self.shape_of(&mut new, &remote)?)
+        } = offered;
+        let protocol = |e| Fault::new(Cause::Protocol, e);
+        let (info, waiting) = decode_answer(body).map_err(protocol)?;
+        let remote = ConnInfo::decode(info).map_err(protocol)?;
+        if moving.is_setup() {
+            let (plan, cost) = self.shape_of(&mut new, &remote).map_err(protocol)?;
+            (self.plan, self.mobility.cost) = (plan, cost);
         } else if remote.qps.len() != self.plan.nqps {
-            return Err(Error::remote(format!(
+            return Err(protocol(Error::remote(format!(
                 "{} answered the move with {} QPs for {}",
                 self.link.peer(),
                 remote.qps.len(),
                 self.plan.nqps
-            )));
-        } else {
-            None
-        };
+            ))));
+        }
+        self.remote_sizes = (remote.addr, rkeys(&remote), remote.rails.len());
+        self.mobility.peer_mobile = remote.mobile;
         // The receiver's probes read the byte after the size records, keyed on the new NICs.
         let mut lkeys = [0; MAX_RAILS];
         for (r, k) in lkeys.iter_mut().enumerate().take(new.rails().len()) {
@@ -196,10 +234,36 @@ impl<N: Nic> SendState<N> {
             };
         }
         let landing = (self.sizes_local.addr(PROBE_AT), lkeys);
-        new.join(&remote, landing, self.link.peer())?;
-        if let Some((plan, cost)) = shape {
-            (self.plan, self.mobility.cost) = (plan, cost);
+        if let Err(f) = new.join(&remote, landing, self.link.peer()) {
+            let old = std::mem::replace(&mut self.rails, new.into_rails());
+            failover::stop(&self.rails, false);
+            reaper::bury((old, regs));
+            return Err(f);
         }
+        Ok(Joined {
+            moving,
+            new,
+            regs,
+            waiting,
+        })
+    }
+
+    /// The move's rails could not be joined to the receiver's (`f`): where a move mends
+    /// that, the next one begins; else the comm fails with `f`.
+    fn move_again(&mut self, f: Fault) -> Result<()> {
+        let (lost, why) = self.mobility.lost_to(f, self.shape(), self.link.peer())?;
+        self.begin_move(self.mobility.epoch + 1, lost, why)
+    }
+
+    /// The move's rails are up (`joined`): they are the connection's, the old go to the
+    /// reaper, and the sends the receiver waits for are due again.
+    fn finish_move(&mut self, joined: Joined<N>) -> Result<()> {
+        let Joined {
+            moving,
+            new,
+            regs,
+            waiting,
+        } = joined;
         let ours = new.probe_qps();
         let old_rails = std::mem::replace(&mut self.rails, new.into_rails());
         if let Some(MovedRegs { sizes, fifo }) = regs {
@@ -208,8 +272,6 @@ impl<N: Nic> SendState<N> {
             let old_fifo = std::mem::replace(&mut self.fifo_regs, fresh);
             reaper::bury((old_rails, old_sizes, old_fifo));
         }
-        self.remote_sizes = (remote.addr, rkeys(&remote), remote.rails.len());
-        self.mobility.peer_mobile = remote.mobile;
         // Its probe QPs come up as it reads the `Resume`.
         self.receiver_up = false;
         self.keys.reorder(self.mobility.order);

@@ -128,6 +128,103 @@ fn a_silent_cut_is_found_by_the_probes_and_moved_off() {
     through(&c, 64, 3);
 }
 
+/// [`connect_mobile`] up to the comms `connect` and `accept` return: the sender joins the
+/// listener's answer, and the receiver brings its probes up, in their first calls.
+fn open_mobile(rails: usize, spares: usize, p: ConnParams) -> Conn {
+    let fabric = Fabric::new();
+    let nics = |side: &str| -> Vec<_> {
+        (0..rails + spares)
+            .map(|i| fabric.nic(&format!("{side}{i}")))
+            .collect()
+    };
+    let nics = (nics("tx"), nics("rx"));
+    Conn::open(fabric, nics, (rails, rails), (p, p)).unwrap()
+}
+
+/// The first message of a connection whose setup `cut` interrupts once the receive is
+/// posted (its clear-to-send held until the sender is up), then more: bytes and sizes
+/// checked.
+fn first_messages_across(c: &Conn, cut: impl FnOnce()) {
+    let mut dst = c.buf(false, 70_000, 0);
+    let mut src = c.buf(true, 70_000, 1);
+    let r = c.irecv(&mut [&mut dst], &[1]);
+    cut();
+    let s = isend_while(c, &mut src, 1, r);
+    let (sent, received) = wait_both(c, s, r).unwrap();
+    assert_eq!(
+        (sent, received),
+        (Completion::single(70_000), Completion::single(70_000))
+    );
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(70_000, 1));
+    for i in 2..6 {
+        through(c, 4096 + i as usize, i);
+    }
+}
+
+#[test]
+fn a_sender_nic_down_before_the_first_transfer_moves_the_connection() {
+    // The sender's QPs cannot come up towards the answer: it moves before it says `Resume`.
+    let c = open_mobile(1, 1, mobile());
+    first_messages_across(&c, || c.fabric.cut(&c.tx_nics[0], Some(Cut::Down)));
+    assert_eq!(c.send.rail_nics(), ["tx1"]);
+    assert_eq!(c.recv.rail_nics(), ["rx1"]);
+}
+
+#[test]
+fn a_receiver_nic_down_before_the_first_transfer_moves_the_connection() {
+    // The receiver's probes cannot come up at the `Resume`, and the sender's first write
+    // runs out of retries: whichever end sees it first moves, and both agree.
+    let c = open_mobile(1, 1, mobile());
+    first_messages_across(&c, || c.fabric.cut(&c.rx_nics[0], Some(Cut::Down)));
+    assert_eq!(c.send.rail_nics(), ["tx1"]);
+    assert_eq!(c.recv.rail_nics(), ["rx1"]);
+}
+
+#[test]
+fn a_move_whose_new_nic_is_down_too_moves_again() {
+    let c = connect_mobile(1, 2, mobile());
+    through(&c, 64, 1);
+    // The spare taken first cannot join the receiver's answer: the next move takes the last.
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Down));
+    c.fabric.cut(&c.tx_nics[1], Some(Cut::Down));
+    for i in 2..6 {
+        through(&c, 20_000 + i as usize, i);
+    }
+    assert_eq!(c.send.rail_nics(), ["tx2"]);
+}
+
+#[test]
+fn a_move_the_receiver_cannot_join_moves_again() {
+    let c = connect_mobile(1, 2, mobile());
+    through(&c, 64, 1);
+    // The receiver's first spare cannot join the offer: it says `Down` for the next move.
+    c.fabric.cut(&c.rx_nics[0], Some(Cut::Down));
+    c.fabric.cut(&c.rx_nics[1], Some(Cut::Down));
+    for i in 2..6 {
+        through(&c, 20_000 + i as usize, i);
+    }
+    assert_eq!(c.recv.rail_nics(), ["rx2"]);
+}
+
+#[test]
+fn with_failover_off_a_nic_down_before_the_first_transfer_fails_both_ends_at_once() {
+    let p = ConnParams {
+        failover: None,
+        ..mobile()
+    };
+    let c = open_mobile(1, 1, p);
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 1);
+    let r = c.irecv(&mut [&mut dst], &[1]);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Down));
+    let e = c.send.isend(src.whole(), 1, src.mh).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::Remote);
+    assert!(e.to_string().contains("could not be brought up"), "{e}");
+    // The receiver is told why, rather than waiting for a sender that never comes.
+    let e = wait_error(Duration::from_secs(1), || c.test_recv(r));
+    assert!(e.to_string().contains("refused the connection"), "{e}");
+}
+
 #[test]
 fn a_receive_that_landed_before_the_cut_is_never_written_again() {
     let c = connect_mobile(1, 1, mobile());

@@ -130,6 +130,26 @@ impl Conn {
     /// end's are the connection's rails, the rest spares it may move to.
     fn join(
         fabric: Fabric,
+        nics: (Vec<Arc<FakeNic>>, Vec<Arc<FakeNic>>),
+        rails: (usize, usize),
+        params: (ConnParams, ConnParams),
+    ) -> Result<Conn> {
+        let c = Conn::open(fabric, nics, rails, params)?;
+        // The ends' first calls finish the setup (move 0).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let (mut sender_up, mut receiver_up) = (false, false);
+        while !sender_up || !receiver_up {
+            sender_up = sender_up || c.send.step_setup()?;
+            receiver_up = receiver_up || c.recv.step_setup()?;
+            assert!(Instant::now() < deadline, "the setup did not complete");
+        }
+        Ok(c)
+    }
+
+    /// [`Conn::join`] up to the comms `connect` and `accept` return: the rest of the setup
+    /// is the ends' first calls'.
+    fn open(
+        fabric: Fabric,
         (tx_nics, rx_nics): (Vec<Arc<FakeNic>>, Vec<Arc<FakeNic>>),
         rails: (usize, usize),
         (tx_params, rx_params): (ConnParams, ConnParams),
@@ -153,13 +173,6 @@ impl Conn {
             assert!(Instant::now() < deadline, "connect/accept did not complete");
         }
         let (send, recv) = (send.unwrap(), recv.unwrap());
-        // The ends' first calls finish the setup (move 0).
-        let (mut sender_up, mut receiver_up) = (false, false);
-        while !sender_up || !receiver_up {
-            sender_up = sender_up || send.step_setup()?;
-            receiver_up = receiver_up || recv.step_setup()?;
-            assert!(Instant::now() < deadline, "the setup did not complete");
-        }
         Ok(Conn {
             fabric,
             tx_nics,
