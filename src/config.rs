@@ -324,6 +324,14 @@ settings! {
     failover_after_ms: u64 = 2_000, "NCCL_ERDMA_FAILOVER_AFTER_MS", |var, raw| {
         int_in(var, raw, 10, 3_600_000)
     };
+    /// With failover: move a connection back to the NIC NCCL placed it on once that NIC has
+    /// healed (1), or keep it where it moved (0; a healed NIC still takes later moves).
+    failback: bool = true, "NCCL_ERDMA_FAILBACK", flag;
+    /// With failover: milliseconds a lost NIC must stay usable (its port active) before it
+    /// counts as healed; doubled each time the same connection loses it again (at most 32x).
+    failback_after_ms: u64 = 10_000, "NCCL_ERDMA_FAILBACK_AFTER_MS", |var, raw| {
+        int_in(var, raw, 0, 86_400_000)
+    };
     /// Whether NCCL's NIC fusion (makeVDevice) may fuse devices (1), as for NCCL IB.
     merge_nics: bool = true, "NCCL_IB_MERGE_NICS", flag;
     /// Clear-to-send entries a receiver may hold back and post in one RDMA write (1..16;

@@ -18,7 +18,7 @@ pub use crate::transport::either::wire::{TCP_RECEIVER_READS, TCP_SENDER_READS};
 
 use crate::transport::either::wire::{
     decode_answer, decode_bye, decode_qps, encode_answer, encode_bye, encode_qps, ConnInfo,
-    CtsFrame, DataHeader, MoveMsg, Step, CTS_MAX, DATA_HEADER,
+    CtsFrame, DataHeader, Healed, MoveMsg, Step, CTS_MAX, DATA_HEADER,
 };
 
 /// The verbs setup message (in a hello, an offer and an answer).
@@ -51,6 +51,7 @@ pub fn move_message(bytes: &[u8]) -> Result<()> {
             let _ = String::from_utf8_lossy(&msg.body);
             Ok(())
         }
+        Step::Healed => Healed::decode(&msg.body).map(|_| ()),
         Step::Down => Ok(()),
     }
 }
@@ -283,6 +284,7 @@ mod tests {
             Just(Step::Answer),
             Just(Step::Resume),
             Just(Step::Refuse),
+            Just(Step::Healed),
         ]
     }
 

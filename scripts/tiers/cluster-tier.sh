@@ -70,11 +70,25 @@ cp "$rel/libnccl_net_erdma.so" "$stage/libnccl-net-erdma.so"
 cp "$rel/nccl-net-erdma-info" "$exe" "$stage/"
 exe_name=$(basename "$exe")
 
-# The cases, in the order the test file declares them (the vanishing host goes last).
+# The cases, in the order the test file declares them (the vanishing host goes last); a
+# CASE named on the command line is its full name or the name of its function, and one that
+# names no case is an error (it would pass without running).
+mapfile -t all < <("$exe" --list --ignored 2>/dev/null | sed -n 's/: test$//p')
 if [[ $# -gt 0 ]]; then
-  cases=("$@")
+  cases=()
+  for want in "$@"; do
+    found=
+    for c in "${all[@]}"; do
+      [[ $c == "$want" || $c == *"::$want" ]] && found=$c
+    done
+    [[ -n $found ]] || {
+      echo "cluster-tier: error: no case $want in $exe_name (--list shows them)" >&2
+      exit 1
+    }
+    cases+=("$found")
+  done
 else
-  mapfile -t cases < <("$exe" --list --ignored 2>/dev/null | sed -n 's/: test$//p')
+  cases=("${all[@]}")
 fi
 [[ ${#cases[@]} -gt 0 ]] || {
   echo "cluster-tier: error: no cases found in $exe_name" >&2

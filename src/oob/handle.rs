@@ -22,7 +22,8 @@ pub const HANDLE_MAGIC: u64 = 0x4552_444d_414e_4554;
 /// and `Bye`; a build of version 3 would drop them unread. 5: setup is one-way (the connector
 /// waits for no answer before its comm is returned; the verbs listener answers with move 0's
 /// `Answer` and the connector's last word is its `Resume`), `Accept` and `Ready` are gone.
-pub const PROTOCOL_VERSION: u16 = 5;
+/// 6: the receiver's `Healed`, and the move back (an offer that loses no rail).
+pub const PROTOCOL_VERSION: u16 = 6;
 
 /// Transport a listener speaks; the connector must use the same one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

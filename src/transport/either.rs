@@ -24,7 +24,7 @@ pub(crate) mod wire {
     pub use super::super::tcp::frame::{TCP_RECEIVER_READS, TCP_SENDER_READS};
     pub(crate) use super::super::verbs::wire::{
         decode_answer, decode_bye, decode_qps, encode_answer, encode_bye, encode_qps, ConnInfo,
-        MoveMsg, Step,
+        Healed, MoveMsg, Step,
     };
     /// What `protocol`'s round-trip tests generate.
     #[cfg(test)]

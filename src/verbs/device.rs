@@ -15,7 +15,7 @@ use rdma_sys::*;
 use super::dma::ACCESS_RDMA;
 use super::library::VerbsLib;
 use super::limits::{DeviceLimits, Held};
-use super::nic::{LocalPort, MovesHere, Nic};
+use super::nic::{LocalPort, MovesHere, Nic, PortWatch};
 use super::qp::{Qp, QpPath, RemoteQp};
 use super::resources::{Context, Cq, Mr, Pd};
 use crate::config::{parse_cidr, AddrFamily, Config};
@@ -78,6 +78,8 @@ pub(crate) struct VerbsDevice {
     pub(crate) pd: Arc<Pd>,
     /// Whether connections may still move here (see `Nic::takes_moves`).
     pub(crate) moves_here: MovesHere,
+    /// The port's state as last read (see `Nic::port_active`).
+    pub(crate) port_watch: PortWatch,
 }
 
 /// What kind of device a port is, for the settings that depend on it.
@@ -425,6 +427,7 @@ pub(crate) fn survey(lib: &'static VerbsLib, config: &Config) -> Result<Vec<Verb
                 ctx: Arc::clone(&ctx),
                 pd: Arc::clone(&pd),
                 moves_here: Default::default(),
+                port_watch: Default::default(),
             });
         }
     }
@@ -532,6 +535,14 @@ unsafe impl Nic for VerbsDevice {
 
     fn counters(&self) -> Option<String> {
         VerbsDevice::counters(self)
+    }
+
+    fn port_active(&self) -> bool {
+        self.port_watch.active(|| {
+            self.ctx
+                .query_port(self.local.port)
+                .is_ok_and(|a| a.state == ibv_port_state::IBV_PORT_ACTIVE)
+        })
     }
 
     fn moves_here(&self) -> &MovesHere {

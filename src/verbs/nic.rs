@@ -5,7 +5,8 @@
 //! the transport's send and receive logic runs on any host.
 
 use std::mem::MaybeUninit;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 use rdma_sys::{ibv_send_wr, ibv_wc};
 
@@ -110,6 +111,9 @@ pub(crate) unsafe trait Nic: Send + Sync + 'static {
     fn counters(&self) -> Option<String> {
         None
     }
+    /// Whether the port is active now (its link up), as last read at most
+    /// [`PortWatch::EVERY`] ago: what tells a lost NIC healed.
+    fn port_active(&self) -> bool;
     /// Whether connections may still move to this NIC.
     fn moves_here(&self) -> &MovesHere;
     /// Whether a connection may move to this NIC: no longer once a registration made for the
@@ -122,6 +126,43 @@ pub(crate) unsafe trait Nic: Send + Sync + 'static {
     /// more. Whether that is news.
     fn refuse_moves(&self) -> bool {
         !self.moves_here().refused.swap(true, Ordering::Relaxed)
+    }
+}
+
+/// A port's state as last read: read again at most every [`PortWatch::EVERY`], so that every
+/// comm that lost the NIC may ask at its own pace while the device is asked once per interval.
+#[derive(Debug)]
+pub(crate) struct PortWatch {
+    since: Instant,
+    /// Milliseconds after `since` of the last read, shifted left by one, with the state read
+    /// in bit 0 (0: never read).
+    last: AtomicU64,
+}
+
+impl Default for PortWatch {
+    fn default() -> Self {
+        PortWatch {
+            since: Instant::now(),
+            last: AtomicU64::new(0),
+        }
+    }
+}
+
+impl PortWatch {
+    /// How stale a read may be.
+    pub(crate) const EVERY: Duration = Duration::from_millis(50);
+
+    /// Whether the port is active: as last read where that is recent, else as `read` says.
+    pub(crate) fn active(&self, read: impl FnOnce() -> bool) -> bool {
+        let now = self.since.elapsed().as_millis() as u64 + 1;
+        let last = self.last.load(Ordering::Relaxed);
+        if last != 0 && now.saturating_sub(last >> 1) < Self::EVERY.as_millis() as u64 {
+            return last & 1 == 1;
+        }
+        let active = read();
+        self.last
+            .store(now << 1 | u64::from(active), Ordering::Relaxed);
+        active
     }
 }
 

@@ -40,10 +40,11 @@ use std::time::{Duration, Instant};
 
 use super::budget::{self, EndCost};
 use super::fault::{Cause, Fault};
+use super::heal::Healing;
 use super::peer::PeerLink;
 use super::profile::ConnParams;
 use super::rail::Rail;
-use super::wire::{locate, modulo, MoveMsg, Step};
+use super::wire::{locate, modulo, Healed, MoveMsg, Step};
 use crate::error::{Error, Result};
 use crate::transport::MAX_RAILS;
 use crate::verbs::nic::{Nic, QueuePair};
@@ -65,6 +66,12 @@ pub(crate) struct Mobility<N: Nic> {
     pub(crate) params: ConnParams,
     /// The peer can move the connection too (it said so at the last bring-up).
     pub(crate) peer_mobile: bool,
+    /// When the NICs lost heal (`heal`).
+    healing: Healing,
+    /// The last epoch in which this end said its own NICs can carry the connection.
+    home_said: u32,
+    /// The last epoch in which the peer said so (`Healed`).
+    peer_home: u32,
 }
 
 impl<N: Nic> Mobility<N> {
@@ -72,6 +79,9 @@ impl<N: Nic> Mobility<N> {
     /// `params.failover` is set).
     pub(crate) fn new(nics: Vec<Arc<N>>, cost: EndCost, params: ConnParams) -> Self {
         Mobility {
+            healing: Healing::new(nics.len(), params.failback.0),
+            home_said: 0,
+            peer_home: 0,
             nics,
             order: std::array::from_fn(|r| r as u8),
             dead: 0,
@@ -142,13 +152,22 @@ impl<N: Nic> Mobility<N> {
     }
 
     /// The NICs rails `0..rails` move to: a rail of `lost` (bits) to the first NIC this comm
-    /// has not lost, one no other rail uses first; the others stay. None: no NIC left.
+    /// has not lost, one no other rail uses first; the others stay. A move that loses no rail
+    /// is a move back: each rail to its own NIC (rail `r`'s is `nics[r]`, where NCCL's device
+    /// placed it) where that is alive. None: no NIC left.
     pub(crate) fn pick(&mut self, rails: usize, lost: u8) -> Option<Vec<Arc<N>>> {
         for r in (0..rails).filter(|r| lost & (1 << r) != 0) {
-            self.dead |= 1 << self.order[r];
+            let k = usize::from(self.order[r]);
+            self.dead |= 1 << k;
+            self.healing.lost(k);
         }
         let alive = |k: usize| self.dead & (1 << k) == 0 && self.nics[k].takes_moves();
         let mut order = self.order;
+        if lost == 0 {
+            for r in (0..rails).filter(|&r| alive(r)) {
+                order[r] = r as u8;
+            }
+        }
         for r in (0..rails).filter(|r| lost & (1 << r) != 0) {
             let used = |k: usize| order[..rails].contains(&(k as u8));
             let k = (0..self.nics.len())
@@ -186,11 +205,13 @@ impl<N: Nic> Mobility<N> {
         Ok(cost)
     }
 
-    /// The names of the NICs lost in this move and of those taken, for the WARN.
-    pub(crate) fn describe(&self, before: &[u8], rails: usize, mine: u8) -> (String, String) {
-        let lost: Vec<usize> = (0..rails).filter(|r| mine & (1 << r) != 0).collect();
+    /// The names of the NICs this move leaves (of rails `0..rails`, which ran on `before`)
+    /// and of those it takes, for the log.
+    pub(crate) fn describe(&self, before: &[u8], rails: usize) -> (String, String) {
+        let moved: Vec<usize> = (0..rails).filter(|&r| before[r] != self.order[r]).collect();
         let names = |order: &dyn Fn(usize) -> usize| {
-            lost.iter()
+            moved
+                .iter()
                 .map(|&r| self.nics[order(r)].local().name.clone())
                 .collect::<Vec<_>>()
                 .join(", ")
@@ -198,6 +219,77 @@ impl<N: Nic> Mobility<N> {
         let old = names(&|r| usize::from(before[r]));
         let new = names(&|r| usize::from(self.order[r]));
         (old, new)
+    }
+
+    /// Whether this end watches for healed NICs: it lost some, or runs off its own.
+    #[inline]
+    pub(crate) fn watching(&self) -> bool {
+        self.dead != 0 || self.away()
+    }
+
+    /// Whether a rail runs on another NIC than its own.
+    fn away(&self) -> bool {
+        (0..self.cost.rails).any(|r| usize::from(self.order[r]) != r)
+    }
+
+    /// Looks at the NICs this comm lost, where a look is due at `now`: those healed may
+    /// carry the connection again (a failover may move there, and the connection back).
+    /// What to tell the peer (`Healed`): where a NIC healed, whether this end can move and
+    /// whether its own NICs can carry the connection; that these can, once per move.
+    pub(crate) fn news(&mut self, now: Instant) -> Option<Healed> {
+        let mut healed = 0;
+        if self.dead != 0 {
+            let nics = &self.nics;
+            healed = self.healing.look(self.dead, now, |k| nics[k].port_active());
+            for k in (0..nics.len()).filter(|k| healed & (1 << k) != 0) {
+                tracing::debug!(
+                    "{} has stayed usable for the settling time: it may carry connections again",
+                    nics[k].local().name
+                );
+            }
+            self.dead &= !healed;
+        }
+        let home = self.params.failback.1 && self.homes_alive();
+        let first = home && self.epoch > self.home_said;
+        if first {
+            self.home_said = self.epoch;
+        }
+        (healed != 0 || first).then(|| Healed {
+            mobile: self.able(),
+            home,
+        })
+    }
+
+    /// The peer's `Healed` of move `epoch`.
+    pub(crate) fn heard(&mut self, h: Healed, epoch: u32) {
+        self.peer_mobile = h.mobile;
+        if h.home && epoch == self.epoch {
+            self.peer_home = epoch;
+        }
+    }
+
+    /// The NICs lost and not healed (bits of `nics`).
+    #[cfg(test)]
+    pub(crate) fn lost(&self) -> u16 {
+        self.dead
+    }
+
+    /// Whether every rail's own NIC can carry the connection.
+    fn homes_alive(&self) -> bool {
+        (0..self.cost.rails).all(|r| self.dead & (1 << r) == 0 && self.nics[r].takes_moves())
+    }
+
+    /// Whether the connection, off its own NICs, moves back at `now` (the sender asks): the
+    /// move back is on here and at the receiver, which said in this epoch that its own NICs
+    /// can carry it, both ends can move, this end's own NICs can carry it, and the minute's
+    /// moves back are not spent.
+    pub(crate) fn back_due(&mut self, now: Instant) -> bool {
+        self.params.failback.1
+            && self.enabled()
+            && self.peer_home == self.epoch
+            && self.away()
+            && self.homes_alive()
+            && self.healing.may_return(now)
     }
 }
 
@@ -210,6 +302,8 @@ pub(crate) struct Moving {
     since: Instant,
     bound: Option<Duration>,
     pub(crate) why: String,
+    /// The NICs the move takes, once picked (for the log).
+    pub(crate) to: String,
 }
 
 impl Moving {
@@ -222,6 +316,7 @@ impl Moving {
             since: Instant::now(),
             bound: Some(p.work_timeout.unwrap_or(Duration::from_secs(60))),
             why,
+            to: String::new(),
         }
     }
 
@@ -235,12 +330,50 @@ impl Moving {
             since: Instant::now(),
             bound: None,
             why: String::new(),
+            to: String::new(),
         }
     }
 
     /// Whether this is the connection's setup.
     pub(crate) fn is_setup(&self) -> bool {
         self.epoch == 0
+    }
+
+    /// Whether this is a move back to each end's own NICs (it loses no rail).
+    pub(crate) fn is_back(&self) -> bool {
+        self.epoch > 0 && self.lost == [0; 2]
+    }
+
+    /// Says (to the log) that the connection to `peer` moves from NICs `old` to `new`: a
+    /// WARN for a failover, an INFO for a move back.
+    pub(crate) fn announce(&mut self, peer: &str, (old, new): (String, String)) {
+        if self.is_back() {
+            tracing::info!(
+                "{}; moving the connection to peer {peer} back from {old} to {new}",
+                self.why
+            );
+        } else {
+            tracing::warn!(
+                "{}; moving the connection to peer {peer} {}",
+                self.why,
+                moved(&old, &new)
+            );
+        }
+        self.to = if new.is_empty() {
+            "the same NICs".to_string()
+        } else {
+            new
+        };
+    }
+
+    /// How the log says the move ended ("moved to rxe1", "moved back to rxe0").
+    pub(crate) fn ended(&self) -> String {
+        let how = if self.is_back() {
+            "moved back"
+        } else {
+            "moved"
+        };
+        format!("{how} to {}", self.to)
     }
 
     /// How long it has taken so far.
@@ -323,7 +456,7 @@ pub(crate) fn no_nic_left(why: &str, peer: &str) -> Error {
 }
 
 /// "from NIC a to NIC b" for the WARN (or "on the same NICs" when only the peer's were lost).
-pub(crate) fn moved(old: &str, new: &str) -> String {
+fn moved(old: &str, new: &str) -> String {
     if old.is_empty() {
         "on the same NICs (the peer's NIC or path was lost)".to_string()
     } else {

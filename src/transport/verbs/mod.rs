@@ -28,6 +28,7 @@ mod failover;
 mod fault;
 pub(crate) mod fusion;
 mod gate;
+mod heal;
 mod latency;
 mod mr_cache;
 mod peer;

@@ -42,6 +42,10 @@ pub(crate) struct ConnParams {
     /// `NCCL_ERDMA_FAILOVER` in effect for this connection (another NIC can carry it): how
     /// long a path's probe may go unanswered before the connection moves; None: off.
     pub(crate) failover: Option<Duration>,
+    /// With failover, `NCCL_ERDMA_FAILBACK_AFTER_MS`: how long a lost NIC must stay usable to
+    /// count as healed (doubled per loss); `NCCL_ERDMA_FAILBACK`: whether a connection then
+    /// moves back to its own NICs.
+    pub(crate) failback: (Duration, bool),
 }
 
 /// The device's retransmission timer at `NCCL_IB_TIMEOUT` = `ib_timeout`: `4.096 us *
@@ -169,6 +173,10 @@ pub(crate) fn conn_params(
         send_depth: SENDER_SEND_DEPTH,
         // Set by the transport where another NIC can carry the connection.
         failover: None,
+        failback: (
+            Duration::from_millis(c.failback_after_ms.value),
+            c.failback.value,
+        ),
     }
 }
 

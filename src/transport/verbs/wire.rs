@@ -502,7 +502,9 @@ fn name_within(name: &str, width: usize) -> &str {
 /// still waits for; the sender `Resume`s with its probe QPs. An end that cannot make a move
 /// the peer asks for, or that runs out of NICs in one, `Refuse`s it, saying why. Setup is
 /// move 0, whose offer is the connector's hello: the listener `Answer`s it (or `Refuse`s the
-/// connection) and the connector `Resume`s.
+/// connection) and the connector `Resume`s. A receiver whose own NICs can carry the
+/// connection again says `Healed` (once per move); an offer that loses no rail is a move
+/// back to each end's own NICs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Step {
     Down = 1,
@@ -510,6 +512,7 @@ pub(crate) enum Step {
     Answer = 3,
     Resume = 4,
     Refuse = 5,
+    Healed = 6,
 }
 
 /// One message of a move: its step, the move's epoch, the rails found lost (the sender's,
@@ -546,12 +549,50 @@ impl MoveMsg {
     pub(crate) fn decode(p: &[u8]) -> Result<Self> {
         let mut r = Reader::new("move message", p);
         let step = r.u8("step")?;
-        let step = Step::from_u8(step).ok_or_else(|| r.invalid(step, "1 to 5"))?;
+        let step = Step::from_u8(step).ok_or_else(|| r.invalid(step, "1 to 6"))?;
         Ok(MoveMsg {
             step,
             epoch: r.u32("epoch")?,
             lost: r.array("lost rails")?,
             body: r.rest().to_vec(),
+        })
+    }
+}
+
+/// What a `Healed` says: this end can move the connection again (a NIC left to go to), and
+/// its own NICs (where NCCL's device placed its rails) can carry the connection.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Healed {
+    pub(crate) mobile: bool,
+    pub(crate) home: bool,
+}
+
+impl Healed {
+    const MOBILE: u8 = 1;
+    const HOME: u8 = 2;
+
+    /// Its message, in move `epoch`: flags u8.
+    pub(crate) fn message(self, epoch: u32) -> MoveMsg {
+        let flags = (u8::from(self.mobile) * Self::MOBILE) | (u8::from(self.home) * Self::HOME);
+        MoveMsg {
+            step: Step::Healed,
+            epoch,
+            lost: [0; 2],
+            body: vec![flags],
+        }
+    }
+
+    /// A `Healed` message's body.
+    pub(crate) fn decode(body: &[u8]) -> Result<Self> {
+        let mut r = Reader::new("healed message", body);
+        let flags = r.u8("flags")?;
+        if flags & !(Self::MOBILE | Self::HOME) != 0 {
+            return Err(r.invalid(flags, "flags 1 (mobile) and 2 (home)").into());
+        }
+        r.end()?;
+        Ok(Healed {
+            mobile: flags & Self::MOBILE != 0,
+            home: flags & Self::HOME != 0,
         })
     }
 }
@@ -564,6 +605,7 @@ impl Step {
             3 => Step::Answer,
             4 => Step::Resume,
             5 => Step::Refuse,
+            6 => Step::Healed,
             _ => return None,
         })
     }

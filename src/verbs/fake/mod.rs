@@ -615,6 +615,10 @@ unsafe impl Nic for FakeNic {
             .map(|(_, _, what)| format!("{}: {what}", self.local.name))
     }
 
+    fn port_active(&self) -> bool {
+        self.world.lock().nics[self.index].cut != Some(Cut::Down)
+    }
+
     fn moves_here(&self) -> &MovesHere {
         &self.moves_here
     }

@@ -437,15 +437,29 @@ fn render(r: &Report, loading: &Loading) -> String {
             .collect(),
     ));
     if r.plugin_runs {
+        let setting = |name: &str| {
+            r.settings
+                .iter()
+                .find(|s| s.name == name)
+                .map_or(String::new(), |s| s.value.clone())
+        };
+        let back = if setting("NCCL_ERDMA_FAILBACK") == "0" {
+            "; a moved connection stays (NCCL_ERDMA_FAILBACK=0)".to_string()
+        } else {
+            format!(
+                "; back once its NIC has stayed up {} ms (NCCL_ERDMA_FAILBACK_AFTER_MS)",
+                setting("NCCL_ERDMA_FAILBACK_AFTER_MS")
+            )
+        };
         let mut lines = vec![format!("transport: {}", f.transport)];
         lines.extend(f.devices.iter().map(|d| {
             let failover = if d.spares.is_empty() && d.members.len() < 2 {
                 "failover: none (no other NIC of its link layer, or NCCL_ERDMA_FAILOVER=0)"
                     .to_string()
             } else if d.spares.is_empty() {
-                "failover: to its other NICs (unless NCCL_ERDMA_FAILOVER=0)".to_string()
+                format!("failover: to its other NICs (unless NCCL_ERDMA_FAILOVER=0){back}")
             } else {
-                format!("failover: to {}", d.spares.join(", "))
+                format!("failover: to {}{back}", d.spares.join(", "))
             };
             format!(
                 "device {}: {} speed {} Mbps ptrSupport {:#x} PCI {} ({}); {failover}",

@@ -34,6 +34,11 @@ impl<N: Nic> VerbsReceiver<N> {
         self.state.lock().rails.iter().map(|r| r.stats).collect()
     }
 
+    /// The NICs this end lost and has not seen healed (bits, in its key order).
+    pub(crate) fn lost_nics(&self) -> u16 {
+        self.state.lock().mobility.lost()
+    }
+
     /// The NIC each rail is on now.
     pub(crate) fn rail_nics(&self) -> Vec<String> {
         let s = self.state.lock();

@@ -655,7 +655,12 @@ impl<N: Nic> RecvState<N> {
         }
         match self.poll_rails(gate) {
             Ok(false) => Ok(()),
-            // The peer is heard when rail 0's slow checks run.
+            // The peer is heard, and lost NICs looked at, when rail 0's slow checks run.
+            Ok(true) if self.mobility.epoch > 0 => {
+                self.listen(gate)?;
+                self.look_home();
+                Ok(())
+            }
             Ok(true) => self.listen(gate),
             Err(f) => self.on_fault(gate, f),
         }

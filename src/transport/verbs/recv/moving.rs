@@ -23,8 +23,8 @@ use crate::transport::verbs::fault::Fault;
 use crate::transport::verbs::rail::Rail;
 use crate::transport::verbs::reaper;
 use crate::transport::verbs::wire::{
-    cts_index, decode_qps, encode_answer, locate, ConnInfo, CtsEntry, MoveMsg, Step, Waiting,
-    WrKind,
+    cts_index, decode_qps, encode_answer, locate, ConnInfo, CtsEntry, Healed, MoveMsg, Step,
+    Waiting, WrKind,
 };
 use crate::transport::MAX_RAILS;
 use crate::verbs::dma::{FixedWrite, SendChain, WcBatch, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS};
@@ -89,6 +89,16 @@ impl<N: Nic> RecvState<N> {
         Ok(())
     }
 
+    /// From the slow checks, after a move: the NICs lost are looked at, and the sender told
+    /// of those healed, and once this end's own NICs can carry the connection again (it
+    /// moves the connection back).
+    #[cold]
+    pub(super) fn look_home(&mut self) {
+        if let Some(h) = self.mobility.news(Instant::now()) {
+            self.link.send(&h.message(self.mobility.epoch));
+        }
+    }
+
     /// Move message `msg` came.
     fn heard(&mut self, gate: &RecvGate<N>, msg: MoveMsg) -> Result<()> {
         let epoch = msg.epoch;
@@ -111,7 +121,11 @@ impl<N: Nic> RecvState<N> {
                 if msg.epoch > epoch && self.mobility.able() =>
             {
                 self.mobility.epoch = msg.epoch;
-                let why = format!("peer {peer} lost a path of the connection");
+                let why = if msg.lost == [0; 2] {
+                    format!("peer {peer} moves the connection back, its NICs healed")
+                } else {
+                    format!("peer {peer} lost a path of the connection")
+                };
                 let moving = Moving::new(msg.epoch, msg.lost, why, &self.mobility.params);
                 self.stop(gate);
                 self.accept_offer(gate, moving, &msg)
@@ -126,6 +140,10 @@ impl<N: Nic> RecvState<N> {
             }
             (Movement::Answered(m, _), Step::Resume) if msg.epoch == m.epoch => {
                 self.resume(gate, &msg.body)
+            }
+            (_, Step::Healed) => {
+                self.mobility.heard(Healed::decode(&msg.body)?, msg.epoch);
+                Ok(())
             }
             // Of this move or an earlier one: the peer fails its comm with it.
             (_, Step::Refuse) => Err(failover::refused(peer, &msg)),
@@ -185,13 +203,7 @@ impl<N: Nic> RecvState<N> {
             let e = failover::no_nic_left(&moving.why, self.link.peer());
             return Err(failover::refuse(&mut self.link, moving.epoch, e));
         };
-        let (old, new) = self.mobility.describe(&before, rails_n, moving.lost[1]);
-        tracing::warn!(
-            "{}; moving the connection to peer {} {}",
-            moving.why,
-            self.link.peer(),
-            failover::moved(&old, &new)
-        );
+        moving.announce(self.link.peer(), self.mobility.describe(&before, rails_n));
         if remote.qps.len() != self.plan.nqps {
             let e = Error::remote(format!(
                 "{} offered {} QPs for the connection's {}",
@@ -411,7 +423,7 @@ impl<N: Nic> RecvState<N> {
         if moving.is_setup() {
             tracing::debug!("connected to peer {peer} in {ms} ms");
         } else {
-            tracing::info!("connection to peer {peer} moved in {ms} ms");
+            tracing::info!("connection to peer {peer} {} in {ms} ms", moving.ended());
         }
         Ok(())
     }

@@ -454,7 +454,11 @@ impl<N: Nic> SendState<N> {
         }
         match self.poll_rails(waiting) {
             Ok(false) => Ok(()),
-            // The peer is heard when rail 0's slow checks run.
+            // The peer is heard, and lost NICs looked at, when rail 0's slow checks run.
+            Ok(true) if self.mobility.watching() => {
+                self.listen()?;
+                self.look_home()
+            }
             Ok(true) => self.listen(),
             Err(f) => self.on_fault(f),
         }

@@ -7,6 +7,8 @@
 //! move 0: the comm starts with its rails offered in the connector's hello, and the
 //! listener's answer also gives the connection its shape (`shape_of`).
 
+use std::time::Instant;
+
 use super::slot::Replay;
 use super::{MovedRegs, Movement, Offered, SendState, PROBE_AT, SLOTS};
 use crate::error::{Error, Result};
@@ -16,7 +18,7 @@ use crate::transport::verbs::failover::{self, Moving};
 use crate::transport::verbs::fault::{Cause, Fault};
 use crate::transport::verbs::reaper;
 use crate::transport::verbs::wire::{
-    cts_index, decode_answer, encode_qps, ConnInfo, MoveMsg, QpPlan, Step, Waiting, WrKind,
+    cts_index, decode_answer, encode_qps, ConnInfo, Healed, MoveMsg, QpPlan, Step, Waiting, WrKind,
 };
 use crate::transport::{MAX_RAILS, MAX_RECVS};
 use crate::verbs::nic::Nic;
@@ -56,7 +58,7 @@ impl<N: Nic> SendState<N> {
         (self.plan.nqps, self.rails.len(), self.remote_sizes.2)
     }
 
-    /// Reads what the peer sent: a move it begins, its `Bye`.
+    /// Reads what the peer sent: a move it begins, its `Bye`, that its NICs healed.
     #[cold]
     pub(super) fn listen(&mut self) -> Result<()> {
         while let Some(msg) = self.link.poll() {
@@ -65,6 +67,23 @@ impl<N: Nic> SendState<N> {
         self.link.trusted()?;
         if let Some(landed) = self.link.landed() {
             self.landed_below(landed);
+        }
+        Ok(())
+    }
+
+    /// From the slow checks: the NICs lost are looked at (the receiver told of those healed)
+    /// and, between messages (no send in flight), a connection off its own NICs moves back
+    /// once they, and the receiver's, can carry it again.
+    #[cold]
+    pub(super) fn look_home(&mut self) -> Result<()> {
+        let now = Instant::now();
+        if let Some(h) = self.mobility.news(now) {
+            self.link.send(&h.message(self.mobility.epoch));
+        }
+        let between = !self.slots.iter().any(|st| st.busy && st.posted);
+        if between && self.still() && self.mobility.back_due(now) {
+            let why = "the NICs the connection was placed on healed".to_string();
+            return self.begin_move(self.mobility.epoch + 1, [0; 2], why);
         }
         Ok(())
     }
@@ -84,6 +103,11 @@ impl<N: Nic> SendState<N> {
             Step::Refuse => Err(failover::refused(peer, &msg)),
             // A `Down` that crossed the offer of its move, or older.
             Step::Down => Ok(()),
+            Step::Healed => {
+                let h = Healed::decode(&msg.body)?;
+                self.mobility.heard(h, msg.epoch);
+                Ok(())
+            }
             _ => Err(failover::out_of_turn(peer, &msg, "carried data")),
         }
     }
@@ -93,20 +117,14 @@ impl<N: Nic> SendState<N> {
         self.broken = true;
         failover::stop(&self.rails, false);
         self.mobility.epoch = epoch;
-        let moving = Moving::new(epoch, lost, why, &self.mobility.params);
+        let mut moving = Moving::new(epoch, lost, why, &self.mobility.params);
         let rails = self.rails.len();
         let before = self.mobility.order;
         let Some(nics) = self.mobility.pick(rails, lost[0]) else {
             let e = failover::no_nic_left(&moving.why, self.link.peer());
             return Err(failover::refuse(&mut self.link, epoch, e));
         };
-        let (old, new) = self.mobility.describe(&before, rails, lost[0]);
-        tracing::warn!(
-            "{}; moving the connection to peer {} {}",
-            moving.why,
-            self.link.peer(),
-            failover::moved(&old, &new)
-        );
+        moving.announce(self.link.peer(), self.mobility.describe(&before, rails));
         let made = (|| {
             let p = self.mobility.rebuild_params();
             let cost = self
@@ -295,9 +313,10 @@ impl<N: Nic> SendState<N> {
             );
         } else {
             tracing::info!(
-                "connection to peer {} moved in {} ms; {} slots sent again whole, {} their \
+                "connection to peer {} {} in {} ms; {} slots sent again whole, {} their \
                  immediate only",
                 self.link.peer(),
+                moving.ended(),
                 moving.took().as_millis(),
                 replay.whole.count_ones(),
                 replay.landed.count_ones()

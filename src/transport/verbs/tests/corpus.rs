@@ -1,6 +1,7 @@
 //! The seed corpora of the fuzz targets for what a verbs peer sends, captured from a run on
 //! the fake fabric: connections of one and two rails set up, streams, moves with receives
-//! waiting (the receiver's path cut first, then the sender's), a receiver closing first. Run by hand
+//! waiting (the receiver's path cut first, then the sender's), a NIC healed and the move
+//! back, a receiver closing first. Run by hand
 //! when a wire format changes; it rewrites `fuzz/corpus/<target>/captured-*`:
 //! `cargo test --lib capture_the_seed_corpora -- --ignored`.
 
@@ -10,6 +11,7 @@ use std::path::Path;
 use crate::codec::tap;
 use crate::transport::Tested;
 
+use super::failback::{home, idle_until};
 use super::failover::{connect_mobile, mobile, through};
 use super::*;
 
@@ -40,6 +42,17 @@ fn capture_the_seed_corpora() {
             .cut(&c2.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
         through(&c2, 8, 4);
     }
+    // A NIC lost and healed: both ends' `Healed`, and the move back.
+    let p = ConnParams {
+        failback: (Duration::from_millis(20), true),
+        ..mobile()
+    };
+    let c = connect_mobile(1, 1, p);
+    through(&c, 64, 1);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Down));
+    through(&c, 64, 2);
+    c.fabric.cut(&c.tx_nics[0], None);
+    idle_until(&c, Duration::from_secs(5), || home(&c));
     // A receiver that closes with a send landed but not yet acknowledged: its `Bye`.
     let c = connect_mobile(1, 1, mobile());
     through(&c, 64, 1);

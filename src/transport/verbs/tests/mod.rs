@@ -4,6 +4,7 @@
 //! sequence number crossing 2^32, a link that never answers, a failed work request).
 
 mod corpus;
+mod failback;
 mod failover;
 mod faults;
 mod interleavings;
@@ -58,6 +59,7 @@ pub(super) fn params() -> ConnParams {
         wqe_latency: None,
         send_depth: SENDER_SEND_DEPTH,
         failover: None,
+        failback: (Duration::from_secs(10), true),
     }
 }
 

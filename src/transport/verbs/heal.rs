@@ -1,0 +1,144 @@
+//! Knowing that a NIC a connection lost has healed. A lost NIC counts as healed once its port
+//! has stayed active for the settling time (`NCCL_ERDMA_FAILBACK_AFTER_MS`), doubled each
+//! time the same comm loses it again (at most [`MAX_DOUBLINGS`] times): a link that flaps
+//! moves nothing back and forth, and a path that fails with its port up (loss on the wire)
+//! is tried again ever more rarely. Only a comm that lost a NIC looks, from its slow checks,
+//! at most every [`LOOK_EVERY`]; the device reads the port for all of them at most every
+//! `PortWatch::EVERY`. A healed NIC may carry the connection again: a later failover may move
+//! there, and the connection moves back to its own NICs (`failover`), at most
+//! [`RETURNS_PER_MINUTE`] times a minute.
+
+use std::time::{Duration, Instant};
+
+/// How often a comm that lost a NIC looks at its port.
+pub(crate) const LOOK_EVERY: Duration = Duration::from_millis(100);
+/// Moves back a connection may make in a minute.
+pub(crate) const RETURNS_PER_MINUTE: u32 = 2;
+/// How often the settling time doubles for a NIC lost again and again.
+pub(crate) const MAX_DOUBLINGS: u32 = 5;
+
+/// One lost NIC's watch.
+#[derive(Debug, Clone, Copy, Default)]
+struct Watch {
+    /// How many times this comm lost it.
+    losses: u32,
+    /// Since when its port has been seen active, without a look finding it down, since
+    /// its last loss.
+    usable_since: Option<Instant>,
+}
+
+/// The watches of one comm's NICs, and its moves back.
+#[derive(Debug)]
+pub(crate) struct Healing {
+    settle: Duration,
+    watch: Vec<Watch>,
+    next_look: Option<Instant>,
+    /// The minute's first move back, and how many began since.
+    returns: Option<(Instant, u32)>,
+}
+
+impl Healing {
+    /// Watches for `nics` NICs, each healed after `settle` of usable port (per loss).
+    pub(crate) fn new(nics: usize, settle: Duration) -> Self {
+        Healing {
+            settle,
+            watch: vec![Watch::default(); nics],
+            next_look: None,
+            returns: None,
+        }
+    }
+
+    /// NIC `k` was lost (again): its settling starts over, longer.
+    pub(crate) fn lost(&mut self, k: usize) {
+        let w = &mut self.watch[k];
+        w.losses += 1;
+        w.usable_since = None;
+    }
+
+    /// How long NIC `k`'s port must stay active to count as healed.
+    fn settle_of(&self, k: usize) -> Duration {
+        let doublings = self.watch[k].losses.saturating_sub(1).min(MAX_DOUBLINGS);
+        self.settle * 2u32.pow(doublings)
+    }
+
+    /// Looks at the lost NICs (`lost`, bits) whose ports `active` reads, where a look is due
+    /// at `now`: the bits of those healed.
+    pub(crate) fn look(&mut self, lost: u16, now: Instant, active: impl Fn(usize) -> bool) -> u16 {
+        if self.next_look.is_some_and(|t| now < t) {
+            return 0;
+        }
+        self.next_look = Some(now + LOOK_EVERY);
+        let mut healed = 0;
+        for k in (0..self.watch.len()).filter(|k| lost & (1 << k) != 0) {
+            let settle = self.settle_of(k);
+            let w = &mut self.watch[k];
+            if !active(k) {
+                w.usable_since = None;
+                continue;
+            }
+            let since = *w.usable_since.get_or_insert(now);
+            if now.duration_since(since) >= settle {
+                healed |= 1 << k;
+            }
+        }
+        healed
+    }
+
+    /// Whether a move back may begin at `now` (fewer than [`RETURNS_PER_MINUTE`] this
+    /// minute); counts it where it may.
+    pub(crate) fn may_return(&mut self, now: Instant) -> bool {
+        let minute = Duration::from_secs(60);
+        match &mut self.returns {
+            Some((first, n)) if now.duration_since(*first) < minute => {
+                if *n >= RETURNS_PER_MINUTE {
+                    return false;
+                }
+                *n += 1;
+            }
+            r => *r = Some((now, 1)),
+        }
+        true
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_nic_heals_after_its_port_stays_active_for_the_settling_time_doubled_per_loss() {
+        let settle = Duration::from_secs(10);
+        let mut h = Healing::new(2, settle);
+        let t0 = Instant::now();
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        h.lost(1);
+        // Down at first, then up from 5 s: healed at 15 s, not before.
+        assert_eq!(h.look(0b10, at(0), |_| false), 0);
+        assert_eq!(h.look(0b10, at(5), |_| true), 0);
+        assert_eq!(h.look(0b10, at(14), |_| true), 0);
+        assert_eq!(h.look(0b10, at(15), |_| true), 0b10);
+        // A flap inside the settling time starts it over.
+        h.lost(1);
+        assert_eq!(h.look(0b10, at(20), |_| true), 0);
+        assert_eq!(h.look(0b10, at(30), |_| false), 0);
+        assert_eq!(h.look(0b10, at(31), |_| true), 0);
+        // Lost twice: 20 s.
+        assert_eq!(h.look(0b10, at(50), |_| true), 0);
+        assert_eq!(h.look(0b10, at(51), |_| true), 0b10);
+        // Looks come at most every LOOK_EVERY.
+        assert_eq!(h.look(0b10, at(51) + LOOK_EVERY / 2, |_| true), 0);
+        for _ in 0..10 {
+            h.lost(0);
+        }
+        assert_eq!(h.settle_of(0), settle * 32);
+    }
+
+    #[test]
+    fn moves_back_are_capped_per_minute() {
+        let mut h = Healing::new(1, Duration::ZERO);
+        let t0 = Instant::now();
+        assert!(h.may_return(t0) && h.may_return(t0 + Duration::from_secs(1)));
+        assert!(!h.may_return(t0 + Duration::from_secs(59)));
+        assert!(h.may_return(t0 + Duration::from_secs(61)));
+    }
+}

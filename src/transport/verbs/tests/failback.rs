@@ -1,0 +1,221 @@
+//! Fail-back on the fake fabric: a connection moved off a lost NIC moves back once that NIC
+//! (and the peer's) has stayed usable for the settling time, between messages, every
+//! request completing once with its bytes and size; a flap inside the settling time moves
+//! nothing back; a healed NIC takes a later failover; a move back onto a path still broken
+//! falls back to the failover path.
+
+use super::failover::{connect_mobile, isend_while, mobile, through, wait_both};
+use super::*;
+
+/// How long a lost NIC must stay usable here.
+const SETTLE: Duration = Duration::from_millis(60);
+
+fn homing() -> ConnParams {
+    ConnParams {
+        failback: (SETTLE, true),
+        ..mobile()
+    }
+}
+
+/// Both ends' NICs, sender's then receiver's.
+fn nics_of(c: &Conn) -> (Vec<String>, Vec<String>) {
+    (c.send.rail_nics(), c.recv.rail_nics())
+}
+
+/// Idles the connection as NCCL does between messages (the sender asks for a send whose
+/// receive is not posted yet; the receiver tests a receive posted early) until `done`, or
+/// panics after `within`; then that receive's send goes, its bytes checked.
+pub(super) fn idle_until(c: &Conn, within: Duration, done: impl Fn() -> bool) {
+    let mut dst = c.buf(false, 3000, 0);
+    let mut src = c.buf(true, 3000, 77);
+    let r = c.irecv(&mut [&mut dst], &[77]);
+    let t0 = Instant::now();
+    while !done() {
+        c.send.step_setup().expect("the sender's idle call");
+        assert!(c.test_recv(r).expect("the receiver's test").is_none());
+        assert!(
+            t0.elapsed() < within,
+            "not done in {within:?}: {:?}",
+            nics_of(c)
+        );
+    }
+    let s = isend_while(c, &mut src, 77, r);
+    let (sent, received) = wait_both(c, s, r).unwrap();
+    assert_eq!(
+        (sent, received),
+        (Completion::single(3000), Completion::single(3000))
+    );
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(3000, 77));
+}
+
+/// A connection moved off `tx0` (cut `how`), both ends on their spares.
+fn moved_off(p: ConnParams, how: Cut) -> Conn {
+    let c = connect_mobile(1, 1, p);
+    through(&c, 4096, 1);
+    c.fabric.cut(&c.tx_nics[0], Some(how));
+    through(&c, 5000, 2);
+    assert_eq!(nics_of(&c), (vec!["tx1".into()], vec!["rx1".into()]));
+    c
+}
+
+pub(super) fn home(c: &Conn) -> bool {
+    c.send.rail_nics() == ["tx0"] && c.recv.rail_nics() == ["rx0"]
+}
+
+#[test]
+fn a_healed_nic_takes_its_connection_back_and_nothing_is_lost() {
+    let c = moved_off(homing(), Cut::Down);
+    let healed = Instant::now();
+    c.fabric.cut(&c.tx_nics[0], None);
+    idle_until(&c, Duration::from_secs(5), || home(&c));
+    let took = healed.elapsed();
+    assert!(took >= SETTLE, "moved back {took:?} after the heal");
+    let before = c.send.rail_stats()[0].messages;
+    for i in 3..8 {
+        through(&c, 4096 * i as usize, i);
+    }
+    // The home NIC carries the traffic again.
+    assert_eq!(c.send.rail_stats()[0].messages, before + 5);
+    assert!(home(&c));
+}
+
+#[test]
+fn grouped_and_striped_receives_survive_the_move_back_with_every_size() {
+    // Two rails each and a spare: rail 0 moves to the spare and back; a grouped receive
+    // whose buffers are large enough to stripe over both rails waits across the move back.
+    let c = connect_mobile(2, 1, homing());
+    through(&c, 300_000, 1);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Down));
+    through(&c, 300_000, 2);
+    assert_eq!(c.send.rail_nics(), ["tx2", "tx1"]);
+    let lens = [200_000, 10, 0, 150_000, 4096, 1, 300_000, 77];
+    let mut dsts: Vec<Buf> = lens.iter().map(|_| c.buf(false, 300_000, 0)).collect();
+    let tags: Vec<i32> = (0..8).collect();
+    let r = {
+        let mut refs: Vec<&mut Buf> = dsts.iter_mut().collect();
+        c.irecv(&mut refs, &tags)
+    };
+    let mut srcs: Vec<Buf> = lens
+        .iter()
+        .enumerate()
+        .map(|(i, &l)| c.buf(true, l, 40 + i as u64))
+        .collect();
+    // Half the group is matched before the move back (nothing is posted before the rest).
+    let mut ids = Vec::new();
+    for (i, src) in srcs.iter_mut().enumerate().take(4) {
+        ids.push(isend_while(&c, src, i as i32, r));
+    }
+    c.fabric.cut(&c.tx_nics[0], None);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while c.send.rail_nics() != ["tx0", "tx1"] {
+        c.send.step_setup().unwrap();
+        assert!(c.test_recv(r).unwrap().is_none());
+        assert!(Instant::now() < deadline, "never moved back");
+    }
+    for (i, src) in srcs.iter_mut().enumerate().skip(4) {
+        ids.push(isend_while(&c, src, i as i32, r));
+    }
+    let received = wait(|| c.test_recv(r)).unwrap();
+    let want: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
+    assert_eq!(received.sizes[..8], want[..]);
+    for (i, id) in ids.into_iter().enumerate() {
+        assert_eq!(wait(|| c.test_send(id)).unwrap().sizes[0], lens[i] as u32);
+        assert_eq!(
+            &dsts[i].mem.bytes()[..lens[i]],
+            &TestMem::pattern(lens[i], 40 + i as u64)[..],
+            "receive {i}"
+        );
+    }
+    assert_eq!(c.recv.rail_nics(), ["rx0", "rx1"]);
+}
+
+#[test]
+fn a_flap_inside_the_settling_time_moves_nothing_back() {
+    let settle = Duration::from_millis(300);
+    let p = ConnParams {
+        failback: (settle, true),
+        ..mobile()
+    };
+    let c = moved_off(p, Cut::Down);
+    // Up 100 ms, down again (long enough for several looks), then up for good: the
+    // settling time counts from the last heal.
+    c.fabric.cut(&c.tx_nics[0], None);
+    idle_for(&c, Duration::from_millis(100));
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Down));
+    idle_for(&c, settle);
+    assert_eq!(c.send.rail_nics(), ["tx1"], "moved back inside the flap");
+    let healed = Instant::now();
+    c.fabric.cut(&c.tx_nics[0], None);
+    idle_until(&c, Duration::from_secs(5), || home(&c));
+    let took = healed.elapsed();
+    assert!(took >= settle, "moved back {took:?} after the last heal");
+    through(&c, 9000, 3);
+}
+
+/// Idles the connection (as [`idle_until`]) for `d`, checking it stays where it is.
+fn idle_for(c: &Conn, d: Duration) {
+    let was = nics_of(c);
+    let t0 = Instant::now();
+    idle_until(c, d * 2, || {
+        assert_eq!(nics_of(c), was);
+        t0.elapsed() >= d
+    });
+}
+
+#[test]
+fn a_healed_nic_takes_a_later_failover_with_or_without_the_move_back() {
+    for failback in [false, true] {
+        let p = ConnParams {
+            failback: (SETTLE, failback),
+            ..mobile()
+        };
+        let c = moved_off(p, Cut::Down);
+        c.fabric.cut(&c.tx_nics[0], None);
+        if failback {
+            idle_until(&c, Duration::from_secs(5), || home(&c));
+            // The other NIC lost now only costs the connection its spare.
+            c.fabric.cut(&c.tx_nics[1], Some(Cut::Fail(RETRY_EXCEEDED)));
+        } else {
+            // Both ends see their NIC healed (the receiver's was lost with the path).
+            idle_until(&c, Duration::from_secs(5), || {
+                c.send.lost_nics() == 0 && c.recv.lost_nics() == 0
+            });
+            idle_for(&c, SETTLE);
+            assert_eq!(
+                c.send.rail_nics(),
+                ["tx1"],
+                "NCCL_ERDMA_FAILBACK=0 moved back"
+            );
+            // The NIC it runs on is lost: the healed one takes it.
+            c.fabric.cut(&c.tx_nics[1], Some(Cut::Fail(RETRY_EXCEEDED)));
+        }
+        for i in 3..6 {
+            through(&c, 7000 + i as usize, i);
+        }
+        assert!(home(&c), "failback {failback}: {:?}", nics_of(&c));
+    }
+}
+
+#[test]
+fn a_move_back_onto_a_path_still_broken_falls_back_to_the_failover_path() {
+    // The port stays up while the path drops everything: the NIC looks healed, the move
+    // back is tried, its first write fails and the connection moves off again.
+    let c = moved_off(homing(), Cut::Fail(RETRY_EXCEEDED));
+    assert_eq!(c.send.epoch(), 1);
+    idle_until(&c, Duration::from_secs(5), || c.send.epoch() == 2);
+    // Moved back (2); the first write fails, and the connection moves off again (3).
+    let lost_again = Instant::now();
+    through(&c, 6000, 4);
+    assert_eq!(c.send.epoch(), 3);
+    assert_eq!(nics_of(&c), (vec!["tx1".into()], vec!["rx1".into()]));
+    // Lost twice, the NIC settles twice as long (its port never went down: from the loss);
+    // mended, it takes the connection back.
+    c.fabric.cut(&c.tx_nics[0], None);
+    idle_until(&c, Duration::from_secs(5), || home(&c));
+    let took = lost_again.elapsed();
+    assert!(
+        took >= SETTLE * 2,
+        "moved back {took:?} after the second loss"
+    );
+    through(&c, 7000, 5);
+}
