@@ -25,7 +25,7 @@ pub(super) fn both_rails() {
 }
 
 /// Streams `s` both ways at once over `c`: this host's sends on a thread of their own.
-fn both_ways(net: &Net, c: &Comms, s: &Stream) -> (traffic::Done, traffic::Done) {
+pub(super) fn both_ways(net: &Net, c: &Comms, s: &Stream) -> (traffic::Done, traffic::Done) {
     let (sent, received) = thread::scope(|scope| {
         let sending = scope.spawn(|| send(net, c.send, s));
         let received = recv(net, c.recv, s);

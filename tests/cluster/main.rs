@@ -9,6 +9,7 @@
 //! `cluster: RESULT` line per host: what the plugin did, the time to completion or to error,
 //! and the bytes verified.
 
+mod failback;
 mod failover;
 mod peer;
 mod soak;

@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use super::budget::{self, EndCost};
 use super::fault::{Cause, Fault};
-use super::heal::Healing;
+use super::heal::{self, Healing};
 use super::peer::PeerLink;
 use super::profile::ConnParams;
 use super::rail::Rail;
@@ -72,6 +72,8 @@ pub(crate) struct Mobility<N: Nic> {
     home_said: u32,
     /// The last epoch in which the peer said so (`Healed`).
     peer_home: u32,
+    /// Since when the move back has waited for a moment between messages.
+    back_since: Option<Instant>,
 }
 
 impl<N: Nic> Mobility<N> {
@@ -82,6 +84,7 @@ impl<N: Nic> Mobility<N> {
             healing: Healing::new(nics.len(), params.failback.0),
             home_said: 0,
             peer_home: 0,
+            back_since: None,
             nics,
             order: std::array::from_fn(|r| r as u8),
             dead: 0,
@@ -281,15 +284,26 @@ impl<N: Nic> Mobility<N> {
 
     /// Whether the connection, off its own NICs, moves back at `now` (the sender asks): the
     /// move back is on here and at the receiver, which said in this epoch that its own NICs
-    /// can carry it, both ends can move, this end's own NICs can carry it, and the minute's
-    /// moves back are not spent.
-    pub(crate) fn back_due(&mut self, now: Instant) -> bool {
-        self.params.failback.1
+    /// can carry it, both ends can move, this end's own NICs can carry it; `between`
+    /// messages (nothing in flight to send again), or, for a connection never idle, once it
+    /// has been due for [`heal::BUSY_WAIT`]; and the minute's moves back are not spent.
+    pub(crate) fn back_due(&mut self, now: Instant, between: bool) -> bool {
+        let ready = self.params.failback.1
             && self.enabled()
             && self.peer_home == self.epoch
             && self.away()
-            && self.homes_alive()
-            && self.healing.may_return(now)
+            && self.homes_alive();
+        if !ready {
+            self.back_since = None;
+            return false;
+        }
+        let since = *self.back_since.get_or_insert(now);
+        let due = between || now.duration_since(since) >= heal::BUSY_WAIT;
+        if due && self.healing.may_return(now) {
+            self.back_since = None;
+            return true;
+        }
+        false
     }
 }
 

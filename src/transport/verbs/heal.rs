@@ -5,8 +5,8 @@
 //! is tried again ever more rarely. Only a comm that lost a NIC looks, from its slow checks,
 //! at most every [`LOOK_EVERY`]; the device reads the port for all of them at most every
 //! `PortWatch::EVERY`. A healed NIC may carry the connection again: a later failover may move
-//! there, and the connection moves back to its own NICs (`failover`), at most
-//! [`RETURNS_PER_MINUTE`] times a minute.
+//! there, and the connection moves back to its own NICs (`failover`), between messages where
+//! it can (else after [`BUSY_WAIT`]), at most [`RETURNS_PER_MINUTE`] times a minute.
 
 use std::time::{Duration, Instant};
 
@@ -16,6 +16,9 @@ pub(crate) const LOOK_EVERY: Duration = Duration::from_millis(100);
 pub(crate) const RETURNS_PER_MINUTE: u32 = 2;
 /// How often the settling time doubles for a NIC lost again and again.
 pub(crate) const MAX_DOUBLINGS: u32 = 5;
+/// How long a move back due waits for a moment between messages (nothing in flight, so
+/// nothing is sent again) before it goes anyway: a connection NCCL keeps busy is never idle.
+pub(crate) const BUSY_WAIT: Duration = Duration::from_secs(1);
 
 /// One lost NIC's watch.
 #[derive(Debug, Clone, Copy, Default)]

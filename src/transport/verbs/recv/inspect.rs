@@ -15,6 +15,14 @@ impl<N: Nic> VerbsReceiver<N> {
         r.map(|moving| !moving && s.still())
     }
 
+    /// One locked poll of the rails, as a `test` makes (its slow checks in their turn).
+    pub(crate) fn poll_once(&self) -> Result<()> {
+        let mut s = self.state.lock();
+        let r = s.progress(&self.gate);
+        self.gate.lock_wanted(s.needs_lock());
+        r
+    }
+
     /// Numbers the next receive `seq` (the sender must do the same). Only while nothing is
     /// in flight: tests cross the 32-bit boundary without 2^32 messages.
     pub(crate) fn skip_to(&self, seq: u64) {

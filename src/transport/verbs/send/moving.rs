@@ -72,8 +72,8 @@ impl<N: Nic> SendState<N> {
     }
 
     /// From the slow checks: the NICs lost are looked at (the receiver told of those healed)
-    /// and, between messages (no send in flight), a connection off its own NICs moves back
-    /// once they, and the receiver's, can carry it again.
+    /// and a connection off its own NICs moves back once they, and the receiver's, can carry
+    /// it again: between messages (no send in flight) where it can.
     #[cold]
     pub(super) fn look_home(&mut self) -> Result<()> {
         let now = Instant::now();
@@ -81,7 +81,7 @@ impl<N: Nic> SendState<N> {
             self.link.send(&h.message(self.mobility.epoch));
         }
         let between = !self.slots.iter().any(|st| st.busy && st.posted);
-        if between && self.still() && self.mobility.back_due(now) {
+        if self.still() && self.mobility.back_due(now, between) {
             let why = "the NICs the connection was placed on healed".to_string();
             return self.begin_move(self.mobility.epoch + 1, [0; 2], why);
         }

@@ -219,3 +219,56 @@ fn a_move_back_onto_a_path_still_broken_falls_back_to_the_failover_path() {
     );
     through(&c, 7000, 5);
 }
+
+#[test]
+fn a_connection_never_idle_moves_back_once_the_move_has_waited_long_enough() {
+    let c = moved_off(homing(), Cut::Down);
+    let healed = Instant::now();
+    c.fabric.cut(&c.tx_nics[0], None);
+    // Pipelined as NCCL's steps are: the next send is posted before the last is tested, so
+    // one is always in flight, and the move back sends it again.
+    let mut last: Option<(Buf, Buf, usize, usize, u64)> = None;
+    let mut seed = 10;
+    while !home(&c) {
+        assert!(
+            healed.elapsed() < Duration::from_secs(10),
+            "never moved back"
+        );
+        // NCCL's proxy polls both ends many times a message.
+        for _ in 0..300 {
+            c.send.step_setup().unwrap();
+            c.recv.poll_once().unwrap();
+        }
+        let mut dst = c.buf(false, 1000 + seed as usize, 0);
+        let mut src = c.buf(true, 1000 + seed as usize, seed);
+        let r = c.irecv(&mut [&mut dst], &[1]);
+        let s = isend_while(&c, &mut src, 1, r);
+        if let Some(done) = last.replace((dst, src, s, r, seed)) {
+            check_pipelined(&c, done);
+        }
+        seed += 1;
+    }
+    assert!(
+        healed.elapsed() >= SETTLE + crate::transport::verbs::heal::BUSY_WAIT,
+        "moved back {:?} after the heal, with sends in flight",
+        healed.elapsed()
+    );
+    check_pipelined(&c, last.take().unwrap());
+    through(&c, 5000, 99);
+}
+
+/// Waits for a pipelined message (its receive buffer, send buffer, request ids and seed)
+/// and checks its bytes.
+fn check_pipelined(c: &Conn, (dst, _src, s, r, seed): (Buf, Buf, usize, usize, u64)) {
+    let len = 1000 + seed as usize;
+    let (sent, received) = wait_both(c, s, r).unwrap();
+    assert_eq!(
+        (sent, received),
+        (Completion::single(len), Completion::single(len))
+    );
+    assert_eq!(
+        dst.mem.bytes(),
+        TestMem::pattern(len, seed),
+        "message {seed}"
+    );
+}
