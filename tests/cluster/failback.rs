@@ -1,7 +1,7 @@
 //! Fail-back between the hosts: device 0's connections (rxe0 on rail A, rxe1 on rail B its
 //! spare) stream 64 KiB messages both ways, every byte verified, in phases the two hosts
 //! take in step, while host 2's rails fail and heal. A healed rail A takes its connections
-//! back (an INFO line "moved back to rxe0", rxe0's packet counter climbing again), and a
+//! back (an INFO line "moved back in ... ms, to rxe0", rxe0's packet counter climbing again), and a
 //! later loss of rail B costs nothing; with `NCCL_ERDMA_FAILBACK=0` the connections stay on
 //! rail B, and losing it moves them to the healed rail A; a rail A that flaps moves nothing
 //! back until it has stayed up for the settling time.
@@ -29,11 +29,11 @@ fn sent_pkts(dev: &str) -> u64 {
         .unwrap_or_else(|| panic!("{path} unreadable"))
 }
 
-/// The INFO lines of moves back ("moved back to ...") logged so far.
+/// The INFO lines of moves back ("moved back in ...") logged so far.
 fn moves_back() -> Vec<String> {
     logged()
         .into_iter()
-        .filter(|l| l.contains(" moved back to "))
+        .filter(|l| l.contains(" moved back in "))
         .collect()
 }
 

@@ -423,7 +423,7 @@ impl<N: Nic> RecvState<N> {
         if moving.is_setup() {
             tracing::debug!("connected to peer {peer} in {ms} ms");
         } else {
-            tracing::info!("connection to peer {peer} {} in {ms} ms", moving.ended());
+            tracing::info!("connection to peer {peer} {}", moving.ended());
         }
         Ok(())
     }

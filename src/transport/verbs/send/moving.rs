@@ -313,11 +313,9 @@ impl<N: Nic> SendState<N> {
             );
         } else {
             tracing::info!(
-                "connection to peer {} {} in {} ms; {} slots sent again whole, {} their \
-                 immediate only",
+                "connection to peer {} {}; {} slots sent again whole, {} their immediate only",
                 self.link.peer(),
                 moving.ended(),
-                moving.took().as_millis(),
                 replay.whole.count_ones(),
                 replay.landed.count_ones()
             );
