@@ -3,7 +3,8 @@
 //! setup message (`ConnInfo`: absurd counts of QPs and rails, a QP number past 24 bits, a
 //! truncated body), and during a
 //! stream it slips move messages to either end: out of turn, of a stale or a future epoch,
-//! truncated, of an unknown step, and a `Bye` of the wrong size. Over tcp it slips frames into
+//! truncated, of an unknown step, a `Healed` of unknown flags or unasked for, and a `Bye` of
+//! the wrong size. Over tcp it slips frames into
 //! the stream: a clear-to-send of too many buffers or for a receive out of order, data for a
 //! receive that was never posted, larger than its buffer, or of an unknown type.
 //!
@@ -274,6 +275,18 @@ fn verbs_cases() -> Vec<Hostile> {
             Toward::Sender,
             move_msg(9, 0, &[]),
             Some("field `step`"),
+        ),
+        case(
+            "a Healed of unknown flags",
+            Toward::Sender,
+            move_msg(6, 0, &[0x80]),
+            Some("field `flags`"),
+        ),
+        case(
+            "a Healed unasked for (the connection is on its own NICs: nothing moves)",
+            Toward::Sender,
+            move_msg(6, 0, &[3]),
+            None,
         ),
         case(
             "a truncated move message",

@@ -230,10 +230,12 @@ impl<N: Nic> Mobility<N> {
         (old, new)
     }
 
-    /// Whether this end watches for healed NICs: it lost some, or runs off its own.
+    /// Whether this end's slow checks look at its NICs ([`Self::news`]): it lost some, runs
+    /// off its own, or has not said since the last move that its own can carry the
+    /// connection. A comm that never lost a NIC pays this test only.
     #[inline]
     pub(crate) fn watching(&self) -> bool {
-        self.dead != 0 || self.away()
+        self.dead != 0 || self.away() || (self.params.failback.1 && self.epoch > self.home_said)
     }
 
     /// Whether a rail runs on another NIC than its own.

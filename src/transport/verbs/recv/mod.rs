@@ -373,7 +373,7 @@ impl<N: Nic> RecvState<N> {
                 self.rails[rail].cq.polled_unlocked(wc);
                 match self.drain_rail(gate, rail, wc) {
                     Ok(false) => Ok(()),
-                    Ok(true) if rail == 0 => self.listen(gate),
+                    Ok(true) if rail == 0 => self.checked(gate),
                     Ok(true) => Ok(()),
                     Err(f) => self.on_fault(gate, f),
                 }
@@ -655,13 +655,7 @@ impl<N: Nic> RecvState<N> {
         }
         match self.poll_rails(gate) {
             Ok(false) => Ok(()),
-            // The peer is heard, and lost NICs looked at, when rail 0's slow checks run.
-            Ok(true) if self.mobility.epoch > 0 => {
-                self.listen(gate)?;
-                self.look_home();
-                Ok(())
-            }
-            Ok(true) => self.listen(gate),
+            Ok(true) => self.checked(gate),
             Err(f) => self.on_fault(gate, f),
         }
     }

@@ -89,14 +89,18 @@ impl<N: Nic> RecvState<N> {
         Ok(())
     }
 
-    /// From the slow checks, after a move: the NICs lost are looked at, and the sender told
-    /// of those healed, and once this end's own NICs can carry the connection again (it
-    /// moves the connection back).
+    /// Rail 0's slow checks ran: the peer is heard and, where this end watches its NICs,
+    /// they are looked at, and the sender told of those healed, and once this end's own NICs
+    /// can carry the connection again (it moves the connection back).
     #[cold]
-    pub(super) fn look_home(&mut self) {
-        if let Some(h) = self.mobility.news(Instant::now()) {
-            self.link.send(&h.message(self.mobility.epoch));
+    pub(super) fn checked(&mut self, gate: &RecvGate<N>) -> Result<()> {
+        self.listen(gate)?;
+        if self.mobility.watching() {
+            if let Some(h) = self.mobility.news(Instant::now()) {
+                self.link.send(&h.message(self.mobility.epoch));
+            }
         }
+        Ok(())
     }
 
     /// Move message `msg` came.

@@ -454,12 +454,7 @@ impl<N: Nic> SendState<N> {
         }
         match self.poll_rails(waiting) {
             Ok(false) => Ok(()),
-            // The peer is heard, and lost NICs looked at, when rail 0's slow checks run.
-            Ok(true) if self.mobility.watching() => {
-                self.listen()?;
-                self.look_home()
-            }
-            Ok(true) => self.listen(),
+            Ok(true) => self.checked(),
             Err(f) => self.on_fault(f),
         }
     }

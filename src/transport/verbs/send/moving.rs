@@ -71,11 +71,16 @@ impl<N: Nic> SendState<N> {
         Ok(())
     }
 
-    /// From the slow checks: the NICs lost are looked at (the receiver told of those healed)
-    /// and a connection off its own NICs moves back once they, and the receiver's, can carry
-    /// it again: between messages (no send in flight) where it can.
+    /// Rail 0's slow checks ran: the peer is heard and, where this end watches its NICs,
+    /// they are looked at (the receiver told of those healed), and a connection off its own
+    /// NICs moves back once they, and the receiver's, can carry it again: between messages
+    /// (no send in flight) where it can.
     #[cold]
-    pub(super) fn look_home(&mut self) -> Result<()> {
+    pub(super) fn checked(&mut self) -> Result<()> {
+        self.listen()?;
+        if !self.mobility.watching() {
+            return Ok(());
+        }
         let now = Instant::now();
         if let Some(h) = self.mobility.news(now) {
             self.link.send(&h.message(self.mobility.epoch));
@@ -189,6 +194,12 @@ impl<N: Nic> SendState<N> {
                         let why = format!("peer {peer} could not join the move's rails");
                         self.begin_move(msg.epoch, msg.lost, why)?;
                         return Ok(true);
+                    }
+                    // What the receiver's NICs can do, whenever it comes.
+                    Step::Healed => {
+                        let h = Healed::decode(&msg.body)
+                            .map_err(|e| failover::refuse(&mut self.link, epoch, e))?;
+                        self.mobility.heard(h, msg.epoch);
                     }
                     // A `Down` that crossed the offer, or a message of an older move.
                     Step::Down if msg.epoch <= epoch => {}
