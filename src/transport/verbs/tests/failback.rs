@@ -4,7 +4,7 @@
 //! nothing back; a healed NIC takes a later failover; a move back onto a path still broken
 //! falls back to the failover path.
 
-use super::failover::{connect_mobile, isend_while, mobile, through, wait_both};
+use super::failover::{connect_mobile, isend_while, mobile, through, wait_both, Group};
 use super::*;
 
 /// How long a lost NIC must stay usable here.
@@ -89,43 +89,22 @@ fn grouped_and_striped_receives_survive_the_move_back_with_every_size() {
     through(&c, 300_000, 2);
     assert_eq!(c.send.rail_nics(), ["tx2", "tx1"]);
     let lens = [200_000, 10, 0, 150_000, 4096, 1, 300_000, 77];
-    let mut dsts: Vec<Buf> = lens.iter().map(|_| c.buf(false, 300_000, 0)).collect();
-    let tags: Vec<i32> = (0..8).collect();
-    let r = {
-        let mut refs: Vec<&mut Buf> = dsts.iter_mut().collect();
-        c.irecv(&mut refs, &tags)
-    };
-    let mut srcs: Vec<Buf> = lens
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| c.buf(true, l, 40 + i as u64))
-        .collect();
+    let mut g = Group::post(&c, &lens, 300_000, 40);
     // Half the group is matched before the move back (nothing is posted before the rest).
-    let mut ids = Vec::new();
-    for (i, src) in srcs.iter_mut().enumerate().take(4) {
-        ids.push(isend_while(&c, src, i as i32, r));
+    for i in 0..4 {
+        g.send(&c, i);
     }
     c.fabric.cut(&c.tx_nics[0], None);
     let deadline = Instant::now() + Duration::from_secs(5);
     while c.send.rail_nics() != ["tx0", "tx1"] {
         c.send.step_setup().unwrap();
-        assert!(c.test_recv(r).unwrap().is_none());
+        assert!(c.test_recv(g.r).unwrap().is_none());
         assert!(Instant::now() < deadline, "never moved back");
     }
-    for (i, src) in srcs.iter_mut().enumerate().skip(4) {
-        ids.push(isend_while(&c, src, i as i32, r));
+    for i in 4..8 {
+        g.send(&c, i);
     }
-    let received = wait(|| c.test_recv(r)).unwrap();
-    let want: Vec<u32> = lens.iter().map(|&l| l as u32).collect();
-    assert_eq!(received.sizes[..8], want[..]);
-    for (i, id) in ids.into_iter().enumerate() {
-        assert_eq!(wait(|| c.test_send(id)).unwrap().sizes[0], lens[i] as u32);
-        assert_eq!(
-            &dsts[i].mem.bytes()[..lens[i]],
-            &TestMem::pattern(lens[i], 40 + i as u64)[..],
-            "receive {i}"
-        );
-    }
+    g.check(&c);
     assert_eq!(c.recv.rail_nics(), ["rx0", "rx1"]);
 }
 

@@ -29,14 +29,20 @@ pub(super) fn connect_mobile_with(
     spares: usize,
     params: (ConnParams, ConnParams),
 ) -> Conn {
-    let fabric = Fabric::new();
-    let nics = |side: &str| -> Vec<_> {
-        (0..rails + spares)
-            .map(|i| fabric.nic(&format!("{side}{i}")))
-            .collect()
-    };
-    let nics = (nics("tx"), nics("rx"));
+    let (fabric, nics) = mobile_nics(rails + spares);
     Conn::join(fabric, nics, (rails, rails), params).unwrap()
+}
+
+/// The sender's NICs and the receiver's.
+type BothEnds = (Vec<Arc<FakeNic>>, Vec<Arc<FakeNic>>);
+
+/// A fabric of `n` NICs at each end: `tx0`.., `rx0`...
+fn mobile_nics(n: usize) -> (Fabric, BothEnds) {
+    let fabric = Fabric::new();
+    let nics =
+        |side: &str| -> Vec<_> { (0..n).map(|i| fabric.nic(&format!("{side}{i}"))).collect() };
+    let nics = (nics("tx"), nics("rx"));
+    (fabric, nics)
 }
 
 /// Tests send `s` and receive `r` in turn (each end's progress drives its half of a move)
@@ -131,13 +137,7 @@ fn a_silent_cut_is_found_by_the_probes_and_moved_off() {
 /// [`connect_mobile`] up to the comms `connect` and `accept` return: the sender joins the
 /// listener's answer, and the receiver brings its probes up, in their first calls.
 fn open_mobile(rails: usize, spares: usize, p: ConnParams) -> Conn {
-    let fabric = Fabric::new();
-    let nics = |side: &str| -> Vec<_> {
-        (0..rails + spares)
-            .map(|i| fabric.nic(&format!("{side}{i}")))
-            .collect()
-    };
-    let nics = (nics("tx"), nics("rx"));
+    let (fabric, nics) = mobile_nics(rails + spares);
     Conn::open(fabric, nics, (rails, rails), (p, p)).unwrap()
 }
 
@@ -162,48 +162,44 @@ fn first_messages_across(c: &Conn, cut: impl FnOnce()) {
 }
 
 #[test]
-fn a_sender_nic_down_before_the_first_transfer_moves_the_connection() {
-    // The sender's QPs cannot come up towards the answer: it moves before it says `Resume`.
-    let c = open_mobile(1, 1, mobile());
-    first_messages_across(&c, || c.fabric.cut(&c.tx_nics[0], Some(Cut::Down)));
-    assert_eq!(c.send.rail_nics(), ["tx1"]);
-    assert_eq!(c.recv.rail_nics(), ["rx1"]);
-}
-
-#[test]
-fn a_receiver_nic_down_before_the_first_transfer_moves_the_connection() {
-    // The receiver's probes cannot come up at the `Resume`, and the sender's first write
-    // runs out of retries: whichever end sees it first moves, and both agree.
-    let c = open_mobile(1, 1, mobile());
-    first_messages_across(&c, || c.fabric.cut(&c.rx_nics[0], Some(Cut::Down)));
-    assert_eq!(c.send.rail_nics(), ["tx1"]);
-    assert_eq!(c.recv.rail_nics(), ["rx1"]);
+fn a_nic_down_before_the_first_transfer_moves_the_connection() {
+    // The sender's NIC: its QPs cannot come up towards the answer, and it moves before it
+    // says `Resume`. The receiver's: its probes cannot come up at the `Resume`, and the
+    // sender's first write runs out of retries; whichever end sees it first moves, and both
+    // agree.
+    for sender in [true, false] {
+        let c = open_mobile(1, 1, mobile());
+        let nic = if sender { &c.tx_nics[0] } else { &c.rx_nics[0] };
+        first_messages_across(&c, || c.fabric.cut(nic, Some(Cut::Down)));
+        assert_eq!(c.send.rail_nics(), ["tx1"], "sender's NIC: {sender}");
+        assert_eq!(c.recv.rail_nics(), ["rx1"], "sender's NIC: {sender}");
+    }
 }
 
 #[test]
 fn a_move_whose_new_nic_is_down_too_moves_again() {
-    let c = connect_mobile(1, 2, mobile());
-    through(&c, 64, 1);
-    // The spare taken first cannot join the receiver's answer: the next move takes the last.
-    c.fabric.cut(&c.tx_nics[0], Some(Cut::Down));
-    c.fabric.cut(&c.tx_nics[1], Some(Cut::Down));
-    for i in 2..6 {
-        through(&c, 20_000 + i as usize, i);
+    // The spare taken first cannot be brought up: the end that finds it (the sender joining
+    // the answer, the receiver joining the offer) begins the next move, which takes the last.
+    for sender in [true, false] {
+        let c = connect_mobile(1, 2, mobile());
+        through(&c, 64, 1);
+        let nics = if sender { &c.tx_nics } else { &c.rx_nics };
+        c.fabric.cut(&nics[0], Some(Cut::Down));
+        c.fabric.cut(&nics[1], Some(Cut::Down));
+        for i in 2..6 {
+            through(&c, 20_000 + i as usize, i);
+        }
+        let on = if sender {
+            c.send.rail_nics()
+        } else {
+            c.recv.rail_nics()
+        };
+        assert_eq!(
+            on,
+            [nics[2].local().name.clone()],
+            "sender's spares: {sender}"
+        );
     }
-    assert_eq!(c.send.rail_nics(), ["tx2"]);
-}
-
-#[test]
-fn a_move_the_receiver_cannot_join_moves_again() {
-    let c = connect_mobile(1, 2, mobile());
-    through(&c, 64, 1);
-    // The receiver's first spare cannot join the offer: it says `Down` for the next move.
-    c.fabric.cut(&c.rx_nics[0], Some(Cut::Down));
-    c.fabric.cut(&c.rx_nics[1], Some(Cut::Down));
-    for i in 2..6 {
-        through(&c, 20_000 + i as usize, i);
-    }
-    assert_eq!(c.recv.rail_nics(), ["rx2"]);
 }
 
 #[test]
@@ -277,55 +273,90 @@ fn a_write_cut_between_its_data_and_its_immediate_is_sent_again_whole() {
     assert_eq!(dst.mem.bytes(), TestMem::pattern(8192, 6));
 }
 
+/// A grouped receive posted on a connection: buffers of `room` bytes with tags `0..`, and
+/// the sends for it (`lens[i]` bytes of seed `seed + i`).
+pub(super) struct Group {
+    lens: Vec<usize>,
+    dsts: Vec<Buf>,
+    srcs: Vec<Buf>,
+    seed: u64,
+    pub(super) r: usize,
+    ids: Vec<usize>,
+}
+
+impl Group {
+    pub(super) fn post(c: &Conn, lens: &[usize], room: usize, seed: u64) -> Group {
+        let mut dsts: Vec<Buf> = lens.iter().map(|_| c.buf(false, room, 0)).collect();
+        let tags: Vec<i32> = (0..lens.len() as i32).collect();
+        let r = {
+            let mut refs: Vec<&mut Buf> = dsts.iter_mut().collect();
+            c.irecv(&mut refs, &tags)
+        };
+        let srcs = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| c.buf(true, l, seed + i as u64))
+            .collect();
+        Group {
+            lens: lens.to_vec(),
+            dsts,
+            srcs,
+            seed,
+            r,
+            ids: Vec::new(),
+        }
+    }
+
+    /// Sends buffer `i` (testing the receive meanwhile, as a move may be under way).
+    pub(super) fn send(&mut self, c: &Conn, i: usize) {
+        let id = isend_while(c, &mut self.srcs[i], i as i32, self.r);
+        self.ids.push(id);
+    }
+
+    /// Waits for the receive and every send, then checks each size and byte.
+    pub(super) fn check(&self, c: &Conn) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let mut done = vec![false; self.ids.len()];
+        let mut got = None;
+        while got.is_none() || done.iter().any(|d| !d) {
+            for (i, &s) in self.ids.iter().enumerate() {
+                if !done[i] {
+                    done[i] = c.test_send(s).unwrap().is_some();
+                }
+            }
+            if got.is_none() {
+                got = c.test_recv(self.r).unwrap();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "group not done: {done:?} {got:?}"
+            );
+        }
+        let got = got.unwrap();
+        assert_eq!(got.n, self.lens.len());
+        for (i, &l) in self.lens.iter().enumerate() {
+            assert_eq!(got.sizes[i] as usize, l);
+            assert_eq!(
+                self.dsts[i].mem.bytes()[..l],
+                TestMem::pattern(l, self.seed + i as u64)[..],
+                "buffer {i}"
+            );
+        }
+    }
+}
+
 #[test]
 fn grouped_receives_survive_the_move_with_every_size() {
     let c = connect_mobile(1, 1, mobile());
-    let lens = [10, 2000, 0, 64, 4096, 1, 300, 77];
-    let mut dsts: Vec<Buf> = lens.iter().map(|_| c.buf(false, 4096, 0)).collect();
-    let tags: Vec<i32> = (0..8).collect();
-    let r = {
-        let mut refs: Vec<&mut Buf> = dsts.iter_mut().collect();
-        c.irecv(&mut refs, &tags)
-    };
+    let mut g = Group::post(&c, &[10, 2000, 0, 64, 4096, 1, 300, 77], 4096, 20);
     // Four sends go out before the cut, the rest after it.
-    let mut srcs: Vec<Buf> = lens
-        .iter()
-        .enumerate()
-        .map(|(i, &l)| c.buf(true, l, 20 + i as u64))
-        .collect();
-    let mut ids = Vec::new();
-    for (i, src) in srcs.iter_mut().enumerate() {
+    for i in 0..8 {
         if i == 4 {
             c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
         }
-        ids.push(isend_while(&c, src, i as i32, r));
+        g.send(&c, i);
     }
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut done = vec![false; 8];
-    let mut got = None;
-    while got.is_none() || done.iter().any(|d| !d) {
-        for (i, &s) in ids.iter().enumerate() {
-            if !done[i] {
-                done[i] = c.test_send(s).unwrap().is_some();
-            }
-        }
-        if got.is_none() {
-            got = c.test_recv(r).unwrap();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "group not done: {done:?} {got:?}"
-        );
-    }
-    let got = got.unwrap();
-    assert_eq!(got.n, 8);
-    for (i, &l) in lens.iter().enumerate() {
-        assert_eq!(got.sizes[i] as usize, l);
-        assert_eq!(
-            dsts[i].mem.bytes()[..l],
-            TestMem::pattern(l, 20 + i as u64)[..]
-        );
-    }
+    g.check(&c);
 }
 
 #[test]
