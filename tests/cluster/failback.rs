@@ -217,10 +217,10 @@ fn failback_waits_while_rail_a_flaps_and_moves_back_once_it_settles() {
     let net = open();
     let c = connect(&net, &mut p);
     p.step("flapping");
-    // Rail A down 1.5 s, up 1.5 s, for 15 s: never up for the settling time.
+    // Rail A down 1.5 s, up 1.5 s, for 30 s: never up for the settling time.
     let flapper = (p.host == Host::Two).then(|| {
         thread::spawn(|| {
-            for _ in 0..5 {
+            for _ in 0..10 {
                 let down = Fault::inject(A_DOWN.0, A_DOWN.1);
                 thread::sleep(Duration::from_millis(1500));
                 drop(down);
@@ -232,7 +232,7 @@ fn failback_waits_while_rail_a_flaps_and_moves_back_once_it_settles() {
     let mut bytes = 0;
     for round in 0.. {
         bytes += phase(&net, &c, &mut p, ("while it flaps", 800 + round, 60), None).0;
-        if both(&mut p, "flapped", t0.elapsed() > Duration::from_secs(15)) {
+        if both(&mut p, "flapped", t0.elapsed() > Duration::from_secs(30)) {
             break;
         }
     }
