@@ -42,15 +42,23 @@ fn rail_a_active() {
     sh("for i in $(seq 100); do grep -q ACTIVE /sys/class/infiniband/rxe0/ports/1/state && exit 0; sleep 0.1; done; exit 1");
 }
 
+/// What a phase did: bytes verified (both ways), this host's receive rate (MB/s), and the
+/// fault host 2 injected (undone when dropped).
+struct Phase {
+    bytes: u64,
+    mbps: f64,
+    fault: Option<Fault>,
+}
+
 /// One phase: `count` messages both ways from `seed`, while host 2 runs `fault` one second
-/// in (its undo kept for later); returns the bytes verified and the fault.
+/// in.
 fn phase(
     net: &Net,
     c: &Comms,
     p: &mut Peer,
     (name, seed, count): (&str, u64, usize),
     fault: Option<(&'static str, &'static str)>,
-) -> (u64, Option<Fault>) {
+) -> Phase {
     p.step(name);
     let injector = fault.filter(|_| p.host == Host::Two).map(|(on, off)| {
         thread::spawn(move || {
@@ -66,8 +74,11 @@ fn phase(
         limit: Duration::from_secs(240),
     };
     let (sent, received) = both_ways(net, c, &s);
-    let fault = injector.map(|t| t.join().expect("fault thread"));
-    (sent.bytes + received.bytes, fault)
+    Phase {
+        bytes: sent.bytes + received.bytes,
+        mbps: received.mbps(),
+        fault: injector.map(|t| t.join().expect("fault thread")),
+    }
 }
 
 /// Whether `mine` holds here and the other host's holds there (said over the control
@@ -84,14 +95,8 @@ fn until_moved_back(net: &Net, c: &Comms, p: &mut Peer, want: usize, within: Dur
     let t0 = Instant::now();
     let mut bytes = 0;
     for round in 0.. {
-        let (b, _) = phase(
-            net,
-            c,
-            p,
-            ("waiting for the move back", 300 + round, 60),
-            None,
-        );
-        bytes += b;
+        let waiting = ("waiting for the move back", 300 + round, 60);
+        bytes += phase(net, c, p, waiting, None).bytes;
         if both(p, "moved-back", moves_back().len() >= want) {
             break;
         }
@@ -113,11 +118,14 @@ fn failback_rail_a_healed_takes_its_connections_back_then_rail_b_lost_costs_noth
     let mut p = Peer::meet(case, Link::Mgmt);
     let net = open();
     let c = connect(&net, &mut p);
+    let before = phase(&net, &c, &mut p, ("before", 1, 150), None);
     // Rail A lost: the connections move to rail B.
-    let (mut bytes, cut) = phase(&net, &c, &mut p, ("rail A cut", 11, 300), Some(A_DOWN));
+    let cut = phase(&net, &c, &mut p, ("rail A cut", 11, 300), Some(A_DOWN));
     p.step("moved");
+    let on_b = phase(&net, &c, &mut p, ("on rail B", 200, 150), None);
+    let mut bytes = before.bytes + cut.bytes + on_b.bytes;
     let healed = Instant::now();
-    drop(cut);
+    drop(cut.fault);
     if p.host == Host::Two {
         rail_a_active();
     }
@@ -127,12 +135,12 @@ fn failback_rail_a_healed_takes_its_connections_back_then_rail_b_lost_costs_noth
     let back_after = healed.elapsed();
     let a_before = sent_pkts("rxe0");
     // Rail B lost for good: nothing runs there any more.
-    let (b, cut_b) = phase(&net, &c, &mut p, ("rail B cut", 500, 300), Some(B_DOWN));
-    bytes += b;
+    let after = phase(&net, &c, &mut p, ("rail B cut", 500, 300), Some(B_DOWN));
+    bytes += after.bytes;
     let a_sent = sent_pkts("rxe0") - a_before;
     p.step("streamed");
     close(&net, c);
-    drop(cut_b);
+    drop(after.fault);
     p.step("closed");
     let back = moves_back();
     assert!(
@@ -144,8 +152,13 @@ fn failback_rail_a_healed_takes_its_connections_back_then_rail_b_lost_costs_noth
         p.host,
         &format!(
             "outcome=completed bytes_verified={bytes} back_after_heal_ms={} \
-             rxe0_pkts_after_back={a_sent} back={:?} warns={:?}",
+             rxe0_pkts_after_back={a_sent} mbps_before={:.1} mbps_with_the_cut={:.1} \
+             mbps_on_rail_b={:.1} mbps_back_on_rail_a={:.1} back={:?} warns={:?}",
             back_after.as_millis(),
+            before.mbps,
+            cut.mbps,
+            on_b.mbps,
+            after.mbps,
             back,
             warnings()
                 .iter()
@@ -167,9 +180,10 @@ fn failback_off_keeps_the_move_and_rail_b_lost_moves_to_the_healed_rail_a() {
     let mut p = Peer::meet(case, Link::Mgmt);
     let net = open();
     let c = connect(&net, &mut p);
-    let (mut bytes, cut) = phase(&net, &c, &mut p, ("rail A cut", 21, 300), Some(A_DOWN));
+    let cut = phase(&net, &c, &mut p, ("rail A cut", 21, 300), Some(A_DOWN));
+    let mut bytes = cut.bytes;
     p.step("moved");
-    drop(cut);
+    drop(cut.fault);
     if p.host == Host::Two {
         rail_a_active();
     }
@@ -177,7 +191,7 @@ fn failback_off_keeps_the_move_and_rail_b_lost_moves_to_the_healed_rail_a() {
     // Longer than the settling time, with the comms busy (their checks watch rail A).
     let t0 = Instant::now();
     for round in 0.. {
-        bytes += phase(&net, &c, &mut p, ("settling", 600 + round, 60), None).0;
+        bytes += phase(&net, &c, &mut p, ("settling", 600 + round, 60), None).bytes;
         let enough = t0.elapsed() > Duration::from_millis(2 * SETTLE_MS);
         if both(&mut p, "settled", enough) {
             break;
@@ -185,11 +199,11 @@ fn failback_off_keeps_the_move_and_rail_b_lost_moves_to_the_healed_rail_a() {
     }
     assert!(moves_back().is_empty(), "moved back: {:?}", moves_back());
     // Rail B lost: the connections move to the healed rail A.
-    let (b, cut_b) = phase(&net, &c, &mut p, ("rail B cut", 700, 300), Some(B_DOWN));
-    bytes += b;
+    let cut_b = phase(&net, &c, &mut p, ("rail B cut", 700, 300), Some(B_DOWN));
+    bytes += cut_b.bytes;
     p.step("streamed");
     close(&net, c);
-    drop(cut_b);
+    drop(cut_b.fault);
     p.step("closed");
     let to_a: Vec<String> = warnings()
         .into_iter()
@@ -231,7 +245,7 @@ fn failback_waits_while_rail_a_flaps_and_moves_back_once_it_settles() {
     let t0 = Instant::now();
     let mut bytes = 0;
     for round in 0.. {
-        bytes += phase(&net, &c, &mut p, ("while it flaps", 800 + round, 60), None).0;
+        bytes += phase(&net, &c, &mut p, ("while it flaps", 800 + round, 60), None).bytes;
         if both(&mut p, "flapped", t0.elapsed() > Duration::from_secs(30)) {
             break;
         }
