@@ -42,6 +42,12 @@ impl PeerLink {
         &self.peer
     }
 
+    /// `read`, the decoding of a message of the peer's, with the peer named where it
+    /// failed (the decoder names the field).
+    pub(crate) fn read<T>(&self, read: Result<T>) -> Result<T> {
+        read.map_err(|e| Error::remote(format!("peer {}: {e}", self.peer)))
+    }
+
     /// The peer's devices, once its answer named them: they follow its address in messages.
     pub(crate) fn name_devices(&mut self, devices: &str) {
         self.peer = format!("{} ({devices})", self.chan.peer());

@@ -194,8 +194,8 @@ impl<N: Nic> VerbsListener<N> {
             return Ok(None);
         };
         let mut link = PeerLink::new(chan);
-        let answered = ConnInfo::decode(&hello.payload)
-            .map_err(|e| Error::remote(format!("peer {}: {e}", link.peer())))
+        let answered = link
+            .read(ConnInfo::decode(&hello.payload))
             .and_then(|remote| {
                 link.name_devices(&remote.devices());
                 self.answer(&remote, link.peer())

@@ -146,7 +146,8 @@ impl<N: Nic> RecvState<N> {
                 self.resume(gate, &msg.body)
             }
             (_, Step::Healed) => {
-                self.mobility.heard(Healed::decode(&msg.body)?, msg.epoch);
+                let h = self.link.read(Healed::decode(&msg.body))?;
+                self.mobility.heard(h, msg.epoch);
                 Ok(())
             }
             // Of this move or an earlier one: the peer fails its comm with it.
@@ -199,7 +200,7 @@ impl<N: Nic> RecvState<N> {
     /// joined to them, the receives still waiting posted on them, and the answer sent. The
     /// old rails go to the reaper once their flush reads are in.
     fn accept_offer(&mut self, gate: &RecvGate<N>, mut moving: Moving, m: &MoveMsg) -> Result<()> {
-        let remote = ConnInfo::decode(&m.body)?;
+        let remote = self.link.read(ConnInfo::decode(&m.body))?;
         moving.lost = [moving.lost[0] | m.lost[0], moving.lost[1] | m.lost[1]];
         let before = self.mobility.order;
         let rails_n = self.rails.len();
@@ -417,7 +418,7 @@ impl<N: Nic> RecvState<N> {
         else {
             return Ok(());
         };
-        let theirs = decode_qps(body, probes.paths())?;
+        let theirs = self.link.read(decode_qps(body, probes.paths()))?;
         if let Err(f) = probes.connect(&self.rails, &theirs, self.link.peer()) {
             // A NIC whose link went down since the answer: lost as on the data path.
             return self.move_off(gate, f);

@@ -109,7 +109,7 @@ impl<N: Nic> SendState<N> {
             // A `Down` that crossed the offer of its move, or older.
             Step::Down => Ok(()),
             Step::Healed => {
-                let h = Healed::decode(&msg.body)?;
+                let h = self.link.read(Healed::decode(&msg.body))?;
                 self.mobility.heard(h, msg.epoch);
                 Ok(())
             }
@@ -197,7 +197,9 @@ impl<N: Nic> SendState<N> {
                     }
                     // What the receiver's NICs can do, whenever it comes.
                     Step::Healed => {
-                        let h = Healed::decode(&msg.body)
+                        let h = self
+                            .link
+                            .read(Healed::decode(&msg.body))
                             .map_err(|e| failover::refuse(&mut self.link, epoch, e))?;
                         self.mobility.heard(h, msg.epoch);
                     }
@@ -239,8 +241,8 @@ impl<N: Nic> SendState<N> {
             regs,
         } = offered;
         let protocol = |e| Fault::new(Cause::Protocol, e);
-        let (info, waiting) = decode_answer(body).map_err(protocol)?;
-        let remote = ConnInfo::decode(info).map_err(protocol)?;
+        let (info, waiting) = self.link.read(decode_answer(body)).map_err(protocol)?;
+        let remote = self.link.read(ConnInfo::decode(info)).map_err(protocol)?;
         if moving.is_setup() {
             let (plan, cost) = self.shape_of(&mut new, &remote).map_err(protocol)?;
             (self.plan, self.mobility.cost) = (plan, cost);
