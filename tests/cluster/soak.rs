@@ -49,7 +49,7 @@ impl Cut {
         let how = |down| if down { "link down" } else { "100% loss" };
         match self {
             Cut::Before { down: true } => "link down before the first message".to_string(),
-            Cut::Before { down: false } => "100% loss after one message each way".to_string(),
+            Cut::Before { down: false } => "100% loss before the first message".to_string(),
             Cut::During { down, after_ms } => {
                 format!("{} {after_ms} ms into the stream", how(down))
             }
@@ -126,20 +126,6 @@ struct Round {
 /// it is done), rail A cut as `cut` says, healed at the end.
 fn round(net: &Net, p: &mut Peer, k: usize, cut: Cut) -> Round {
     let c = connect(net, p);
-    if matches!(cut, Cut::Before { down: false }) {
-        // Known gap (issue 43, open): 100% loss between `connect`/`accept` and the first
-        // transfer failed one round in ten (the receiver failed its comm after accepting the
-        // sender's move; cause not found yet). Its rounds cut once a message went each way;
-        // a link down there (a NIC that cannot be brought up) moves, and is cut at once.
-        let first = Stream {
-            sizes: &[4096],
-            count: 1,
-            seed: 1000 * k as u64 + 999,
-            window: 1,
-            limit: Duration::from_secs(60),
-        };
-        super::there_and_back(net, &c, p, &first, 1000 * k as u64 + 998);
-    }
     let (from, warned) = (logged().len(), traffic::warnings().len());
     let before = match (p.host, cut) {
         (Host::Two, Cut::Before { down }) => {
@@ -205,12 +191,13 @@ fn round(net: &Net, p: &mut Peer, k: usize, cut: Cut) -> Round {
     }
     let intact = sent.is_ok() && received.is_ok();
     if !intact {
-        let warns: Vec<String> = traffic::warnings()
-            .into_iter()
-            .skip(warned)
-            .map(|w| w.chars().take(200).collect())
-            .collect();
+        let warns: Vec<String> = traffic::warnings().into_iter().skip(warned).collect();
         why += &format!(" WARN: {}", warns.join(" | "));
+        // Everything the plugin logged in the round, INFO lines (moves back, moves ended)
+        // too: what a failure that comes once in many rounds is found from.
+        for line in logged().iter().skip(from) {
+            println!("soak: log round={k} {line}");
+        }
     }
     let began = if began.is_empty() {
         String::new()

@@ -46,7 +46,7 @@ use std::time::{Duration, Instant};
 
 use super::budget::{self, EndCost};
 use super::fault::{Cause, Fault};
-use super::heal::{self, Healing};
+use super::heal::{self, Healing, Moment};
 use super::peer::PeerLink;
 use super::profile::ConnParams;
 use super::rail::Rail;
@@ -292,10 +292,11 @@ impl<N: Nic> Mobility<N> {
 
     /// Whether the connection, off its own NICs, moves back at `now` (the sender asks): the
     /// move back is on here and at the receiver, which said in this epoch that its own NICs
-    /// can carry it, both ends can move, this end's own NICs can carry it; `between`
-    /// messages (nothing in flight to send again), or, for a connection never idle, once it
-    /// has been due for [`heal::BUSY_WAIT`]; and the minute's moves back are not spent.
-    pub(crate) fn back_due(&mut self, now: Instant, between: bool) -> bool {
+    /// can carry it, both ends can move, this end's own NICs can carry it; the traffic's
+    /// `moment` lets it (between messages; with sends in flight, once it has been due for
+    /// [`heal::BUSY_WAIT`]; never with nothing posted at the receiver); and the minute's moves
+    /// back are not spent.
+    pub(crate) fn back_due(&mut self, now: Instant, moment: Moment) -> bool {
         let ready = self.params.failback.1
             && self.enabled()
             && self.peer_home == self.epoch
@@ -306,7 +307,11 @@ impl<N: Nic> Mobility<N> {
             return false;
         }
         let since = *self.back_since.get_or_insert(now);
-        let due = between || now.duration_since(since) >= heal::BUSY_WAIT;
+        let due = match moment {
+            Moment::Between => true,
+            Moment::Busy => now.duration_since(since) >= heal::BUSY_WAIT,
+            Moment::Idle => false,
+        };
         if due && self.healing.may_return(now) {
             self.back_since = None;
             return true;

@@ -5,8 +5,9 @@
 //! is tried again ever more rarely. Only a comm that lost a NIC looks, from its slow checks,
 //! at most every [`LOOK_EVERY`]; the device reads the port for all of them at most every
 //! `PortWatch::EVERY`. A healed NIC may carry the connection again: a later failover may move
-//! there, and the connection moves back to its own NICs (`failover`), between messages where
-//! it can (else after [`BUSY_WAIT`]), at most [`RETURNS_PER_MINUTE`] times a minute.
+//! there, and the connection moves back to its own NICs (`failover`), at a [`Moment`] the
+//! receiver answers at once: between messages where it can (else after [`BUSY_WAIT`]), never
+//! while the receiver has nothing posted; at most [`RETURNS_PER_MINUTE`] times a minute.
 
 use std::time::{Duration, Instant};
 
@@ -19,6 +20,22 @@ pub(crate) const MAX_DOUBLINGS: u32 = 5;
 /// How long a move back due waits for a moment between messages (nothing in flight, so
 /// nothing is sent again) before it goes anyway: a connection NCCL keeps busy is never idle.
 pub(crate) const BUSY_WAIT: Duration = Duration::from_secs(1);
+
+/// The connection's traffic as the sender sees it, which decides when a move back may begin.
+/// The move waits for the receiver's answer, and a receiver answers only from its calls, so
+/// it begins only while the receiver is testing a receive: NCCL calls nothing on a comm with
+/// nothing posted, for as long as its rank is elsewhere (a checkpoint), longer than a move
+/// may take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Moment {
+    /// The receiver waits for a send (its clear-to-send landed) and nothing is in flight:
+    /// nothing is sent again.
+    Between,
+    /// Sends are in flight, their receives tested: the move sends again what did not land.
+    Busy,
+    /// Nothing posted at the receiver: it may not call for minutes.
+    Idle,
+}
 
 /// One lost NIC's watch.
 #[derive(Debug, Clone, Copy, Default)]

@@ -531,6 +531,7 @@ unsafe impl Nic for FakeNic {
                 // SAFETY: the immediate member is plain data.
                 imm_be: unsafe { wr.imm_data_invalidated_rkey_union.imm_data },
                 placed: 0,
+                landed: false,
                 sq_seq,
             });
             sq_seq += 1;

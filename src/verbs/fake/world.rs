@@ -26,6 +26,11 @@ pub(crate) enum Cut {
     /// operation error, work sent to it runs out of retries, and a QP of the NIC cannot be
     /// brought up towards a peer (no route).
     Down,
+    /// Every packet the NIC sends is dropped (`tc netem loss 100%` on its link, the port up):
+    /// its own work never arrives; work sent to it lands, but its acknowledgements are lost,
+    /// so that work never completes (the requester retries, and the NIC drops the
+    /// duplicates). A read from it gets no response.
+    Egress,
 }
 
 impl Cut {
@@ -33,6 +38,7 @@ impl Cut {
     fn here(self) -> Cut {
         match self {
             Cut::Down => Cut::Fail(ibv_wc_status::IBV_WC_LOC_QP_OP_ERR),
+            Cut::Egress => Cut::Silent,
             c => c,
         }
     }
@@ -62,6 +68,9 @@ pub(super) struct Op {
     pub(super) imm_be: u32,
     /// Bytes already placed by [`Fabric::place_partial`].
     pub(super) placed: usize,
+    /// It landed at the responder, whose acknowledgement was lost ([`Cut::Egress`]): a
+    /// retry places nothing again.
+    pub(super) landed: bool,
     /// Its place in its QP's send queue (see [`QpEntry::posted`]).
     pub(super) sq_seq: u64,
 }
@@ -203,8 +212,7 @@ impl World {
         let Some(qp) = self.qps.get(&op.qpn) else {
             return Outcome::Done; // destroyed: its work is gone
         };
-        let (nic, cq, remote, error, fail_next) =
-            (qp.nic, qp.cq, qp.remote, qp.error, qp.fail_next);
+        let (nic, remote, error, fail_next) = (qp.nic, qp.remote, qp.error, qp.fail_next);
         if error {
             self.fail(op, FLUSHED);
             return Outcome::Done;
@@ -233,13 +241,23 @@ impl World {
             return Outcome::Wait;
         }
         let cut = self.nics[nic].cut.map(Cut::here);
-        match cut.or(self.nics[rnic].cut.map(Cut::there)) {
+        let unacknowledged = match cut.or(self.nics[rnic].cut.map(Cut::there)) {
             Some(Cut::Silent) => return Outcome::Wait,
             Some(Cut::Fail(status)) => {
                 self.fail(op, status);
                 return Outcome::Done;
             }
-            Some(Cut::Down) | None => {}
+            Some(Cut::Egress) if op.opcode == ibv_wr_opcode::IBV_WR_RDMA_READ => {
+                return Outcome::Wait
+            }
+            Some(Cut::Egress) => true,
+            Some(Cut::Down) | None => false,
+        };
+        if op.landed {
+            if unacknowledged {
+                return Outcome::Wait;
+            }
+            return self.acknowledge(op, nic);
         }
         let len = op.local.1 as usize;
         let (laddr, lkey) = (op.local.0, op.local.2);
@@ -282,7 +300,17 @@ impl World {
             wc.byte_len = len as u32;
             self.complete(rcq, wc, None);
         }
+        if unacknowledged {
+            op.landed = true;
+            return Outcome::Wait;
+        }
+        self.acknowledge(op, nic)
+    }
+
+    /// `op`, of a QP of `nic`, was carried out: its completion, where it asks for one.
+    fn acknowledge(&mut self, op: &Op, nic: usize) -> Outcome {
         if op.signaled && !self.nics[nic].lose_acks {
+            let cq = self.qps[&op.qpn].cq;
             let wc = Self::wc(op.wr_id, 0, wc_opcode(op.opcode), op.qpn);
             self.complete(cq, wc, Some(op));
         }

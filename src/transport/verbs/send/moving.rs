@@ -16,6 +16,8 @@ use crate::transport::verbs::bringup::{register_on, rkeys, Bringup, Role};
 use crate::transport::verbs::budget::EndCost;
 use crate::transport::verbs::failover::{self, Moving};
 use crate::transport::verbs::fault::{Cause, Fault};
+use crate::transport::verbs::gate::cts_landed;
+use crate::transport::verbs::heal::Moment;
 use crate::transport::verbs::reaper;
 use crate::transport::verbs::wire::{
     cts_index, decode_answer, encode_qps, ConnInfo, Healed, MoveMsg, QpPlan, Step, Waiting, WrKind,
@@ -73,8 +75,8 @@ impl<N: Nic> SendState<N> {
 
     /// Rail 0's slow checks ran: the peer is heard and, where this end watches its NICs,
     /// they are looked at (the receiver told of those healed), and a connection off its own
-    /// NICs moves back once they, and the receiver's, can carry it again: between messages
-    /// (no send in flight) where it can.
+    /// NICs moves back once they, and the receiver's, can carry it again, at a moment the
+    /// receiver answers at once (`heal::Moment`).
     #[cold]
     pub(super) fn checked(&mut self) -> Result<()> {
         self.listen()?;
@@ -85,12 +87,25 @@ impl<N: Nic> SendState<N> {
         if let Some(h) = self.mobility.news(now) {
             self.link.send(&h.message(self.mobility.epoch));
         }
-        let between = !self.slots.iter().any(|st| st.busy && st.posted);
-        if self.still() && self.mobility.back_due(now, between) {
+        if self.still() && self.mobility.back_due(now, self.moment()) {
             let why = "the NICs the connection was placed on healed".to_string();
             return self.begin_move(self.mobility.epoch + 1, [0; 2], why);
         }
         Ok(())
+    }
+
+    /// The traffic, as a move back weighs it.
+    fn moment(&self) -> Moment {
+        if self.slots.iter().any(|st| st.busy && st.posted) {
+            return Moment::Busy;
+        }
+        let next = cts_index((self.seq % SLOTS as u64) as usize, 0);
+        let waits = cts_landed(&self.fifo, next) == self.seq + 1;
+        if waits || self.slots.iter().any(|st| st.busy) {
+            Moment::Between
+        } else {
+            Moment::Idle
+        }
     }
 
     /// A move message `msg` came (outside of a move's own steps).

@@ -251,3 +251,33 @@ fn check_pipelined(c: &Conn, (dst, _src, s, r, seed): (Buf, Buf, usize, usize, u
         "message {seed}"
     );
 }
+
+#[test]
+fn a_receiver_with_nothing_posted_is_not_moved_back_under() {
+    // Its rank is elsewhere (a checkpoint) and calls nothing on the comm: a move back begun
+    // now would wait for its answer past the move's bound and fail a healthy connection. The
+    // sender, asked for a send meanwhile, waits until the receiver posts.
+    let p = ConnParams {
+        work_timeout: Some(Duration::from_millis(400)),
+        ..homing()
+    };
+    let c = moved_off(p, Cut::Down);
+    c.fabric.cut(&c.tx_nics[0], None);
+    // The receiver looks around until it has told the sender its own NIC healed.
+    let t0 = Instant::now();
+    while t0.elapsed() < SETTLE + Duration::from_millis(300) {
+        c.recv.poll_once().expect("the receiver's look");
+    }
+    let mut src = c.buf(true, 3000, 78);
+    let t0 = Instant::now();
+    while t0.elapsed() < SETTLE + Duration::from_secs(1) {
+        let posted = c
+            .send
+            .isend(src.whole(), 78, src.mh)
+            .expect("an idle isend");
+        assert_eq!(posted, None);
+    }
+    assert_eq!(c.send.rail_nics(), ["tx1"]);
+    // The receiver posts and tests: the connection moves back, and the send goes.
+    idle_until(&c, Duration::from_secs(5), || home(&c));
+}

@@ -10,6 +10,7 @@ mod faults;
 mod interleavings;
 mod limits;
 mod rails;
+mod schedules;
 mod setup;
 mod traffic;
 
