@@ -35,7 +35,8 @@ pub fn conn_info(bytes: &[u8]) -> Result<()> {
 }
 
 /// A move message, and its body as the step it names carries it: an offer's and an answer's
-/// rails, a resume's probe QPs (as many as its count says), a refusal's reason.
+/// rails, a resume's probe QPs (as many as its count says), a refusal's reason, a trial's
+/// rails (and its answer's, where it has any).
 pub fn move_message(bytes: &[u8]) -> Result<()> {
     let msg = MoveMsg::decode(bytes)?;
     assert_eq!(
@@ -44,7 +45,9 @@ pub fn move_message(bytes: &[u8]) -> Result<()> {
         "a move message re-encodes byte for byte"
     );
     match msg.step {
-        Step::Offer => conn_info(&msg.body),
+        Step::Offer | Step::Trial => conn_info(&msg.body),
+        Step::Tried if msg.body.is_empty() => Ok(()),
+        Step::Tried => conn_info(&msg.body),
         Step::Answer => answer(&msg.body),
         Step::Resume => probe_qps(&msg.body),
         Step::Refuse => {

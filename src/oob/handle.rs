@@ -23,7 +23,7 @@ pub const HANDLE_MAGIC: u64 = 0x4552_444d_414e_4554;
 /// waits for no answer before its comm is returned; the verbs listener answers with move 0's
 /// `Answer` and the connector's last word is its `Resume`), `Accept` and `Ready` are gone.
 /// 6: the receiver's `Healed`, and the move back (an offer that loses no rail).
-pub const PROTOCOL_VERSION: u16 = 6;
+pub const PROTOCOL_VERSION: u16 = 7;
 
 /// Transport a listener speaks; the connector must use the same one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -285,6 +285,20 @@ impl<N: Nic> Mobility<N> {
         self.dead
     }
 
+    /// Each rail's own NIC (where NCCL's device placed it).
+    pub(crate) fn homes(&self) -> Vec<Arc<N>> {
+        self.nics[..self.cost.rails].to_vec()
+    }
+
+    /// A trial of the path over this end's own NICs failed: they count as lost again (their
+    /// settling time doubles), and the connection stays where it is.
+    pub(crate) fn homes_unreachable(&mut self) {
+        for r in 0..self.cost.rails {
+            self.dead |= 1 << r;
+            self.healing.lost(r);
+        }
+    }
+
     /// Whether every rail's own NIC can carry the connection.
     fn homes_alive(&self) -> bool {
         (0..self.cost.rails).all(|r| self.dead & (1 << r) == 0 && self.nics[r].takes_moves())
@@ -295,7 +309,8 @@ impl<N: Nic> Mobility<N> {
     /// can carry it, both ends can move, this end's own NICs can carry it; the traffic's
     /// `moment` lets it (between messages; with sends in flight, once it has been due for
     /// [`heal::BUSY_WAIT`]; never with nothing posted at the receiver); and the minute's moves
-    /// back are not spent.
+    /// back are not spent. The sender then tries the path (`trial`) and counts the move back
+    /// as it begins ([`Self::returning`]).
     pub(crate) fn back_due(&mut self, now: Instant, moment: Moment) -> bool {
         let ready = self.params.failback.1
             && self.enabled()
@@ -312,11 +327,13 @@ impl<N: Nic> Mobility<N> {
             Moment::Busy => now.duration_since(since) >= heal::BUSY_WAIT,
             Moment::Idle => false,
         };
-        if due && self.healing.may_return(now) {
-            self.back_since = None;
-            return true;
-        }
-        false
+        due && self.healing.may_return(now)
+    }
+
+    /// The move back begins at `now` (it counts towards the minute's).
+    pub(crate) fn returning(&mut self, now: Instant) {
+        self.back_since = None;
+        self.healing.returned(now);
     }
 }
 

@@ -104,20 +104,23 @@ impl Healing {
         healed
     }
 
-    /// Whether a move back may begin at `now` (fewer than [`RETURNS_PER_MINUTE`] this
-    /// minute); counts it where it may.
-    pub(crate) fn may_return(&mut self, now: Instant) -> bool {
-        let minute = Duration::from_secs(60);
-        match &mut self.returns {
-            Some((first, n)) if now.duration_since(*first) < minute => {
-                if *n >= RETURNS_PER_MINUTE {
-                    return false;
-                }
-                *n += 1;
+    /// Whether a move back may begin at `now`: fewer than [`RETURNS_PER_MINUTE`] began this
+    /// minute.
+    pub(crate) fn may_return(&self, now: Instant) -> bool {
+        match self.returns {
+            Some((first, n)) if now.duration_since(first) < Duration::from_secs(60) => {
+                n < RETURNS_PER_MINUTE
             }
+            _ => true,
+        }
+    }
+
+    /// A move back began at `now`.
+    pub(crate) fn returned(&mut self, now: Instant) {
+        match &mut self.returns {
+            Some((first, n)) if now.duration_since(*first) < Duration::from_secs(60) => *n += 1,
             r => *r = Some((now, 1)),
         }
-        true
     }
 }
 
@@ -157,8 +160,13 @@ mod tests {
     fn moves_back_are_capped_per_minute() {
         let mut h = Healing::new(1, Duration::ZERO);
         let t0 = Instant::now();
-        assert!(h.may_return(t0) && h.may_return(t0 + Duration::from_secs(1)));
-        assert!(!h.may_return(t0 + Duration::from_secs(59)));
-        assert!(h.may_return(t0 + Duration::from_secs(61)));
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        assert!(h.may_return(t0));
+        h.returned(t0);
+        // Asking counts nothing; only a move back begun does.
+        assert!(h.may_return(at(1)) && h.may_return(at(1)));
+        h.returned(at(1));
+        assert!(!h.may_return(at(59)));
+        assert!(h.may_return(at(61)));
     }
 }

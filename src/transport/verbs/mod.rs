@@ -41,6 +41,7 @@ mod setup;
 mod survey;
 #[cfg(test)]
 mod tests;
+mod trial;
 pub(crate) mod wire;
 
 use std::{net::IpAddr, sync::Arc};

@@ -131,6 +131,8 @@ pub(crate) enum WrKind {
     /// A read through a dead NIC's flush QP that orders the writes it placed before a move
     /// ahead of any later flush (see `recv::moving`).
     Order = 7,
+    /// A zero-length write that tries a path before a move back takes it (see `trial`).
+    Trial = 8,
 }
 
 impl WrKind {
@@ -151,6 +153,7 @@ impl WrKind {
             5 => WrKind::Probe,
             6 => WrKind::Landed,
             7 => WrKind::Order,
+            8 => WrKind::Trial,
             _ => return None,
         })
     }
@@ -185,6 +188,7 @@ impl WrKind {
             Some(WrKind::Probe) => "liveness probe RDMA read",
             Some(WrKind::Landed) => "RDMA write with immediate of a send that had landed",
             Some(WrKind::Order) => "ordering RDMA read",
+            Some(WrKind::Trial) => "zero-length RDMA write trying a path",
             None => "work request",
         }
     }
@@ -504,7 +508,9 @@ fn name_within(name: &str, width: usize) -> &str {
 /// move 0, whose offer is the connector's hello: the listener `Answer`s it (or `Refuse`s the
 /// connection) and the connector `Resume`s. A receiver whose own NICs can carry the
 /// connection again says `Healed` (once per move); an offer that loses no rail is a move
-/// back to each end's own NICs.
+/// back to each end's own NICs, which the sender first tries: its `Trial` (its rails on its
+/// own NICs) is answered by `Tried` (the receiver's on its own, or nothing where they cannot
+/// be brought up), and a write through each tells whether the path reaches the peer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Step {
     Down = 1,
@@ -513,6 +519,8 @@ pub(crate) enum Step {
     Resume = 4,
     Refuse = 5,
     Healed = 6,
+    Trial = 7,
+    Tried = 8,
 }
 
 /// One message of a move: its step, the move's epoch, the rails found lost (the sender's,
@@ -549,7 +557,7 @@ impl MoveMsg {
     pub(crate) fn decode(p: &[u8]) -> Result<Self> {
         let mut r = Reader::new("move message", p);
         let step = r.u8("step")?;
-        let step = Step::from_u8(step).ok_or_else(|| r.invalid(step, "1 to 6"))?;
+        let step = Step::from_u8(step).ok_or_else(|| r.invalid(step, "1 to 8"))?;
         Ok(MoveMsg {
             step,
             epoch: r.u32("epoch")?,
@@ -606,6 +614,8 @@ impl Step {
             4 => Step::Resume,
             5 => Step::Refuse,
             6 => Step::Healed,
+            7 => Step::Trial,
+            8 => Step::Tried,
             _ => return None,
         })
     }

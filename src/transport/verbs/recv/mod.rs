@@ -27,7 +27,7 @@ mod slot;
 
 use parking_lot::Mutex;
 
-use super::bringup::Probes;
+use super::bringup::{Bringup, Probes};
 use super::budget::RECEIVER_SEND_DEPTH;
 use super::failover::{Mobility, Moving};
 use super::fault::{Cause, Fault};
@@ -153,6 +153,9 @@ pub(crate) struct RecvState<N: Nic> {
     draining: Option<Draining<N>>,
     /// A rail failed under this comm: its QPs go to the reaper at close.
     broken: bool,
+    /// This end's rails of the sender's trial of the path a move back would take, until the
+    /// trial is over (`trial`).
+    trial: Option<Bringup<N>>,
 }
 
 impl<N: Nic> RecvState<N> {
@@ -200,6 +203,7 @@ impl<N: Nic> RecvState<N> {
             flush_of: [(0, 0); SLOTS],
             draining: None,
             broken: false,
+            trial: None,
         }
     }
 
@@ -749,6 +753,9 @@ impl<N: Nic> Drop for VerbsReceiver<N> {
         // The sender completes the sends whose data landed here, though it closes now.
         let landed = s.landed_below(&self.gate);
         s.link.bye(Some(landed));
+        if let Some(trial) = s.trial.take() {
+            super::reaper::bury(trial);
+        }
         if s.broken {
             // A failed NIC's QPs may take long to destroy: not in NCCL's close.
             super::failover::stop(&s.rails, false);

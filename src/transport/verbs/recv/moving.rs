@@ -22,6 +22,7 @@ use crate::transport::verbs::failover::{self, Moving};
 use crate::transport::verbs::fault::Fault;
 use crate::transport::verbs::rail::Rail;
 use crate::transport::verbs::reaper;
+use crate::transport::verbs::trial;
 use crate::transport::verbs::wire::{
     cts_index, decode_qps, encode_answer, locate, ConnInfo, CtsEntry, Healed, MoveMsg, Step,
     Waiting, WrKind,
@@ -150,6 +151,11 @@ impl<N: Nic> RecvState<N> {
                 self.mobility.heard(h, msg.epoch);
                 Ok(())
             }
+            (Movement::Still, Step::Trial) if msg.epoch == epoch => {
+                let remote = self.link.read(ConnInfo::decode(&msg.body))?;
+                self.answer_trial(&remote, epoch);
+                Ok(())
+            }
             // Of this move or an earlier one: the peer fails its comm with it.
             (_, Step::Refuse) => Err(failover::refused(peer, &msg)),
             // A message of an older move.
@@ -157,6 +163,35 @@ impl<N: Nic> RecvState<N> {
             (Movement::Still, _) => Err(failover::out_of_turn(peer, &msg, "carried data")),
             _ => Err(failover::out_of_turn(peer, &msg, "was moving")),
         }
+    }
+
+    /// The sender tries the path a move back would take (`remote`: its rails on its own
+    /// NICs): this end's own NICs' rails are joined to them, kept for its writes, and
+    /// described in the `Tried` of move `epoch` (nothing where they cannot be brought up).
+    fn answer_trial(&mut self, remote: &ConnInfo, epoch: u32) {
+        if let Some(old) = self.trial.take() {
+            reaper::bury(old);
+        }
+        let peer = self.link.peer();
+        let homes = self.mobility.homes();
+        let p = self.mobility.rebuild_params();
+        let body = match self.mobility.fitted(&homes, self.plan.nqps, peer) {
+            Ok(cost) => {
+                let (rails, body) = trial::answer(&homes, (&cost, p), remote, peer);
+                self.trial = rails;
+                body
+            }
+            Err(e) => {
+                tracing::debug!("a trial of the path to peer {peer}: {e}");
+                Vec::new()
+            }
+        };
+        self.link.send(&MoveMsg {
+            step: Step::Tried,
+            epoch,
+            lost: [0; 2],
+            body,
+        });
     }
 
     /// Steps the move under way: true while the rails are not to be polled (until the sender
@@ -200,6 +235,9 @@ impl<N: Nic> RecvState<N> {
     /// joined to them, the receives still waiting posted on them, and the answer sent. The
     /// old rails go to the reaper once their flush reads are in.
     fn accept_offer(&mut self, gate: &RecvGate<N>, mut moving: Moving, m: &MoveMsg) -> Result<()> {
+        if let Some(trial) = self.trial.take() {
+            reaper::bury(trial);
+        }
         let remote = self.link.read(ConnInfo::decode(&m.body))?;
         moving.lost = [moving.lost[0] | m.lost[0], moving.lost[1] | m.lost[1]];
         let before = self.mobility.order;

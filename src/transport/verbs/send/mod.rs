@@ -32,6 +32,7 @@ use super::fault::{Cause, Fault};
 use super::gate::{cts_landed, SendGate, NOT_AWAITED};
 use super::peer::PeerLink;
 use super::rail::{self, Rail};
+use super::trial::Trial;
 use super::wire::{cts_index, locate, modulo, piece, CtsEntry, QpPlan, WrKind, SLOTS, TRUNCATED};
 use crate::buffer::UserBuffer;
 use crate::error::{Error, Result};
@@ -118,6 +119,8 @@ pub(crate) struct SendState<N: Nic> {
     /// the paths. Before, a probe would go unanswered by a receiver merely slow to make its
     /// first call; its host's silence is the bootstrap link's to find.
     receiver_up: bool,
+    /// The trial of the path a move back would take, while it runs (`trial`).
+    trial: Option<Trial<N>>,
 }
 
 impl<N: Nic> SendState<N> {
@@ -161,6 +164,7 @@ impl<N: Nic> SendState<N> {
             fifo_regs: Vec::new(),
             broken: false,
             receiver_up: false,
+            trial: None,
         }
     }
 
@@ -751,6 +755,9 @@ impl<N: Nic> Drop for VerbsSender<N> {
     fn drop(&mut self) {
         let s = self.state.get_mut();
         s.link.bye(None);
+        if let Some(trial) = s.trial.take() {
+            super::reaper::bury(trial.into_rails());
+        }
         if s.broken {
             // A failed NIC's QPs may take long to destroy: not in NCCL's close.
             super::failover::stop(&s.rails, false);

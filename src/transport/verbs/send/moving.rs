@@ -19,6 +19,7 @@ use crate::transport::verbs::fault::{Cause, Fault};
 use crate::transport::verbs::gate::cts_landed;
 use crate::transport::verbs::heal::Moment;
 use crate::transport::verbs::reaper;
+use crate::transport::verbs::trial::{Trial, Verdict};
 use crate::transport::verbs::wire::{
     cts_index, decode_answer, encode_qps, ConnInfo, Healed, MoveMsg, QpPlan, Step, Waiting, WrKind,
 };
@@ -87,11 +88,71 @@ impl<N: Nic> SendState<N> {
         if let Some(h) = self.mobility.news(now) {
             self.link.send(&h.message(self.mobility.epoch));
         }
-        if self.still() && self.mobility.back_due(now, self.moment()) {
-            let why = "the NICs the connection was placed on healed".to_string();
-            return self.begin_move(self.mobility.epoch + 1, [0; 2], why);
+        if !self.still() {
+            return Ok(());
+        }
+        if self.trial.is_some() {
+            return self.judge_trial(now);
+        }
+        if self.mobility.back_due(now, self.moment()) {
+            self.try_homes();
         }
         Ok(())
+    }
+
+    /// Tries the path over this end's own NICs to the receiver's (`trial`), which the move
+    /// back waits for.
+    fn try_homes(&mut self) {
+        let homes = self.mobility.homes();
+        let p = self.mobility.rebuild_params();
+        let peer = self.link.peer();
+        let made = self
+            .mobility
+            .fitted(&homes, self.plan.nqps, peer)
+            .and_then(|cost| Trial::offer(&homes, &cost, p, self.mobility.epoch));
+        match made {
+            Ok((trial, msg)) => {
+                self.link.send(&msg);
+                self.trial = Some(trial);
+            }
+            Err(e) => tracing::info!(
+                "the path to peer {peer} over the NICs the connection was placed on cannot be \
+                 tried ({e}); it stays where it is"
+            ),
+        }
+    }
+
+    /// Where the trial stands: passed, the connection moves back (the receiver waiting for
+    /// data, or sends in flight); failed, this end's own NICs count as lost again.
+    fn judge_trial(&mut self, now: Instant) -> Result<()> {
+        let Some(trial) = &mut self.trial else {
+            return Ok(());
+        };
+        let verdict = trial.verdict(now, self.link.peer());
+        if matches!(verdict, Verdict::Waiting) {
+            return Ok(());
+        }
+        if let Some(trial) = self.trial.take() {
+            reaper::bury(trial.into_rails());
+        }
+        match verdict {
+            Verdict::Passed if self.moment() != Moment::Idle => {
+                self.mobility.returning(now);
+                let why = "the NICs the connection was placed on healed".to_string();
+                self.begin_move(self.mobility.epoch + 1, [0; 2], why)
+            }
+            Verdict::Failed(f) => {
+                self.mobility.homes_unreachable();
+                tracing::info!(
+                    "the NICs the connection to peer {} was placed on do not reach it yet \
+                     ({}); it stays where it is, and tries them again later",
+                    self.link.peer(),
+                    f.error
+                );
+                Ok(())
+            }
+            _ => Ok(()),
+        }
     }
 
     /// The traffic, as a move back weighs it.
@@ -128,6 +189,19 @@ impl<N: Nic> SendState<N> {
                 self.mobility.heard(h, msg.epoch);
                 Ok(())
             }
+            Step::Tried => {
+                let remote = if msg.body.is_empty() {
+                    None
+                } else {
+                    Some(self.link.read(ConnInfo::decode(&msg.body))?)
+                };
+                match &mut self.trial {
+                    Some(trial) if msg.epoch == self.mobility.epoch => trial.tried(remote, peer),
+                    // Of a trial given up.
+                    _ => {}
+                }
+                Ok(())
+            }
             _ => Err(failover::out_of_turn(peer, &msg, "carried data")),
         }
     }
@@ -135,6 +209,9 @@ impl<N: Nic> SendState<N> {
     /// Stops the QPs, makes the rails again on the NICs left and offers them to the receiver.
     pub(super) fn begin_move(&mut self, epoch: u32, lost: [u8; 2], why: String) -> Result<()> {
         self.broken = true;
+        if let Some(trial) = self.trial.take() {
+            reaper::bury(trial.into_rails());
+        }
         failover::stop(&self.rails, false);
         self.mobility.epoch = epoch;
         let mut moving = Moving::new(epoch, lost, why, &self.mobility.params);

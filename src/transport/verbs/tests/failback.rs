@@ -176,15 +176,21 @@ fn a_healed_nic_takes_a_later_failover_with_or_without_the_move_back() {
 }
 
 #[test]
-fn a_move_back_onto_a_path_still_broken_falls_back_to_the_failover_path() {
-    // The port stays up while the path drops everything: the NIC looks healed, the move
-    // back is tried, its first write fails and the connection moves off again.
-    let c = moved_off(homing(), Cut::Fail(RETRY_EXCEEDED));
+fn a_nic_that_fails_during_the_move_back_falls_back_to_the_failover_path() {
+    // The path was tried and carried; the move back begins, and the NIC fails during it
+    // (its port up, every write running out of retries): the first write fails and the
+    // connection moves off again.
+    let c = moved_off(homing(), Cut::Down);
     assert_eq!(c.send.epoch(), 1);
-    idle_until(&c, Duration::from_secs(5), || c.send.epoch() == 2);
-    // Moved back (2); the first write fails, and the connection moves off again (3).
+    c.fabric.cut(&c.tx_nics[0], None);
+    idle_until(&c, Duration::from_secs(5), || {
+        let back = c.send.epoch() == 2;
+        if back {
+            c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+        }
+        back
+    });
     let lost_again = Instant::now();
-    through(&c, 6000, 4);
     assert_eq!(c.send.epoch(), 3);
     assert_eq!(nics_of(&c), (vec!["tx1".into()], vec!["rx1".into()]));
     // Lost twice, the NIC settles twice as long (its port never went down: from the loss);
@@ -280,4 +286,29 @@ fn a_receiver_with_nothing_posted_is_not_moved_back_under() {
     assert_eq!(c.send.rail_nics(), ["tx1"]);
     // The receiver posts and tests: the connection moves back, and the send goes.
     idle_until(&c, Duration::from_secs(5), || home(&c));
+}
+
+#[test]
+fn a_home_path_that_still_drops_everything_is_tried_and_not_taken() {
+    // Its port is up (loss on the wire): the port alone would call it healed. The trial's
+    // writes go unanswered, the connection stays on the spare without a stall, the NIC
+    // counts as lost again (tried again ever more rarely), and once the path carries, the
+    // connection moves back.
+    let c = moved_off(homing(), Cut::Down);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Egress));
+    // A trial comes once the move back has waited for a moment between messages (at most
+    // `BUSY_WAIT`) and fails within the failover suspect time.
+    let tried = Instant::now();
+    while tried.elapsed() < crate::transport::verbs::heal::BUSY_WAIT + Duration::from_millis(500) {
+        through(&c, 3000, 9);
+        assert_eq!(nics_of(&c), (vec!["tx1".into()], vec!["rx1".into()]));
+    }
+    assert_eq!(
+        c.send.lost_nics() & 1,
+        1,
+        "the home NIC counts as lost again"
+    );
+    c.fabric.cut(&c.tx_nics[0], None);
+    idle_until(&c, Duration::from_secs(5), || home(&c));
+    through(&c, 7000, 10);
 }

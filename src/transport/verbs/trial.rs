@@ -1,0 +1,183 @@
+//! The path a move back would take, tried before the move. A healed NIC's port says only
+//! that its link is up, not that the peer is reached over it (loss on the wire, a switch
+//! port, the peer's NIC). So before the sender moves a connection back, it brings up the
+//! connection's QPs on its own NICs against the receiver's on theirs (`Trial`, answered by
+//! `Tried`: the bring-up of a move, without its data) and writes nothing through one QP of
+//! each rail (a zero-length RDMA write: the peer's NIC acknowledges it, no memory is
+//! touched). The move back begins once every rail's write is acknowledged; a write that
+//! fails, or goes unacknowledged for the failover suspect time, or a QP that cannot be
+//! brought up, is a [`Verdict::Failed`]: the connection stays, and the NICs count as lost
+//! again (their settling time doubles). The trial's rails are polled only from the slow
+//! checks, and go to the reaper either way.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::bringup::{Bringup, Role};
+use super::budget::EndCost;
+use super::cq::failed_completion;
+use super::fault::{Cause, Fault};
+use super::profile::ConnParams;
+use super::rail::Rail;
+use super::wire::{ConnInfo, MoveMsg, Step, WrKind};
+use crate::error::{Error, Result};
+use crate::transport::MAX_RAILS;
+use crate::verbs::dma::{SendChain, WcBatch, WC_SUCCESS};
+use crate::verbs::nic::Nic;
+
+/// How long a trial may wait for the receiver's rails, and then for its writes' answers,
+/// where failover sets no suspect time.
+const ANSWER_WITHIN: Duration = Duration::from_secs(2);
+
+/// Nothing of the trial's is read or written: it lands nowhere.
+const NOWHERE: (u64, [u32; MAX_RAILS]) = (0, [0; MAX_RAILS]);
+
+/// Where a trial stands.
+pub(crate) enum Verdict {
+    /// The receiver's rails, or the writes' answers, are awaited.
+    Waiting,
+    /// Every rail's write was acknowledged: the path carries the connection.
+    Passed,
+    /// The path does not reach the peer.
+    Failed(Fault),
+    /// The receiver did not answer in time (it makes no calls): nothing is known.
+    Unanswered,
+}
+
+/// The sender's trial of its own NICs' paths.
+pub(crate) struct Trial<N: Nic> {
+    rails: Bringup<N>,
+    /// When it began, or its writes went, and how long the answer may take.
+    since: Instant,
+    within: Duration,
+    /// The rails whose write is not acknowledged yet (bits), once the writes went.
+    unanswered: Option<u8>,
+    /// What made it fail before any write went.
+    failed: Option<Fault>,
+}
+
+impl<N: Nic> Trial<N> {
+    /// A trial of `nics` (rail `r`'s own NIC at `r`) in move epoch `epoch`: the rails made as
+    /// `cost` and `p` say, and the `Trial` message that asks the receiver for its own.
+    pub(crate) fn offer(
+        nics: &[Arc<N>],
+        cost: &EndCost,
+        p: ConnParams,
+        epoch: u32,
+    ) -> Result<(Self, MoveMsg)> {
+        let rails = Bringup::make(nics, cost, p, Role::Offers)?;
+        let msg = MoveMsg {
+            step: Step::Trial,
+            epoch,
+            lost: [0; 2],
+            body: rails.describe(0, |_| 0, false).encode(),
+        };
+        let trial = Trial {
+            rails,
+            since: Instant::now(),
+            within: p.failover.unwrap_or(ANSWER_WITHIN),
+            unanswered: None,
+            failed: None,
+        };
+        Ok((trial, msg))
+    }
+
+    /// The receiver's `Tried`, `remote`: its rails (None: its own NICs could not be brought
+    /// up towards this end's), which this end's join and then write through.
+    pub(crate) fn tried(&mut self, remote: Option<ConnInfo>, peer: &str) {
+        let Some(remote) = remote else {
+            let e = Error::remote(format!(
+                "peer {peer} could not bring its own NICs up towards this end's"
+            ));
+            self.failed = Some(Fault::new(Cause::Unreachable, e));
+            return;
+        };
+        if let Err(f) = self.rails.join(&remote, NOWHERE, peer) {
+            self.failed = Some(f);
+            return;
+        }
+        let mut unanswered = 0;
+        let mut chain = SendChain::new();
+        for rail in self.rails.rails() {
+            chain.clear();
+            chain.write(0, 0, 0, 0, 0);
+            chain.finish(WrKind::Trial.id(rail.index), 0);
+            if let Err(e) = chain.post(&*rail.nic, &rail.qps[0]) {
+                self.failed = Some(Fault::new(Cause::Device, e).on_rail(rail.index));
+                return;
+            }
+            unanswered |= 1 << rail.index;
+        }
+        self.since = Instant::now();
+        self.unanswered = Some(unanswered);
+    }
+
+    /// Where the trial stands at `now`: the writes' answers taken off the CQs.
+    pub(crate) fn verdict(&mut self, now: Instant, peer: &str) -> Verdict {
+        if let Some(f) = self.failed.take() {
+            return Verdict::Failed(f);
+        }
+        let waited = now.duration_since(self.since) > self.within;
+        let Some(mut unanswered) = self.unanswered else {
+            return if waited {
+                Verdict::Unanswered
+            } else {
+                Verdict::Waiting
+            };
+        };
+        let mut wc = WcBatch::new();
+        for rail in self.rails.rails() {
+            if !matches!(wc.poll(&*rail.nic, &rail.cq.cq), Ok(1..)) {
+                continue;
+            }
+            if wc.iter().any(|c| c.status() != WC_SUCCESS) {
+                return Verdict::Failed(failed_completion(&*rail.nic, peer, &wc));
+            }
+            unanswered &= !(1 << rail.index);
+        }
+        self.unanswered = Some(unanswered);
+        match unanswered {
+            0 => Verdict::Passed,
+            lost if waited => {
+                let r = lost.trailing_zeros() as usize;
+                let e = Error::remote(format!(
+                    "a write to peer {peer} on {} was not acknowledged in {:.1} s",
+                    self.rails.rails()[r].name(),
+                    self.within.as_secs_f64()
+                ));
+                Verdict::Failed(Fault::new(Cause::Unanswered, e).on_rail(r))
+            }
+            _ => Verdict::Waiting,
+        }
+    }
+
+    /// The trial's rails, for the reaper.
+    pub(crate) fn into_rails(self) -> Vec<Rail<N>> {
+        self.rails.into_rails()
+    }
+}
+
+/// The receiver's half of a trial: its own NICs' rails (`nics`, made as `cost` and `p` say),
+/// joined to the sender's (`remote`), kept until the trial is over (the sender's writes
+/// land there); and the `Tried` body: their description, or nothing where they cannot be
+/// brought up.
+pub(crate) fn answer<N: Nic>(
+    nics: &[Arc<N>],
+    (cost, p): (&EndCost, ConnParams),
+    remote: &ConnInfo,
+    peer: &str,
+) -> (Option<Bringup<N>>, Vec<u8>) {
+    let mut rails = match Bringup::make(nics, cost, p, Role::Answers) {
+        Ok(rails) => rails,
+        Err(e) => {
+            tracing::debug!("a trial of the path to peer {peer}: {e}");
+            return (None, Vec::new());
+        }
+    };
+    if let Err(f) = rails.join(remote, NOWHERE, peer) {
+        tracing::debug!("a trial of the path to peer {peer}: {}", f.error);
+        return (Some(rails), Vec::new());
+    }
+    let body = rails.describe(0, |_| 0, false).encode();
+    (Some(rails), body)
+}
