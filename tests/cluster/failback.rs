@@ -4,7 +4,8 @@
 //! back (an INFO line "moved back in ... ms, to rxe0", rxe0's packet counter climbing again), and a
 //! later loss of rail B costs nothing; with `NCCL_ERDMA_FAILBACK=0` the connections stay on
 //! rail B, and losing it moves them to the healed rail A; a rail A that flaps moves nothing
-//! back until it has stayed up for the settling time.
+//! back until it has stayed up for the settling time; a rail A that drops every packet with
+//! its port up is tried (and not taken) until it carries again.
 
 use std::thread;
 
@@ -19,6 +20,10 @@ const SETTLE_MS: u64 = 3000;
 
 const A_DOWN: (&str, &str) = ("ip link set raila down", "ip link set raila up");
 const B_DOWN: (&str, &str) = ("ip link set railb down", "ip link set railb up");
+const A_LOSS: (&str, &str) = (
+    "tc qdisc add dev raila root netem loss 100%",
+    "tc qdisc del dev raila root",
+);
 
 /// Packets `dev` has sent (its hardware counter).
 fn sent_pkts(dev: &str) -> u64 {
@@ -47,6 +52,8 @@ fn rail_a_active() {
 struct Phase {
     bytes: u64,
     mbps: f64,
+    /// The longest time this host's traffic stood still (either way).
+    stall: Duration,
     fault: Option<Fault>,
 }
 
@@ -77,6 +84,7 @@ fn phase(
     Phase {
         bytes: sent.bytes + received.bytes,
         mbps: received.mbps(),
+        stall: sent.stall.max(received.stall),
         fault: injector.map(|t| t.join().expect("fault thread")),
     }
 }
@@ -275,6 +283,79 @@ fn failback_waits_while_rail_a_flaps_and_moves_back_once_it_settles() {
                 .iter()
                 .filter(|w| w.contains("moving the connection"))
                 .count()
+        ),
+    );
+}
+
+#[test]
+#[ignore = "cluster tier: run by scripts/tiers/cluster-tier.sh on two hosts"]
+fn failback_tries_a_rail_a_that_drops_everything_and_moves_back_once_it_carries() {
+    let case =
+        "failback::failback_tries_a_rail_a_that_drops_everything_and_moves_back_once_it_carries";
+    both_rails();
+    set(&[("NCCL_ERDMA_FAILBACK_AFTER_MS", &SETTLE_MS.to_string())]);
+    let mut p = Peer::meet(case, Link::Mgmt);
+    let net = open();
+    let c = connect(&net, &mut p);
+    // Rail A drops every packet, its ports up: the connections move to rail B.
+    let cut = phase(
+        &net,
+        &c,
+        &mut p,
+        ("rail A loses everything", 31, 300),
+        Some(A_LOSS),
+    );
+    let mut bytes = cut.bytes;
+    p.step("moved");
+    // Its port says healed after the settling time; the trials of the path say not yet.
+    let t0 = Instant::now();
+    let mut stall = Duration::ZERO;
+    for round in 0.. {
+        let still = phase(&net, &c, &mut p, ("still lossy", 900 + round, 60), None);
+        (bytes, stall) = (bytes + still.bytes, stall.max(still.stall));
+        let enough = t0.elapsed() > Duration::from_millis(3 * SETTLE_MS);
+        if both(&mut p, "tried", enough) {
+            break;
+        }
+    }
+    let tried: Vec<String> = logged()
+        .into_iter()
+        .filter(|l| l.contains("do not reach it yet"))
+        .collect();
+    let moves_while_lossy = warnings()
+        .iter()
+        .filter(|w| w.contains("moving the connection"))
+        .count();
+    let during = moves_back();
+    let mended = Instant::now();
+    drop(cut.fault);
+    p.step("rail A mended");
+    bytes += until_moved_back(&net, &c, &mut p, 2, Duration::from_secs(60));
+    let back_after = mended.elapsed();
+    close(&net, c);
+    p.step("closed");
+    assert!(
+        during.is_empty(),
+        "moved back onto the lossy rail A: {during:?}"
+    );
+    assert_eq!(
+        moves_while_lossy,
+        2,
+        "only the first move of each connection: {:?}",
+        warnings()
+    );
+    // Host 1's sender finds its writes unacknowledged (host 2 drops the answers), host 2's
+    // finds its own dropped: each host tries, and fails.
+    assert!(!tried.is_empty(), "no trial failed here");
+    result(
+        case,
+        p.host,
+        &format!(
+            "outcome=completed bytes_verified={bytes} trials_failed={} \
+             longest_stall_while_lossy_ms={} back_after_mended_ms={}",
+            tried.len(),
+            stall.as_millis(),
+            back_after.as_millis()
         ),
     );
 }
