@@ -3,7 +3,8 @@
 //! setup message (`ConnInfo`: absurd counts of QPs and rails, a QP number past 24 bits, a
 //! truncated body), and during a
 //! stream it slips move messages to either end: out of turn, of a stale or a future epoch,
-//! truncated, of an unknown step, a `Healed` of unknown flags or unasked for, and a `Bye` of
+//! truncated, of an unknown step, a `Healed` of unknown flags or unasked for, a `Trial` cut
+//! short, a `Tried` unasked for, and a `Bye` of
 //! the wrong size. Over tcp it slips frames into
 //! the stream: a clear-to-send of too many buffers or for a receive out of order, data for a
 //! receive that was never posted, larger than its buffer, or of an unknown type.
@@ -286,6 +287,18 @@ fn verbs_cases() -> Vec<Hostile> {
             "a Healed unasked for (the connection is on its own NICs: nothing moves)",
             Toward::Sender,
             move_msg(6, 0, &[3]),
+            None,
+        ),
+        case(
+            "a Trial with a truncated body",
+            Toward::Receiver,
+            move_msg(7, 0, &[1]),
+            Some("field `QPs`"),
+        ),
+        case(
+            "a Tried unasked for (no trial runs: nothing moves)",
+            Toward::Sender,
+            move_msg(8, 0, &[]),
             None,
         ),
         case(

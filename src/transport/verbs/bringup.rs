@@ -135,7 +135,7 @@ impl Probes {
 
 /// A fault of the peer's description: it cannot be joined.
 fn protocol(msg: String) -> Fault {
-    Fault::new(Cause::Protocol, Error::remote(msg))
+    Fault::protocol(Error::remote(msg))
 }
 
 /// Brings `qp` of `rail` up against `peer`'s QP `rq` over `path`; where the NIC cannot (its
@@ -241,7 +241,7 @@ impl<N: Nic> Bringup<N> {
         landing: (u64, [u32; MAX_RAILS]),
         peer: &str,
     ) -> std::result::Result<(), Fault> {
-        check_links(&self.rails, remote, peer).map_err(|e| Fault::new(Cause::Protocol, e))?;
+        check_links(&self.rails, remote, peer).map_err(Fault::protocol)?;
         let (tc, sl) = tc_sl(self.role, &self.p, Some(remote));
         let ours: usize = self.rails.iter().map(|r| r.qps.len()).sum();
         if remote.qps.len() < ours {

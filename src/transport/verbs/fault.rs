@@ -65,6 +65,12 @@ impl Fault {
         }))
     }
 
+    /// The peer's description or message cannot be joined or read (`error` says why).
+    #[cold]
+    pub(crate) fn protocol(error: Error) -> Self {
+        Fault::new(Cause::Protocol, error)
+    }
+
     /// The fault, as one of rail `r`.
     pub(crate) fn on_rail(mut self, r: usize) -> Self {
         self.0.rail = Some(r);

@@ -15,7 +15,7 @@ use crate::error::{Error, Result};
 use crate::transport::verbs::bringup::{register_on, rkeys, Bringup, Role};
 use crate::transport::verbs::budget::EndCost;
 use crate::transport::verbs::failover::{self, Moving};
-use crate::transport::verbs::fault::{Cause, Fault};
+use crate::transport::verbs::fault::Fault;
 use crate::transport::verbs::gate::cts_landed;
 use crate::transport::verbs::heal::Moment;
 use crate::transport::verbs::reaper;
@@ -184,11 +184,7 @@ impl<N: Nic> SendState<N> {
             Step::Refuse => Err(failover::refused(peer, &msg)),
             // A `Down` that crossed the offer of its move, or older.
             Step::Down => Ok(()),
-            Step::Healed => {
-                let h = self.link.read(Healed::decode(&msg.body))?;
-                self.mobility.heard(h, msg.epoch);
-                Ok(())
-            }
+            Step::Healed => self.take_healed(&msg),
             Step::Tried => {
                 let remote = if msg.body.is_empty() {
                     None
@@ -204,6 +200,13 @@ impl<N: Nic> SendState<N> {
             }
             _ => Err(failover::out_of_turn(peer, &msg, "carried data")),
         }
+    }
+
+    /// The receiver's `Healed` (what its NICs can do), whenever it comes.
+    fn take_healed(&mut self, msg: &MoveMsg) -> Result<()> {
+        let h = self.link.read(Healed::decode(&msg.body))?;
+        self.mobility.heard(h, msg.epoch);
+        Ok(())
     }
 
     /// Stops the QPs, makes the rails again on the NICs left and offers them to the receiver.
@@ -288,13 +291,9 @@ impl<N: Nic> SendState<N> {
                         return Ok(true);
                     }
                     // What the receiver's NICs can do, whenever it comes.
-                    Step::Healed => {
-                        let h = self
-                            .link
-                            .read(Healed::decode(&msg.body))
-                            .map_err(|e| failover::refuse(&mut self.link, epoch, e))?;
-                        self.mobility.heard(h, msg.epoch);
-                    }
+                    Step::Healed => self
+                        .take_healed(&msg)
+                        .map_err(|e| failover::refuse(&mut self.link, epoch, e))?,
                     // A `Down` that crossed the offer, or a message of an older move.
                     Step::Down if msg.epoch <= epoch => {}
                     _ if msg.epoch < epoch => {}
@@ -332,14 +331,19 @@ impl<N: Nic> SendState<N> {
             mut new,
             regs,
         } = offered;
-        let protocol = |e| Fault::new(Cause::Protocol, e);
-        let (info, waiting) = self.link.read(decode_answer(body)).map_err(protocol)?;
-        let remote = self.link.read(ConnInfo::decode(info)).map_err(protocol)?;
+        let (info, waiting) = self
+            .link
+            .read(decode_answer(body))
+            .map_err(Fault::protocol)?;
+        let remote = self
+            .link
+            .read(ConnInfo::decode(info))
+            .map_err(Fault::protocol)?;
         if moving.is_setup() {
-            let (plan, cost) = self.shape_of(&mut new, &remote).map_err(protocol)?;
+            let (plan, cost) = self.shape_of(&mut new, &remote).map_err(Fault::protocol)?;
             (self.plan, self.mobility.cost) = (plan, cost);
         } else if remote.qps.len() != self.plan.nqps {
-            return Err(protocol(Error::remote(format!(
+            return Err(Fault::protocol(Error::remote(format!(
                 "{} answered the move with {} QPs for {}",
                 self.link.peer(),
                 remote.qps.len(),
