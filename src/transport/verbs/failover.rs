@@ -299,6 +299,12 @@ impl<N: Nic> Mobility<N> {
         }
     }
 
+    /// How many times this comm lost NIC `k` (a failed trial counts).
+    #[cfg(test)]
+    pub(crate) fn losses(&self, k: usize) -> u32 {
+        self.healing.losses(k)
+    }
+
     /// Whether every rail's own NIC can carry the connection.
     fn homes_alive(&self) -> bool {
         (0..self.cost.rails).all(|r| self.dead & (1 << r) == 0 && self.nics[r].takes_moves())

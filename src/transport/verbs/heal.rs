@@ -75,6 +75,12 @@ impl Healing {
         w.usable_since = None;
     }
 
+    /// How many times this comm lost NIC `k`.
+    #[cfg(test)]
+    pub(crate) fn losses(&self, k: usize) -> u32 {
+        self.watch[k].losses
+    }
+
     /// How long NIC `k`'s port must stay active to count as healed.
     fn settle_of(&self, k: usize) -> Duration {
         let doublings = self.watch[k].losses.saturating_sub(1).min(MAX_DOUBLINGS);

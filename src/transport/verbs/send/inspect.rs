@@ -46,6 +46,11 @@ impl<N: Nic> VerbsSender<N> {
         self.state.lock().mobility.lost()
     }
 
+    /// How many times this end lost NIC `k` (in its key order; a failed trial counts).
+    pub(crate) fn losses(&self, k: usize) -> u32 {
+        self.state.lock().mobility.losses(k)
+    }
+
     /// The NIC each rail is on now.
     pub(crate) fn rail_nics(&self) -> Vec<String> {
         let s = self.state.lock();
