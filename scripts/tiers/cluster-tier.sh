@@ -34,6 +34,8 @@ cd "$root"
 source scripts/common.sh
 help_from_header "${1:-}"
 
+# Run alone on a fresh machine, it installs what the build needs (as scripts/test.sh does).
+ensure_build_deps
 step_prefix cluster-tier
 tier_start=$(now)
 work=$(mktemp -d "${TMPDIR:-/tmp}/cluster-tier.XXXXXX")

@@ -34,6 +34,8 @@ cd "$root"
 # shellcheck source=scripts/common.sh
 source scripts/common.sh
 
+# Run alone on a fresh machine, it installs what the build needs (as scripts/test.sh does).
+ensure_build_deps
 step_prefix vm-tier
 tier_start=$(now)
 
