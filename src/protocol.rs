@@ -17,8 +17,8 @@ use crate::error::Result;
 pub use crate::transport::either::wire::{TCP_RECEIVER_READS, TCP_SENDER_READS};
 
 use crate::transport::either::wire::{
-    decode_answer, decode_bye, decode_qps, encode_answer, encode_bye, encode_qps, ConnInfo,
-    CtsFrame, DataHeader, Healed, MoveMsg, Step, CTS_MAX, DATA_HEADER,
+    decode_answer, decode_bye, decode_qps, decode_trial, encode_answer, encode_bye, encode_qps,
+    ConnInfo, CtsFrame, DataHeader, Healed, MoveMsg, Step, CTS_MAX, DATA_HEADER,
 };
 
 /// The verbs setup message (in a hello, an offer and an answer).
@@ -45,9 +45,14 @@ pub fn move_message(bytes: &[u8]) -> Result<()> {
         "a move message re-encodes byte for byte"
     );
     match msg.step {
-        Step::Offer | Step::Trial => conn_info(&msg.body),
-        Step::Tried if msg.body.is_empty() => Ok(()),
-        Step::Tried => conn_info(&msg.body),
+        Step::Offer => conn_info(&msg.body),
+        Step::Trial | Step::Tried => {
+            let (_, rails) = decode_trial(&msg.body)?;
+            match msg.step {
+                Step::Tried if rails.is_empty() => Ok(()),
+                _ => conn_info(rails),
+            }
+        }
         Step::Answer => answer(&msg.body),
         Step::Resume => probe_qps(&msg.body),
         Step::Refuse => {

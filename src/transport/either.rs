@@ -23,8 +23,8 @@ pub(crate) mod wire {
     pub(crate) use super::super::tcp::frame::{CtsFrame, DataHeader, CTS_MAX, DATA_HEADER};
     pub use super::super::tcp::frame::{TCP_RECEIVER_READS, TCP_SENDER_READS};
     pub(crate) use super::super::verbs::wire::{
-        decode_answer, decode_bye, decode_qps, encode_answer, encode_bye, encode_qps, ConnInfo,
-        Healed, MoveMsg, Step,
+        decode_answer, decode_bye, decode_qps, decode_trial, encode_answer, encode_bye, encode_qps,
+        ConnInfo, Healed, MoveMsg, Step,
     };
     /// What `protocol`'s round-trip tests generate.
     #[cfg(test)]

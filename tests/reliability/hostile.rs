@@ -293,12 +293,12 @@ fn verbs_cases() -> Vec<Hostile> {
             "a Trial with a truncated body",
             Toward::Receiver,
             move_msg(7, 0, &[1]),
-            Some("field `QPs`"),
+            Some("field `trial`"),
         ),
         case(
             "a Tried unasked for (no trial runs: nothing moves)",
             Toward::Sender,
-            move_msg(8, 0, &[]),
+            move_msg(8, 0, &[0, 0, 0, 9]),
             None,
         ),
         case(

@@ -290,13 +290,19 @@ impl<N: Nic> Mobility<N> {
         self.nics[..self.cost.rails].to_vec()
     }
 
-    /// A trial of the path over this end's own NICs failed: they count as lost again (their
-    /// settling time doubles), and the connection stays where it is.
+    /// A trial of the path over this end's own NICs failed: those of the rails away from home
+    /// count as lost again (their settling time doubles; a NIC a rail runs on stays), and the
+    /// connection stays where it is.
     pub(crate) fn homes_unreachable(&mut self) {
-        for r in 0..self.cost.rails {
+        for r in (0..self.cost.rails).filter(|&r| usize::from(self.order[r]) != r) {
             self.dead |= 1 << r;
             self.healing.lost(r);
         }
+    }
+
+    /// Whether a trial of the way home may begin at `now` (one a [`heal::TRIAL_EVERY`]).
+    pub(crate) fn may_try(&mut self, now: Instant) -> bool {
+        self.healing.may_try(now)
     }
 
     /// How many times this comm lost NIC `k` (a failed trial counts).
@@ -327,10 +333,12 @@ impl<N: Nic> Mobility<N> {
             self.back_since = None;
             return false;
         }
-        let since = *self.back_since.get_or_insert(now);
         let due = match moment {
             Moment::Between => true,
-            Moment::Busy => now.duration_since(since) >= heal::BUSY_WAIT,
+            Moment::Busy => {
+                let since = *self.back_since.get_or_insert(now);
+                now.duration_since(since) >= heal::BUSY_WAIT
+            }
             Moment::Idle => false,
         };
         due && self.healing.may_return(now)

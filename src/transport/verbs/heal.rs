@@ -37,6 +37,10 @@ pub(crate) enum Moment {
     Idle,
 }
 
+/// How often a comm may begin a trial of the way home (`trial`): one unanswered, or whose
+/// moment passed, is not begun again at once.
+pub(crate) const TRIAL_EVERY: Duration = Duration::from_secs(1);
+
 /// One lost NIC's watch.
 #[derive(Debug, Clone, Copy, Default)]
 struct Watch {
@@ -55,6 +59,8 @@ pub(crate) struct Healing {
     next_look: Option<Instant>,
     /// The minute's first move back, and how many began since.
     returns: Option<(Instant, u32)>,
+    /// When the next trial of the way home may begin.
+    next_trial: Option<Instant>,
 }
 
 impl Healing {
@@ -65,6 +71,7 @@ impl Healing {
             watch: vec![Watch::default(); nics],
             next_look: None,
             returns: None,
+            next_trial: None,
         }
     }
 
@@ -119,6 +126,15 @@ impl Healing {
             }
             _ => true,
         }
+    }
+
+    /// Whether a trial of the way home may begin at `now`; counts it where it may.
+    pub(crate) fn may_try(&mut self, now: Instant) -> bool {
+        if self.next_trial.is_some_and(|t| now < t) {
+            return false;
+        }
+        self.next_trial = Some(now + TRIAL_EVERY);
+        true
     }
 
     /// A move back began at `now`.

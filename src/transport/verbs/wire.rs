@@ -621,6 +621,22 @@ impl Step {
     }
 }
 
+/// A trial's message body (`Trial`, `Tried`): which trial of the move it is (a `Tried`
+/// answers that one only), then the rails (a `Tried` without: the receiver's own NICs cannot
+/// be brought up towards the sender's).
+pub(crate) fn encode_trial(number: u32, rails: &[u8]) -> Vec<u8> {
+    let mut w = Writer::with_capacity(4 + rails.len());
+    w.u32(number).bytes(rails);
+    w.into_vec()
+}
+
+/// [`encode_trial`]'s body back: the trial's number, and its rails' bytes.
+pub(crate) fn decode_trial(p: &[u8]) -> Result<(u32, &[u8])> {
+    let mut r = Reader::new("trial message", p);
+    let number = r.u32("trial")?;
+    Ok((number, r.rest()))
+}
+
 /// The receives still waiting, as an answer carries them: (slot, its clear-to-send entries).
 pub(crate) type Waiting = Vec<(usize, Vec<CtsEntry>)>;
 

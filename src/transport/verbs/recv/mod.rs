@@ -153,9 +153,9 @@ pub(crate) struct RecvState<N: Nic> {
     draining: Option<Draining<N>>,
     /// A rail failed under this comm: its QPs go to the reaper at close.
     broken: bool,
-    /// This end's rails of the sender's trial of the path a move back would take, until the
-    /// trial is over (`trial`).
-    trial: Option<Bringup<N>>,
+    /// This end's rails of the sender's trial of the path a move back would take, and until
+    /// when they are kept (`trial`).
+    trial: Option<(Bringup<N>, std::time::Instant)>,
 }
 
 impl<N: Nic> RecvState<N> {
@@ -753,7 +753,7 @@ impl<N: Nic> Drop for VerbsReceiver<N> {
         // The sender completes the sends whose data landed here, though it closes now.
         let landed = s.landed_below(&self.gate);
         s.link.bye(Some(landed));
-        if let Some(trial) = s.trial.take() {
+        if let Some((trial, _)) = s.trial.take() {
             super::reaper::bury(trial);
         }
         if s.broken {

@@ -24,8 +24,8 @@ use crate::transport::verbs::rail::Rail;
 use crate::transport::verbs::reaper;
 use crate::transport::verbs::trial;
 use crate::transport::verbs::wire::{
-    cts_index, decode_qps, encode_answer, locate, ConnInfo, CtsEntry, Healed, MoveMsg, Step,
-    Waiting, WrKind,
+    cts_index, decode_qps, decode_trial, encode_answer, encode_trial, locate, ConnInfo, CtsEntry,
+    Healed, MoveMsg, Step, Waiting, WrKind,
 };
 use crate::transport::MAX_RAILS;
 use crate::verbs::dma::{FixedWrite, SendChain, WcBatch, WC_RECV_RDMA_WITH_IMM, WC_SUCCESS};
@@ -96,6 +96,13 @@ impl<N: Nic> RecvState<N> {
     #[cold]
     pub(super) fn checked(&mut self, gate: &RecvGate<N>) -> Result<()> {
         self.listen(gate)?;
+        if self
+            .trial
+            .as_ref()
+            .is_some_and(|(_, until)| Instant::now() > *until)
+        {
+            self.bury_trial();
+        }
         if self.mobility.watching() {
             if let Some(h) = self.mobility.news(Instant::now()) {
                 self.link.send(&h.message(self.mobility.epoch));
@@ -152,8 +159,9 @@ impl<N: Nic> RecvState<N> {
                 Ok(())
             }
             (Movement::Still, Step::Trial) if msg.epoch == epoch => {
-                let remote = self.link.read(ConnInfo::decode(&msg.body))?;
-                self.answer_trial(&remote, epoch);
+                let (number, rails) = self.link.read(decode_trial(&msg.body))?;
+                let remote = self.link.read(ConnInfo::decode(rails))?;
+                self.answer_trial(&remote, (epoch, number));
                 Ok(())
             }
             // Of this move or an earlier one: the peer fails its comm with it.
@@ -166,20 +174,20 @@ impl<N: Nic> RecvState<N> {
     }
 
     /// The sender tries the path a move back would take (`remote`: its rails on its own
-    /// NICs): this end's own NICs' rails are joined to them, kept for its writes, and
-    /// described in the `Tried` of move `epoch` (nothing where they cannot be brought up).
-    fn answer_trial(&mut self, remote: &ConnInfo, epoch: u32) {
-        if let Some(old) = self.trial.take() {
-            reaper::bury(old);
-        }
+    /// NICs), in trial `number` of move `epoch`: this end's own NICs' rails are joined to
+    /// them, kept for its writes, and described in the `Tried` (no rails where they cannot be
+    /// brought up).
+    fn answer_trial(&mut self, remote: &ConnInfo, (epoch, number): (u32, u32)) {
+        self.bury_trial();
         let peer = self.link.peer();
         let homes = self.mobility.homes();
         let p = self.mobility.rebuild_params();
-        let body = match self.mobility.fitted(&homes, self.plan.nqps, peer) {
+        let rails = match self.mobility.fitted(&homes, self.plan.nqps, peer) {
             Ok(cost) => {
-                let (rails, body) = trial::answer(&homes, (&cost, p), remote, peer);
-                self.trial = rails;
-                body
+                let (made, rails) = trial::answer(&homes, (&cost, p), remote, peer);
+                let until = Instant::now() + trial::kept_for(&p);
+                self.trial = made.map(|made| (made, until));
+                rails
             }
             Err(e) => {
                 tracing::debug!("a trial of the path to peer {peer}: {e}");
@@ -190,8 +198,15 @@ impl<N: Nic> RecvState<N> {
             step: Step::Tried,
             epoch,
             lost: [0; 2],
-            body,
+            body: encode_trial(number, &rails),
         });
+    }
+
+    /// The rails of the sender's trial, once it is over (or kept long enough): to the reaper.
+    fn bury_trial(&mut self) {
+        if let Some((trial, _)) = self.trial.take() {
+            reaper::bury(trial);
+        }
     }
 
     /// Steps the move under way: true while the rails are not to be polled (until the sender
@@ -235,9 +250,7 @@ impl<N: Nic> RecvState<N> {
     /// joined to them, the receives still waiting posted on them, and the answer sent. The
     /// old rails go to the reaper once their flush reads are in.
     fn accept_offer(&mut self, gate: &RecvGate<N>, mut moving: Moving, m: &MoveMsg) -> Result<()> {
-        if let Some(trial) = self.trial.take() {
-            reaper::bury(trial);
-        }
+        self.bury_trial();
         let remote = self.link.read(ConnInfo::decode(&m.body))?;
         moving.lost = [moving.lost[0] | m.lost[0], moving.lost[1] | m.lost[1]];
         let before = self.mobility.order;

@@ -119,8 +119,10 @@ pub(crate) struct SendState<N: Nic> {
     /// the paths. Before, a probe would go unanswered by a receiver merely slow to make its
     /// first call; its host's silence is the bootstrap link's to find.
     receiver_up: bool,
-    /// The trial of the path a move back would take, while it runs (`trial`).
+    /// The trial of the path a move back would take, while it runs (`trial`), and how many
+    /// trials this comm began (the next one's number).
     trial: Option<Trial<N>>,
+    trials: u32,
 }
 
 impl<N: Nic> SendState<N> {
@@ -165,6 +167,7 @@ impl<N: Nic> SendState<N> {
             broken: false,
             receiver_up: false,
             trial: None,
+            trials: 0,
         }
     }
 

@@ -21,7 +21,8 @@ use crate::transport::verbs::heal::Moment;
 use crate::transport::verbs::reaper;
 use crate::transport::verbs::trial::{Trial, Verdict};
 use crate::transport::verbs::wire::{
-    cts_index, decode_answer, encode_qps, ConnInfo, Healed, MoveMsg, QpPlan, Step, Waiting, WrKind,
+    cts_index, decode_answer, decode_trial, encode_qps, ConnInfo, Healed, MoveMsg, QpPlan, Step,
+    Waiting, WrKind,
 };
 use crate::transport::{MAX_RAILS, MAX_RECVS};
 use crate::verbs::nic::Nic;
@@ -94,7 +95,7 @@ impl<N: Nic> SendState<N> {
         if self.trial.is_some() {
             return self.judge_trial(now);
         }
-        if self.mobility.back_due(now, self.moment()) {
+        if self.mobility.back_due(now, self.moment()) && self.mobility.may_try(now) {
             self.try_homes();
         }
         Ok(())
@@ -106,10 +107,12 @@ impl<N: Nic> SendState<N> {
         let homes = self.mobility.homes();
         let p = self.mobility.rebuild_params();
         let peer = self.link.peer();
+        self.trials = self.trials.wrapping_add(1);
+        let number = (self.mobility.epoch, self.trials);
         let made = self
             .mobility
             .fitted(&homes, self.plan.nqps, peer)
-            .and_then(|cost| Trial::offer(&homes, &cost, p, self.mobility.epoch));
+            .and_then(|cost| Trial::offer(&homes, &cost, p, number));
         match made {
             Ok((trial, msg)) => {
                 self.link.send(&msg);
@@ -122,26 +125,28 @@ impl<N: Nic> SendState<N> {
         }
     }
 
-    /// Where the trial stands: passed, the connection moves back (the receiver waiting for
-    /// data, or sends in flight); failed, this end's own NICs count as lost again.
+    /// Where the trial stands: passed, the connection moves back once the receiver waits for
+    /// data or sends are in flight (kept meanwhile, for as long as a receiver keeps its
+    /// side); failed, the NICs of the rails away from home count as lost again.
     fn judge_trial(&mut self, now: Instant) -> Result<()> {
+        let idle = self.moment() == Moment::Idle;
         let Some(trial) = &mut self.trial else {
             return Ok(());
         };
         let verdict = trial.verdict(now, self.link.peer());
-        if matches!(verdict, Verdict::Waiting) {
-            return Ok(());
-        }
-        if let Some(trial) = self.trial.take() {
-            reaper::bury(trial.into_rails());
-        }
         match verdict {
-            Verdict::Passed if self.moment() != Moment::Idle => {
+            Verdict::Waiting => Ok(()),
+            Verdict::Passed if idle && trial.fresh(now) => Ok(()),
+            Verdict::Passed if !idle => {
+                // Nothing in flight there, on NICs that answer: gone at once, so that the
+                // move back is sized without it.
+                self.trial = None;
                 self.mobility.returning(now);
                 let why = "the NICs the connection was placed on healed".to_string();
                 self.begin_move(self.mobility.epoch + 1, [0; 2], why)
             }
             Verdict::Failed(f) => {
+                self.bury_trial();
                 self.mobility.homes_unreachable();
                 tracing::info!(
                     "the NICs the connection to peer {} was placed on do not reach it yet \
@@ -151,7 +156,17 @@ impl<N: Nic> SendState<N> {
                 );
                 Ok(())
             }
-            _ => Ok(()),
+            Verdict::Passed | Verdict::Unanswered => {
+                self.bury_trial();
+                Ok(())
+            }
+        }
+    }
+
+    /// The trial, over: its rails to the reaper.
+    fn bury_trial(&mut self) {
+        if let Some(trial) = self.trial.take() {
+            reaper::bury(trial.into_rails());
         }
     }
 
@@ -186,13 +201,15 @@ impl<N: Nic> SendState<N> {
             Step::Down => Ok(()),
             Step::Healed => self.take_healed(&msg),
             Step::Tried => {
-                let remote = if msg.body.is_empty() {
-                    None
-                } else {
-                    Some(self.link.read(ConnInfo::decode(&msg.body))?)
+                let (number, rails) = self.link.read(decode_trial(&msg.body))?;
+                let remote = match rails {
+                    [] => None,
+                    rails => Some(self.link.read(ConnInfo::decode(rails))?),
                 };
                 match &mut self.trial {
-                    Some(trial) if msg.epoch == self.mobility.epoch => trial.tried(remote, peer),
+                    Some(trial) if msg.epoch == self.mobility.epoch && trial.number == number => {
+                        trial.tried(remote, peer)
+                    }
                     // Of a trial given up.
                     _ => {}
                 }
@@ -212,9 +229,7 @@ impl<N: Nic> SendState<N> {
     /// Stops the QPs, makes the rails again on the NICs left and offers them to the receiver.
     pub(super) fn begin_move(&mut self, epoch: u32, lost: [u8; 2], why: String) -> Result<()> {
         self.broken = true;
-        if let Some(trial) = self.trial.take() {
-            reaper::bury(trial.into_rails());
-        }
+        self.bury_trial();
         failover::stop(&self.rails, false);
         self.mobility.epoch = epoch;
         let mut moving = Moving::new(epoch, lost, why, &self.mobility.params);

@@ -6,6 +6,7 @@
 
 use super::failover::{connect_mobile, isend_while, mobile, through, wait_both, Group};
 use super::*;
+use crate::transport::verbs::heal;
 
 /// How long a lost NIC must stay usable here.
 const SETTLE: Duration = Duration::from_millis(60);
@@ -312,4 +313,37 @@ fn a_home_path_that_still_drops_everything_is_tried_and_not_taken() {
     c.fabric.cut(&c.tx_nics[0], None);
     idle_until(&c, Duration::from_secs(5), || home(&c));
     through(&c, 7000, 10);
+}
+
+#[test]
+fn a_late_answer_to_a_trial_given_up_is_not_taken_for_the_next() {
+    // The receiver posted a receive, then made no call for longer than a trial waits: the
+    // sender gives the first trial up and, a second later, begins another. The receiver then
+    // answers both, in turn: the first answer must not be joined to the second trial (its
+    // rails are being torn down), which would fail a healthy path.
+    let c = moved_off(homing(), Cut::Down);
+    c.fabric.cut(&c.tx_nics[0], None);
+    let t0 = Instant::now();
+    while t0.elapsed() < SETTLE + Duration::from_millis(300) {
+        c.recv.poll_once().expect("the receiver's look");
+    }
+    let mut dst = c.buf(false, 3000, 0);
+    let r = c.irecv(&mut [&mut dst], &[79]);
+    // The receiver is away; the sender finds its clear-to-send and waits for the send.
+    let away = Instant::now();
+    while away.elapsed() < heal::TRIAL_EVERY + Duration::from_millis(300) {
+        c.send.step_setup().expect("the sender's idle call");
+    }
+    assert_eq!(c.send.rail_nics(), ["tx1"]);
+    // Back: both answers arrive; the second trial passes and the connection moves back.
+    let mut src = c.buf(true, 3000, 79);
+    let s = isend_while(&c, &mut src, 79, r);
+    let (sent, received) = wait_both(&c, s, r).unwrap();
+    assert_eq!(
+        (sent, received),
+        (Completion::single(3000), Completion::single(3000))
+    );
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(3000, 79));
+    idle_until(&c, Duration::from_secs(5), || home(&c));
+    assert_eq!(c.send.losses(0), 1, "a trial failed");
 }
