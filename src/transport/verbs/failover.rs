@@ -285,9 +285,17 @@ impl<N: Nic> Mobility<N> {
         self.dead
     }
 
-    /// Each rail's own NIC (where NCCL's device placed it).
-    pub(crate) fn homes(&self) -> Vec<Arc<N>> {
-        self.nics[..self.cost.rails].to_vec()
+    /// What a trial of the way home makes its rails of: each rail's own NIC (where NCCL's
+    /// device placed it), this end's connection of `nqps` QPs fitted to them, and the
+    /// parameters a move would build with; or the error naming the limit.
+    pub(crate) fn homes(
+        &self,
+        nqps: usize,
+        peer: &str,
+    ) -> Result<(Vec<Arc<N>>, EndCost, ConnParams)> {
+        let homes = self.nics[..self.cost.rails].to_vec();
+        let cost = self.fitted(&homes, nqps, peer)?;
+        Ok((homes, cost, self.rebuild_params()))
     }
 
     /// A trial of the path over this end's own NICs failed: those of the rails away from home

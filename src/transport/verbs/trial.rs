@@ -33,6 +33,12 @@ const ANSWER_WITHIN: Duration = Duration::from_secs(2);
 /// Nothing of the trial's is read or written: it lands nowhere.
 const NOWHERE: (u64, [u32; MAX_RAILS]) = (0, [0; MAX_RAILS]);
 
+/// `rails` described for the peer: nothing of theirs is read or written, and the trial's
+/// rails never move.
+fn describe<N: Nic>(rails: &Bringup<N>) -> Vec<u8> {
+    rails.describe(NOWHERE.0, |_| 0, false).encode()
+}
+
 /// How long a trial waits for the receiver's rails, and then for its writes, with
 /// parameters `p`.
 fn within(p: &ConnParams) -> Duration {
@@ -85,7 +91,7 @@ impl<N: Nic> Trial<N> {
             step: Step::Trial,
             epoch,
             lost: [0; 2],
-            body: encode_trial(number, &rails.describe(0, |_| 0, false).encode()),
+            body: encode_trial(number, &describe(&rails)),
         };
         let trial = Trial {
             rails,
@@ -205,6 +211,6 @@ pub(crate) fn answer<N: Nic>(
         tracing::debug!("a trial of the path to peer {peer}: {}", f.error);
         return (Some(rails), Vec::new());
     }
-    let body = rails.describe(0, |_| 0, false).encode();
+    let body = describe(&rails);
     (Some(rails), body)
 }

@@ -180,10 +180,8 @@ impl<N: Nic> RecvState<N> {
     fn answer_trial(&mut self, remote: &ConnInfo, (epoch, number): (u32, u32)) {
         self.bury_trial();
         let peer = self.link.peer();
-        let homes = self.mobility.homes();
-        let p = self.mobility.rebuild_params();
-        let rails = match self.mobility.fitted(&homes, self.plan.nqps, peer) {
-            Ok(cost) => {
+        let rails = match self.mobility.homes(self.plan.nqps, peer) {
+            Ok((homes, cost, p)) => {
                 let (made, rails) = trial::answer(&homes, (&cost, p), remote, peer);
                 let until = Instant::now() + trial::kept_for(&p);
                 self.trial = made.map(|made| (made, until));

@@ -104,15 +104,13 @@ impl<N: Nic> SendState<N> {
     /// Tries the path over this end's own NICs to the receiver's (`trial`), which the move
     /// back waits for.
     fn try_homes(&mut self) {
-        let homes = self.mobility.homes();
-        let p = self.mobility.rebuild_params();
         let peer = self.link.peer();
         self.trials = self.trials.wrapping_add(1);
         let number = (self.mobility.epoch, self.trials);
         let made = self
             .mobility
-            .fitted(&homes, self.plan.nqps, peer)
-            .and_then(|cost| Trial::offer(&homes, &cost, p, number));
+            .homes(self.plan.nqps, peer)
+            .and_then(|(homes, cost, p)| Trial::offer(&homes, &cost, p, number));
         match made {
             Ok((trial, msg)) => {
                 self.link.send(&msg);
