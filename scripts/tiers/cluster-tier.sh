@@ -173,7 +173,7 @@ for c in "\$@"; do
     failed=\$((failed + 1))
   fi
   t1=\$(date +%s.%N)
-  grep -oE '(cluster: RESULT|soak: round).*' "/tmp/\$c.log" || true
+  grep -oE '(cluster: RESULT|soak: (round|log)).*' "/tmp/\$c.log" || true
   if [[ \$status == FAIL ]]; then
     tail -n 40 "/tmp/\$c.log"
   fi
