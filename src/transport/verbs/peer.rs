@@ -9,6 +9,8 @@ use crate::error::{Error, Result};
 use crate::oob::{Channel, MsgKind, PEER_SILENT};
 
 use super::fault::{Cause, Fault};
+#[cfg(test)]
+use super::wire::Step;
 use super::wire::{decode_bye, encode_bye, MoveMsg};
 
 /// See the module doc.
@@ -22,6 +24,38 @@ pub(crate) struct PeerLink {
     landed: Option<u64>,
     /// This end said `Bye`.
     said_bye: bool,
+    /// Tests: the thread stops right after sending a message of this step.
+    #[cfg(test)]
+    pause: Option<(Step, Pause)>,
+}
+
+/// Tests: a thread stopped right after its end sent a message (descheduled there) until
+/// released, while the peer may answer; how many sends stopped so far.
+#[cfg(test)]
+#[derive(Clone, Default)]
+pub(crate) struct Pause(
+    std::sync::Arc<(std::sync::atomic::AtomicBool, std::sync::atomic::AtomicU32)>,
+);
+
+#[cfg(test)]
+impl Pause {
+    pub(crate) fn release(&self) {
+        self.0 .0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub(crate) fn waited(&self) -> u32 {
+        self.0 .1.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    /// Stops the calling thread until released (30 s at most).
+    fn wait(&self) {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.0 .1.fetch_add(1, SeqCst);
+        let since = std::time::Instant::now();
+        while !self.0 .0.load(SeqCst) && since.elapsed() < std::time::Duration::from_secs(30) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
 }
 
 impl PeerLink {
@@ -34,6 +68,8 @@ impl PeerLink {
             ended: None,
             landed: None,
             said_bye: false,
+            #[cfg(test)]
+            pause: None,
         }
     }
 
@@ -117,6 +153,19 @@ impl PeerLink {
         if let Err(e) = self.chan.flush() {
             self.end(Cause::PeerGone, &e.to_string());
         }
+        #[cfg(test)]
+        if let Some((_, pause)) = self.pause.as_ref().filter(|(step, _)| *step == msg.step) {
+            pause.wait();
+        }
+    }
+
+    /// Tests: from now on the thread stops right after sending a message of `step`, until
+    /// the pause returned is released.
+    #[cfg(test)]
+    pub(crate) fn pause_after(&mut self, step: Step) -> Pause {
+        let pause = Pause::default();
+        self.pause = Some((step, pause.clone()));
+        pause
     }
 
     /// Says `Bye` as this end closes, with `landed` for a receiver (its receives below it had

@@ -149,10 +149,34 @@ impl Fabric {
         self.world.lock().nics[nic.index].lose_acks = true;
     }
 
+    /// From now on a requester retrying work over a lossy link ([`Cut::Egress`]) gives up
+    /// after `bound` and fails it with a retry exceeded error, as a real NIC does once its
+    /// `retry_cnt` retransmissions have timed out (Soft-RoCE: `NCCL_IB_RETRY_CNT` + 1 times
+    /// `NCCL_IB_TIMEOUT`'s interval), instead of retrying for ever.
+    pub(crate) fn retries_run_out(&self, bound: std::time::Duration) {
+        self.world.lock().retries_for = Some(bound);
+    }
+
     /// From now on a post to a QP in the error state fails with `EIO`, as rdma-core's eRDMA
     /// provider does (`erdma_post_send`), instead of completing as flushed (Soft-RoCE, mlx5).
     pub(crate) fn reject_posts_in_error(&self) {
         self.world.lock().reject_posts_in_error = true;
+    }
+
+    /// Posting send work to a QP of `nic` waits (the caller's thread) while `paused` (and at
+    /// most 30 s), as a thread descheduled in the middle of a call does (a VM of one vCPU):
+    /// its peer may answer meanwhile.
+    pub(crate) fn pause_posts(&self, nic: &FakeNic, paused: bool) {
+        let mut w = self.world.lock();
+        w.posts_paused.retain(|n| *n != nic.index);
+        if paused {
+            w.posts_paused.push(nic.index);
+        }
+    }
+
+    /// How many posts have waited in [`Self::pause_posts`] so far.
+    pub(crate) fn posts_waited(&self) -> u32 {
+        self.world.lock().posts_waited
     }
 
     /// Destroying a QP of `nic` waits (the caller's thread) while `held` (and at most 30 s),
@@ -239,6 +263,19 @@ pub(crate) struct FakeNic {
 }
 
 impl FakeNic {
+    /// Waits while posts to this NIC are paused ([`Fabric::pause_posts`]).
+    fn wait_while_paused(&self) {
+        let paused = |w: &world::World| w.posts_paused.contains(&self.index);
+        if !paused(&self.world.lock()) {
+            return;
+        }
+        self.world.lock().posts_waited += 1;
+        let since = std::time::Instant::now();
+        while paused(&self.world.lock()) && since.elapsed() < std::time::Duration::from_secs(30) {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
+    }
+
     /// Counts one more `r`, or fails as a device out of them does.
     fn take(&self, r: Resource, what: &str) -> Result<Arc<Usage>> {
         let (held, limit) = match r {
@@ -475,6 +512,7 @@ unsafe impl Nic for FakeNic {
     }
 
     fn post_send(&self, qp: &FakeQp, wr: &mut ibv_send_wr) -> Result<()> {
+        self.wait_while_paused();
         let mut w = self.world.lock();
         let mut chain = 0;
         let mut p: *const ibv_send_wr = wr;
@@ -532,6 +570,7 @@ unsafe impl Nic for FakeNic {
                 imm_be: unsafe { wr.imm_data_invalidated_rkey_union.imm_data },
                 placed: 0,
                 landed: false,
+                retried_since: None,
                 sq_seq,
             });
             sq_seq += 1;
@@ -579,6 +618,10 @@ unsafe impl Nic for FakeNic {
                 format!("fake fabric: ibv_poll_cq({})", self.local.name),
                 std::io::Error::from_raw_os_error(errno),
             ));
+        }
+        if w.retries_for.is_some() && !w.hold {
+            // The requesters' retry timers run meanwhile: work over a lossy link may fail.
+            w.deliver(usize::MAX);
         }
         let q = w.cqs.get_mut(&cq.id).expect("live CQ");
         if q.overrun {

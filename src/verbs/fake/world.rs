@@ -71,6 +71,8 @@ pub(super) struct Op {
     /// It landed at the responder, whose acknowledgement was lost ([`Cut::Egress`]): a
     /// retry places nothing again.
     pub(super) landed: bool,
+    /// Since when the requester has retried it over a lossy link ([`Cut::Egress`]).
+    pub(super) retried_since: Option<std::time::Instant>,
     /// Its place in its QP's send queue (see [`QpEntry::posted`]).
     pub(super) sq_seq: u64,
 }
@@ -142,9 +144,16 @@ pub(super) struct World {
     /// Posts to a QP in the error state fail (`EIO`), as eRDMA's provider refuses them,
     /// instead of completing as flushed.
     pub(super) reject_posts_in_error: bool,
+    /// NICs whose posts of send work wait (the caller's thread) until released, and how
+    /// many posts have waited so far.
+    pub(super) posts_paused: Vec<usize>,
+    pub(super) posts_waited: u32,
     /// NICs whose receive completions wait in `late` until released.
     pub(super) late_nics: Vec<usize>,
     pub(super) late: Vec<(usize, u32, Cqe)>,
+    /// How long a requester retries work over a lossy link ([`Cut::Egress`]) before it fails
+    /// with a retry exceeded error; `None`: for ever.
+    pub(super) retries_for: Option<std::time::Duration>,
 }
 
 /// What happened to an op this pass.
@@ -240,6 +249,13 @@ impl World {
             // requester retries until it is.
             return Outcome::Wait;
         }
+        let lossy = [nic, rnic]
+            .iter()
+            .any(|&n| self.nics[n].cut == Some(Cut::Egress));
+        if lossy && self.retries_ran_out(op) {
+            self.fail(op, RETRY_EXCEEDED);
+            return Outcome::Done;
+        }
         let cut = self.nics[nic].cut.map(Cut::here);
         let unacknowledged = match cut.or(self.nics[rnic].cut.map(Cut::there)) {
             Some(Cut::Silent) => return Outcome::Wait,
@@ -305,6 +321,16 @@ impl World {
             return Outcome::Wait;
         }
         self.acknowledge(op, nic)
+    }
+
+    /// Whether the requester of `op`, retrying it over a lossy link, has run out of retries
+    /// ([`Self::retries_for`]); its retries are timed from the first call.
+    fn retries_ran_out(&self, op: &mut Op) -> bool {
+        let Some(bound) = self.retries_for else {
+            return false;
+        };
+        let since = *op.retried_since.get_or_insert_with(std::time::Instant::now);
+        since.elapsed() >= bound
     }
 
     /// `op`, of a QP of `nic`, was carried out: its completion, where it asks for one.

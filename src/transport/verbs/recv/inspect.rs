@@ -42,6 +42,11 @@ impl<N: Nic> VerbsReceiver<N> {
         self.state.lock().rails.iter().map(|r| r.stats).collect()
     }
 
+    /// The epoch of the last move begun (0: none).
+    pub(crate) fn epoch(&self) -> u32 {
+        self.state.lock().mobility.epoch
+    }
+
     /// The NICs this end lost and has not seen healed (bits, in its key order).
     pub(crate) fn lost_nics(&self) -> u16 {
         self.state.lock().mobility.lost()

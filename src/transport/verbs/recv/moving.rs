@@ -52,13 +52,15 @@ fn old_completions<N: Nic>(rails: &[Rail<N>]) -> Vec<(u64, Option<u32>)> {
 
 impl<N: Nic> RecvState<N> {
     /// A rail met `f`: the connection moves where a move can mend it and both ends can move;
-    /// else `f` fails the comm. The peer is heard first: it may have moved already, or left.
+    /// else `f` fails the comm. The peer is heard first: it may have moved already (then `f`
+    /// was of rails the move replaced, even where the move has ended by now), or left.
     #[cold]
     #[inline(never)]
     pub(super) fn on_fault(&mut self, gate: &RecvGate<N>, f: Fault) -> Result<()> {
         self.broken = true;
+        let seen_in = self.mobility.epoch;
         self.listen(gate)?;
-        if !self.still() || self.link.ended().is_some() {
+        if self.mobility.epoch != seen_in || !self.still() || self.link.ended().is_some() {
             // A move the peer began; or the peer left (`test` fails what did not land).
             return Ok(());
         }

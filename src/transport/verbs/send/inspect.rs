@@ -1,6 +1,8 @@
 //! What the unit tests read of a send comm and the steps they take on it, beside the data path.
 
 use super::*;
+use crate::transport::verbs::peer::Pause;
+use crate::transport::verbs::wire::Step;
 
 impl<N: Nic> VerbsSender<N> {
     /// Steps the setup (as an idle `isend` does): whether the connection is up.
@@ -39,6 +41,12 @@ impl<N: Nic> VerbsSender<N> {
     /// The epoch of the last move begun (0: none).
     pub(crate) fn epoch(&self) -> u32 {
         self.state.lock().mobility.epoch
+    }
+
+    /// From now on the calling thread stops right after this end sends a move message of
+    /// `step`, until the pause returned is released.
+    pub(crate) fn pause_link_after(&self, step: Step) -> Pause {
+        self.state.lock().link.pause_after(step)
     }
 
     /// The NICs this end lost and has not seen healed (bits, in its key order).

@@ -43,9 +43,11 @@ impl<N: Nic> SendState<N> {
     #[inline(never)]
     pub(super) fn on_fault(&mut self, f: Fault) -> Result<()> {
         self.broken = true;
+        let seen_in = self.mobility.epoch;
         self.listen()?;
-        if !self.still() {
-            // The peer's `Down` came: the move it asked for is under way.
+        if self.mobility.epoch != seen_in || !self.still() {
+            // The peer's `Down` came: the move it asked for is under way, off the rails `f`
+            // was of.
             return Ok(());
         }
         if self.link.ended().is_some() {
@@ -62,10 +64,15 @@ impl<N: Nic> SendState<N> {
         (self.plan.nqps, self.rails.len(), self.remote_sizes.2)
     }
 
-    /// Reads what the peer sent: a move it begins, its `Bye`, that its NICs healed.
+    /// Reads what the peer sent: a move it begins, its `Bye`, that its NICs healed. Once a
+    /// move is offered, the rest is the move's (`step_move` reads it): the receiver may
+    /// answer the offer before this look at the link is over.
     #[cold]
     pub(super) fn listen(&mut self) -> Result<()> {
-        while let Some(msg) = self.link.poll() {
+        while !matches!(self.movement, Movement::Offered(_)) {
+            let Some(msg) = self.link.poll() else {
+                break;
+            };
             self.heard(msg)?;
         }
         self.link.trusted()?;

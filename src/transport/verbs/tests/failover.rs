@@ -5,6 +5,7 @@
 use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::transport::verbs::cq::IDLE_LOOK_EVERY;
+use crate::transport::verbs::wire::Step;
 
 use super::*;
 
@@ -452,6 +453,111 @@ fn both_ends_seeing_the_cut_at_once_agree_on_one_move() {
     for (i, d) in dsts.iter().enumerate() {
         assert_eq!(d.mem.bytes(), TestMem::pattern(512, 30 + i as u64));
     }
+    through(&c, 64, 2);
+}
+
+#[test]
+fn a_fault_of_the_rails_a_move_replaced_while_the_receiver_read_it_is_no_fault() {
+    // The receiver's flush QPs take a read through the old NIC as it answers the move.
+    let p = ConnParams {
+        flush: true,
+        ..mobile()
+    };
+    let c = connect_mobile(1, 1, p);
+    through(&c, 64, 1);
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    // The receiver's clear-to-send fails on the cut path; its failed completion waits in
+    // its CQ while the sender, waiting for it, finds the path dead too and offers a move.
+    let mut dst = c.buf(false, 4096, 0);
+    let mut src = c.buf(true, 4096, 7);
+    let r = c.irecv(&mut [&mut dst], &[1]);
+    let mut idle = c.buf(true, 8, 0);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.send.epoch() == 0 {
+        assert_eq!(c.send.isend(idle.whole(), 9, idle.mh).unwrap(), None);
+        assert!(Instant::now() < deadline, "the sender never moved");
+    }
+    // The receiver reads its fault, then the offer, and answers it; its thread stops right
+    // after (descheduled), while the sender joins the answer and resumes: then it reads the
+    // `Resume` in the same look at the link as the offer, and the move has ended by the
+    // time it comes back to the fault it read before it.
+    c.fabric.pause_posts(&c.rx_nics[0], true);
+    let tested = std::thread::scope(|scope| {
+        let receiver = scope.spawn(|| loop {
+            let tested = c.test_recv(r);
+            if tested.is_err() || c.fabric.posts_waited() > 0 {
+                return tested;
+            }
+        });
+        while c.fabric.posts_waited() == 0 {
+            assert!(Instant::now() < deadline, "the receiver never answered");
+            std::thread::yield_now();
+        }
+        while c.send.rail_nics() != ["tx1"] {
+            assert_eq!(c.send.isend(idle.whole(), 9, idle.mh).unwrap(), None);
+            assert!(Instant::now() < deadline, "the sender never resumed");
+        }
+        c.fabric.pause_posts(&c.rx_nics[0], false);
+        receiver.join().unwrap()
+    });
+    assert_eq!(tested.unwrap(), None, "the receive has not come yet");
+    let s = isend_while(&c, &mut src, 1, r);
+    let (sent, received) = wait_both(&c, s, r).unwrap();
+    assert_eq!(
+        (sent, received),
+        (Completion::single(4096), Completion::single(4096))
+    );
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(4096, 7));
+    assert_eq!(c.recv.rail_nics(), ["rx1"]);
+    through(&c, 64, 2);
+}
+
+#[test]
+fn a_sender_moving_at_the_receivers_word_leaves_its_answer_to_the_move() {
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    // The receiver's clear-to-send fails: it stops its QPs and says `Down` first.
+    c.fabric.cut(&c.rx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    let mut dst = c.buf(false, 4096, 0);
+    let mut src = c.buf(true, 4096, 8);
+    let r = c.irecv(&mut [&mut dst], &[1]);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.recv.epoch() == 0 {
+        assert_eq!(c.test_recv(r).unwrap(), None);
+        assert!(Instant::now() < deadline, "the receiver never moved");
+    }
+    // The sender reads the `Down` and offers its new rails; its thread stops right after
+    // (descheduled) while the receiver answers: the answer is there when the sender looks at
+    // the link again, in the same look that read the `Down`.
+    let pause = c.send.pause_link_after(Step::Offer);
+    let mut idle = c.buf(true, 8, 0);
+    let looked = std::thread::scope(|scope| {
+        let sender = scope.spawn(|| loop {
+            let looked = c.send.isend(idle.whole(), 9, idle.mh);
+            if looked.is_err() || pause.waited() > 0 {
+                return looked;
+            }
+        });
+        while pause.waited() == 0 {
+            assert!(Instant::now() < deadline, "the sender never offered");
+            std::thread::yield_now();
+        }
+        while c.recv.rail_nics() != ["rx1"] {
+            assert_eq!(c.test_recv(r).unwrap(), None);
+            assert!(Instant::now() < deadline, "the receiver never answered");
+        }
+        pause.release();
+        sender.join().unwrap()
+    });
+    assert_eq!(looked.unwrap(), None);
+    let s = isend_while(&c, &mut src, 1, r);
+    let (sent, received) = wait_both(&c, s, r).unwrap();
+    assert_eq!(
+        (sent, received),
+        (Completion::single(4096), Completion::single(4096))
+    );
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(4096, 8));
+    assert_eq!(c.send.rail_nics(), ["tx1"]);
     through(&c, 64, 2);
 }
 

@@ -126,6 +126,24 @@ fn a_receiver_whose_clear_to_send_fails_gets_an_error() {
 }
 
 #[test]
+fn a_write_over_a_lossy_link_lands_and_fails_once_its_retries_run_out() {
+    let c = connect(params());
+    let mut dst = c.buf(false, 64, 0);
+    let mut src = c.buf(true, 64, 7);
+    c.fabric.retries_run_out(Duration::from_millis(50));
+    let r = c.irecv(&mut [&mut dst], &[0]);
+    // The receiver's NIC drops what it sends: the write lands, its acknowledgement does not.
+    c.fabric.cut(&c.rx_nics[0], Some(Cut::Egress));
+    let t0 = Instant::now();
+    let s = c.send_buf(&mut src, 0);
+    assert_eq!(wait(|| c.test_recv(r)).unwrap(), Completion::single(64));
+    assert_eq!(dst.mem.bytes(), &TestMem::pattern(64, 7)[..]);
+    let e = wait_error(Duration::from_secs(5), || c.test_send(s));
+    assert!(t0.elapsed() >= Duration::from_millis(50));
+    assert!(e.to_string().contains("retry exceeded"), "{e}");
+}
+
+#[test]
 fn a_peer_that_closes_fails_the_waiting_side() {
     // Receiver waits, sender closes.
     let c = connect(params());
