@@ -33,6 +33,14 @@ pub(crate) fn cts_landed<R>(fifo: &DmaBuffer<CtsEntry, R>, i: usize) -> u64 {
     fifo.get_u64(i, CTS_SEQ_OFFSET)
 }
 
+/// Whether the clear-to-send of receive `seq` (its first entry, in `seq`'s slot) has landed
+/// in `fifo`.
+#[inline]
+pub(crate) fn cts_of_landed<R>(fifo: &DmaBuffer<CtsEntry, R>, seq: u64) -> bool {
+    let slot = (seq % SLOTS as u64) as usize;
+    cts_landed(fifo, cts_index(slot, 0)) == seq.wrapping_add(1)
+}
+
 /// What an `isend` reads without taking the comm's lock: the FIFO, and what the last locked
 /// call left.
 pub(crate) struct SendGate<R> {
@@ -64,8 +72,7 @@ impl<R> SendGate<R> {
     #[inline]
     pub(crate) fn landed(&self) -> Option<u64> {
         let awaited = self.awaited.load(Relaxed);
-        let slot = (awaited.wrapping_sub(1) % SLOTS as u64) as usize;
-        (cts_landed(&self.fifo, cts_index(slot, 0)) == awaited).then_some(awaited)
+        cts_of_landed(&self.fifo, awaited.wrapping_sub(1)).then_some(awaited)
     }
 
     /// Counts an `isend` that finds nothing to post: whether it should look around, as every

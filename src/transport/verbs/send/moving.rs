@@ -16,7 +16,7 @@ use crate::transport::verbs::bringup::{register_on, rkeys, Bringup, Role};
 use crate::transport::verbs::budget::EndCost;
 use crate::transport::verbs::failover::{self, Moving};
 use crate::transport::verbs::fault::Fault;
-use crate::transport::verbs::gate::cts_landed;
+use crate::transport::verbs::gate::cts_of_landed;
 use crate::transport::verbs::heal::Moment;
 use crate::transport::verbs::reaper;
 use crate::transport::verbs::trial::{Trial, Verdict};
@@ -180,9 +180,7 @@ impl<N: Nic> SendState<N> {
         if self.slots.iter().any(|st| st.busy && st.posted) {
             return Moment::Busy;
         }
-        let next = cts_index((self.seq % SLOTS as u64) as usize, 0);
-        let waits = cts_landed(&self.fifo, next) == self.seq + 1;
-        if waits || self.slots.iter().any(|st| st.busy) {
+        if cts_of_landed(&self.fifo, self.seq) || self.slots.iter().any(|st| st.busy) {
             Moment::Between
         } else {
             Moment::Idle

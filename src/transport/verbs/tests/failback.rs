@@ -4,7 +4,7 @@
 //! nothing back; a healed NIC takes a later failover; a move back onto a path still broken
 //! falls back to the failover path.
 
-use super::failover::{connect_mobile, isend_while, mobile, through, wait_both, Group};
+use super::failover::{connect_mobile, deliver, isend_while, mobile, through, wait_both, Group};
 use super::*;
 use crate::transport::verbs::heal;
 
@@ -40,13 +40,7 @@ pub(super) fn idle_until(c: &Conn, within: Duration, done: impl Fn() -> bool) {
             nics_of(c)
         );
     }
-    let s = isend_while(c, &mut src, 77, r);
-    let (sent, received) = wait_both(c, s, r).unwrap();
-    assert_eq!(
-        (sent, received),
-        (Completion::single(3000), Completion::single(3000))
-    );
-    assert_eq!(dst.mem.bytes(), TestMem::pattern(3000, 77));
+    deliver(c, (&mut src, 77), (r, &dst), (3000, 77));
 }
 
 /// A connection moved off `tx0` (cut `how`), both ends on their spares.
@@ -337,13 +331,7 @@ fn a_late_answer_to_a_trial_given_up_is_not_taken_for_the_next() {
     assert_eq!(c.send.rail_nics(), ["tx1"]);
     // Back: both answers arrive; the second trial passes and the connection moves back.
     let mut src = c.buf(true, 3000, 79);
-    let s = isend_while(&c, &mut src, 79, r);
-    let (sent, received) = wait_both(&c, s, r).unwrap();
-    assert_eq!(
-        (sent, received),
-        (Completion::single(3000), Completion::single(3000))
-    );
-    assert_eq!(dst.mem.bytes(), TestMem::pattern(3000, 79));
+    deliver(&c, (&mut src, 79), (r, &dst), (3000, 79));
     idle_until(&c, Duration::from_secs(5), || home(&c));
     assert_eq!(c.send.losses(0), 1, "a trial failed");
 }

@@ -84,7 +84,18 @@ pub(super) fn through(c: &Conn, len: usize, seed: u64) {
     let mut dst = c.buf(false, len, 0);
     let mut src = c.buf(true, len, seed);
     let r = c.irecv(&mut [&mut dst], &[3]);
-    let s = isend_while(c, &mut src, 3, r);
+    deliver(c, (&mut src, 3), (r, &dst), (len, seed));
+}
+
+/// Sends `src` with tag `tag` to receive `r`, posted into `dst`, until both are done: each
+/// end reports `len` bytes, and `dst` holds `seed`'s pattern.
+pub(super) fn deliver(
+    c: &Conn,
+    (src, tag): (&mut Buf, i32),
+    (r, dst): (usize, &Buf),
+    (len, seed): (usize, u64),
+) {
+    let s = isend_while(c, src, tag, r);
     let (sent, received) = wait_both(c, s, r).unwrap();
     assert_eq!(
         (sent, received),
@@ -150,13 +161,7 @@ fn first_messages_across(c: &Conn, cut: impl FnOnce()) {
     let mut src = c.buf(true, 70_000, 1);
     let r = c.irecv(&mut [&mut dst], &[1]);
     cut();
-    let s = isend_while(c, &mut src, 1, r);
-    let (sent, received) = wait_both(c, s, r).unwrap();
-    assert_eq!(
-        (sent, received),
-        (Completion::single(70_000), Completion::single(70_000))
-    );
-    assert_eq!(dst.mem.bytes(), TestMem::pattern(70_000, 1));
+    deliver(c, (&mut src, 1), (r, &dst), (70_000, 1));
     for i in 2..6 {
         through(c, 4096 + i as usize, i);
     }
@@ -501,13 +506,7 @@ fn a_fault_of_the_rails_a_move_replaced_while_the_receiver_read_it_is_no_fault()
         receiver.join().unwrap()
     });
     assert_eq!(tested.unwrap(), None, "the receive has not come yet");
-    let s = isend_while(&c, &mut src, 1, r);
-    let (sent, received) = wait_both(&c, s, r).unwrap();
-    assert_eq!(
-        (sent, received),
-        (Completion::single(4096), Completion::single(4096))
-    );
-    assert_eq!(dst.mem.bytes(), TestMem::pattern(4096, 7));
+    deliver(&c, (&mut src, 1), (r, &dst), (4096, 7));
     assert_eq!(c.recv.rail_nics(), ["rx1"]);
     through(&c, 64, 2);
 }
@@ -550,13 +549,7 @@ fn a_sender_moving_at_the_receivers_word_leaves_its_answer_to_the_move() {
         sender.join().unwrap()
     });
     assert_eq!(looked.unwrap(), None);
-    let s = isend_while(&c, &mut src, 1, r);
-    let (sent, received) = wait_both(&c, s, r).unwrap();
-    assert_eq!(
-        (sent, received),
-        (Completion::single(4096), Completion::single(4096))
-    );
-    assert_eq!(dst.mem.bytes(), TestMem::pattern(4096, 8));
+    deliver(&c, (&mut src, 1), (r, &dst), (4096, 8));
     assert_eq!(c.send.rail_nics(), ["tx1"]);
     through(&c, 64, 2);
 }
