@@ -20,10 +20,13 @@
 //!   `IBV_EVENT_CQ_ERR`).
 //!
 //! and the faults of a real network: work held back and placed later, or only in part
-//! ([`Fabric::hold`], [`Fabric::place_partial`]), a link cut that makes
-//! work never complete (a device retrying for ever) or fail, or a link down ([`Fabric::cut`]), a QP that
-//! fails, a fatal asynchronous event, and GPU memory the CPU cannot read (inline data from it
-//! is a crash on real hardware, a panic here). Knobs model what differs between devices:
+//! ([`Fabric::hold`], [`Fabric::place_partial`]), a link cut that makes work never complete
+//! (a device retrying for ever) or fail, a link down, or a link that drops every packet the
+//! NIC sends ([`Fabric::cut`]; its requesters' retries may run out,
+//! [`Fabric::retries_run_out`]), a QP that fails, a fatal asynchronous event, GPU memory the
+//! CPU cannot read (inline data from it is a crash on real hardware, a panic here), and a
+//! thread descheduled in the middle of a post ([`Fabric::pause_posts`]). Knobs model what
+//! differs between devices:
 //! eRDMA refusing a post to a QP in the error state ([`Fabric::reject_posts_in_error`]),
 //! Soft-RoCE taking seconds to destroy a QP of a dead link ([`Fabric::hold_destroys`]), and a
 //! receive's completion showing up after the sender saw its acknowledgement
