@@ -97,6 +97,27 @@ fn both(p: &mut Peer, what: &str, mine: bool) -> bool {
     mine && theirs
 }
 
+/// Streams phases named `name` (seeds from `seed`) until both hosts have streamed for
+/// longer than `long`; the bytes verified and the longest stall.
+fn phases_for(
+    net: &Net,
+    c: &Comms,
+    p: &mut Peer,
+    (name, seed): (&str, u64),
+    long: Duration,
+) -> (u64, Duration) {
+    let t0 = Instant::now();
+    let (mut bytes, mut stall) = (0, Duration::ZERO);
+    for round in 0.. {
+        let streamed = phase(net, c, p, (name, seed + round, 60), None);
+        (bytes, stall) = (bytes + streamed.bytes, stall.max(streamed.stall));
+        if both(p, name, t0.elapsed() > long) {
+            break;
+        }
+    }
+    (bytes, stall)
+}
+
 /// Streams phases until this host logged `want` moves back (both hosts stop together), at
 /// most `within`; the bytes verified.
 fn until_moved_back(net: &Net, c: &Comms, p: &mut Peer, want: usize, within: Duration) -> u64 {
@@ -197,14 +218,8 @@ fn failback_off_keeps_the_move_and_rail_b_lost_moves_to_the_healed_rail_a() {
     }
     p.step("rail A healed");
     // Longer than the settling time, with the comms busy (their checks watch rail A).
-    let t0 = Instant::now();
-    for round in 0.. {
-        bytes += phase(&net, &c, &mut p, ("settling", 600 + round, 60), None).bytes;
-        let enough = t0.elapsed() > Duration::from_millis(2 * SETTLE_MS);
-        if both(&mut p, "settled", enough) {
-            break;
-        }
-    }
+    let settling = Duration::from_millis(2 * SETTLE_MS);
+    bytes += phases_for(&net, &c, &mut p, ("settling", 600), settling).0;
     assert!(moves_back().is_empty(), "moved back: {:?}", moves_back());
     // Rail B lost: the connections move to the healed rail A.
     let cut_b = phase(&net, &c, &mut p, ("rail B cut", 700, 300), Some(B_DOWN));
@@ -250,14 +265,8 @@ fn failback_waits_while_rail_a_flaps_and_moves_back_once_it_settles() {
             }
         })
     });
-    let t0 = Instant::now();
-    let mut bytes = 0;
-    for round in 0.. {
-        bytes += phase(&net, &c, &mut p, ("while it flaps", 800 + round, 60), None).bytes;
-        if both(&mut p, "flapped", t0.elapsed() > Duration::from_secs(30)) {
-            break;
-        }
-    }
+    let flaps = Duration::from_secs(30);
+    let mut bytes = phases_for(&net, &c, &mut p, ("while it flaps", 800), flaps).0;
     if let Some(f) = flapper {
         f.join().expect("flapping thread");
         rail_a_active();
@@ -308,16 +317,9 @@ fn failback_tries_a_rail_a_that_drops_everything_and_moves_back_once_it_carries(
     let mut bytes = cut.bytes;
     p.step("moved");
     // Its port says healed after the settling time; the trials of the path say not yet.
-    let t0 = Instant::now();
-    let mut stall = Duration::ZERO;
-    for round in 0.. {
-        let still = phase(&net, &c, &mut p, ("still lossy", 900 + round, 60), None);
-        (bytes, stall) = (bytes + still.bytes, stall.max(still.stall));
-        let enough = t0.elapsed() > Duration::from_millis(3 * SETTLE_MS);
-        if both(&mut p, "tried", enough) {
-            break;
-        }
-    }
+    let trying = Duration::from_millis(3 * SETTLE_MS);
+    let (still, stall) = phases_for(&net, &c, &mut p, ("still lossy", 900), trying);
+    bytes += still;
     let tried: Vec<String> = logged()
         .into_iter()
         .filter(|l| l.contains("do not reach it yet"))
