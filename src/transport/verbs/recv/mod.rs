@@ -601,10 +601,12 @@ impl<N: Nic> RecvState<N> {
 
     /// Posts every clear-to-send held back, in FIFO order: one RDMA WRITE per contiguous run
     /// of slots (whole slots, then the last slot's entries; the sender reads only the entries
-    /// a slot announces, each checked by its sequence number).
+    /// a slot announces, each checked by its sequence number). Not while the connection
+    /// moves: its QPs are stopped (eRDMA refuses a post there), and the answer announces
+    /// every receive posted; nor before the sender is up.
     #[inline(always)]
     fn post_pending_cts(&mut self) -> Result<()> {
-        if self.awaits_sender_up() {
+        if !self.still() {
             return Ok(());
         }
         let first = (self.cts_posted % SLOTS as u64) as usize;

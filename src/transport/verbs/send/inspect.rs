@@ -43,6 +43,19 @@ impl<N: Nic> VerbsSender<N> {
         self.state.lock().mobility.epoch
     }
 
+    /// The QP numbers of the rails a move under way offered (none while no move is offered).
+    pub(crate) fn offered_qpns(&self) -> Vec<u32> {
+        match &self.state.lock().movement {
+            Movement::Offered(o) => o
+                .new
+                .rails()
+                .iter()
+                .flat_map(|r| r.qps.iter().map(|q| q.qpn()))
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
     /// From now on the calling thread stops right after this end sends a move message of
     /// `step`, until the pause returned is released.
     pub(crate) fn pause_link_after(&self, step: Step) -> Pause {

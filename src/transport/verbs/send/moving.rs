@@ -45,9 +45,9 @@ impl<N: Nic> SendState<N> {
         self.broken = true;
         let seen_in = self.mobility.epoch;
         self.listen()?;
-        if self.mobility.epoch != seen_in || !self.still() {
+        if self.mobility.epoch != seen_in || matches!(self.movement, Movement::Offered(_)) {
             // The peer's `Down` came: the move it asked for is under way, off the rails `f`
-            // was of.
+            // was of. (A fault while sending again after a move is of the new rails.)
             return Ok(());
         }
         if self.link.ended().is_some() {

@@ -493,6 +493,10 @@ fn a_fault_of_the_rails_a_move_replaced_while_the_receiver_read_it_is_no_fault()
             if tested.is_err() || c.fabric.posts_waited() > 0 {
                 return tested;
             }
+            assert!(
+                Instant::now() < deadline,
+                "the receiver never read its fault"
+            );
         });
         while c.fabric.posts_waited() == 0 {
             assert!(Instant::now() < deadline, "the receiver never answered");
@@ -536,6 +540,10 @@ fn a_sender_moving_at_the_receivers_word_leaves_its_answer_to_the_move() {
             if looked.is_err() || pause.waited() > 0 {
                 return looked;
             }
+            assert!(
+                Instant::now() < deadline,
+                "the sender never read the `Down`"
+            );
         });
         while pause.waited() == 0 {
             assert!(Instant::now() < deadline, "the sender never offered");

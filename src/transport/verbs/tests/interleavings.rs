@@ -189,6 +189,101 @@ fn with_batching_no_clear_to_send_is_posted_onto_a_stopped_qp() {
     }
 }
 
+/// A fault of the new rails while the sender sends again what the move left (its first
+/// write there fails, and eRDMA's provider refuses the next post) moves the connection on,
+/// rather than being taken for one of the rails the move left.
+#[test]
+fn a_fault_while_the_sender_sends_again_after_a_move_moves_it_again() {
+    let c = connect_mobile(1, 2, mobile());
+    c.fabric.reject_posts_in_error();
+    through(&c, 64, 1);
+    let mut dsts = [c.buf(false, 4096, 0), c.buf(false, 4096, 0)];
+    let mut srcs = [c.buf(true, 4096, 90), c.buf(true, 4096, 91)];
+    let [d0, d1] = &mut dsts;
+    let rs = [c.irecv(&mut [d0], &[0]), c.irecv(&mut [d1], &[1])];
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Silent));
+    let ss: Vec<usize> = (0..2)
+        .map(|i| isend_while(&c, &mut srcs[i], i as i32, rs[i]))
+        .collect();
+    // Both sends wait on the silent path until the sender moves; the first write on the
+    // new NIC's data QP fails.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.send.epoch() == 0 {
+        assert_eq!(c.test_send(ss[0]).unwrap(), None);
+        assert!(Instant::now() < deadline, "the sender never moved");
+    }
+    for q in c.send.offered_qpns() {
+        c.fabric.fail_next(q, RETRY_EXCEEDED);
+    }
+    for i in 0..2 {
+        let (sent, received) = wait_both(&c, ss[i], rs[i]).unwrap();
+        assert_eq!(
+            (sent, received),
+            (Completion::single(4096), Completion::single(4096))
+        );
+        assert_eq!(dsts[i].mem.bytes(), TestMem::pattern(4096, 90 + i as u64));
+    }
+    assert_eq!(c.send.rail_nics(), ["tx2"]);
+    through(&c, 64, 2);
+}
+
+/// A receiver whose clear-to-send is held back (batching) when it stops its QPs for a move
+/// must not post it onto them when that receive is tested (eRDMA's provider refuses it: the
+/// comm would fail): the answer announces it.
+#[test]
+fn with_batching_a_clear_to_send_held_when_the_receiver_moves_goes_with_its_answer() {
+    let p = ConnParams {
+        cts_batch: 8,
+        ..mobile()
+    };
+    let c = connect_mobile(1, 1, p);
+    c.fabric.reject_posts_in_error();
+    through(&c, 64, 1);
+    let mut dsts: Vec<Buf> = (0..3).map(|_| c.buf(false, 64, 0)).collect();
+    let mut srcs: Vec<Buf> = (0..3).map(|i| c.buf(true, 64, 80 + i)).collect();
+    let [d0, d1, d2] = &mut dsts[..] else {
+        unreachable!()
+    };
+    // Two announced at once (the sender holds fewer than two), then one held back: the
+    // caller tests its receives, and the sender holds two.
+    let r0 = c.irecv(&mut [d0], &[0]);
+    let r1 = c.irecv(&mut [d1], &[1]);
+    assert_eq!(c.test_recv(r0).unwrap(), None);
+    let r2 = c.irecv(&mut [d2], &[2]);
+    // Announced: the first message's receive, r0's and r1's; r2's is held back.
+    assert_eq!(c.recv.cts_counts().1, 3);
+    // The receiver's NIC fails: its probe finds it, and it stops its QPs and says `Down`.
+    c.fabric.cut(&c.rx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while c.recv.epoch() == 0 {
+        assert_eq!(c.test_recv(r0).unwrap(), None);
+        assert!(Instant::now() < deadline, "the receiver never moved");
+    }
+    // The held receive is tested before the sender has heard of the move.
+    assert_eq!(c.test_recv(r2).unwrap(), None);
+    let rs = [r0, r1, r2];
+    let mut sent = [None; 3];
+    let mut got = [None; 3];
+    while got.iter().any(Option::is_none) || sent.iter().any(Option::is_none) {
+        for i in 0..3 {
+            if sent[i].is_none() {
+                let b = &mut srcs[i];
+                sent[i] = c.send.isend(b.whole(), i as i32, b.mh).expect("isend");
+            }
+            if got[i].is_none() {
+                got[i] = c.test_recv(rs[i]).expect("the receiver failed");
+            }
+        }
+        for s in sent.iter().flatten() {
+            let _ = c.test_send(*s);
+        }
+        assert!(Instant::now() < deadline, "sent {sent:?} got {got:?}");
+    }
+    for (i, d) in dsts.iter().enumerate() {
+        assert_eq!(d.mem.bytes(), TestMem::pattern(64, 80 + i as u64));
+    }
+}
+
 /// D3: the dead NIC's QPs, CQs and registrations may take seconds to destroy (Soft-RoCE waits
 /// for a QP's packets on a link gone down). Here their destroys wait for as long as the
 /// transfer through the move takes: each end, driven by a thread of its own as on two hosts,
