@@ -146,6 +146,32 @@ fn no_send_is_posted_onto_a_stopped_qp_during_a_move() {
     assert_eq!(d2.mem.bytes(), TestMem::pattern(64, 12));
 }
 
+/// Sends each of `srcs` (64 bytes, tag `i`) to the posted receive `rs[i]` (into `dsts[i]`),
+/// each end's calls in turn, until all are done: `dsts[i]` holds `seed + i`'s pattern.
+fn all_through(c: &Conn, srcs: &mut [Buf], rs: &[usize], dsts: &[Buf], seed: u64) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut sent = vec![None; rs.len()];
+    let mut got = vec![None; rs.len()];
+    while got.iter().any(Option::is_none) || sent.iter().any(Option::is_none) {
+        for i in 0..rs.len() {
+            if sent[i].is_none() {
+                let b = &mut srcs[i];
+                sent[i] = c.send.isend(b.whole(), i as i32, b.mh).expect("isend");
+            }
+            if got[i].is_none() {
+                got[i] = c.test_recv(rs[i]).expect("the receiver failed");
+            }
+        }
+        for s in sent.iter().flatten() {
+            let _ = c.test_send(*s);
+        }
+        assert!(Instant::now() < deadline, "sent {sent:?} got {got:?}");
+    }
+    for (i, d) in dsts.iter().enumerate() {
+        assert_eq!(d.mem.bytes(), TestMem::pattern(64, seed + i as u64));
+    }
+}
+
 /// D7 at the receiver: with clear-to-send batching, nothing is announced onto the QP a move
 /// stopped.
 #[test]
@@ -166,27 +192,7 @@ fn with_batching_no_clear_to_send_is_posted_onto_a_stopped_qp() {
     // The receiver's NIC fails: its next write (a clear-to-send) fails, and it moves.
     c.fabric.cut(&c.rx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
     let mut srcs: Vec<Buf> = (0..6).map(|i| c.buf(true, 64, 70 + i)).collect();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut sent = vec![None; 6];
-    let mut got = vec![None; 6];
-    while got.iter().any(Option::is_none) || sent.iter().any(Option::is_none) {
-        for i in 0..6 {
-            if sent[i].is_none() {
-                let b = &mut srcs[i];
-                sent[i] = c.send.isend(b.whole(), i as i32, b.mh).expect("isend");
-            }
-            if got[i].is_none() {
-                got[i] = c.test_recv(rs[i]).expect("the receiver failed");
-            }
-        }
-        for s in sent.iter().flatten() {
-            let _ = c.test_send(*s);
-        }
-        assert!(Instant::now() < deadline, "sent {sent:?} got {got:?}");
-    }
-    for (i, d) in dsts.iter().enumerate() {
-        assert_eq!(d.mem.bytes(), TestMem::pattern(64, 70 + i as u64));
-    }
+    all_through(&c, &mut srcs, &rs, &dsts, 70);
 }
 
 /// A fault of the new rails while the sender sends again what the move left (its first
@@ -261,27 +267,7 @@ fn with_batching_a_clear_to_send_held_when_the_receiver_moves_goes_with_its_answ
     }
     // The held receive is tested before the sender has heard of the move.
     assert_eq!(c.test_recv(r2).unwrap(), None);
-    let rs = [r0, r1, r2];
-    let mut sent = [None; 3];
-    let mut got = [None; 3];
-    while got.iter().any(Option::is_none) || sent.iter().any(Option::is_none) {
-        for i in 0..3 {
-            if sent[i].is_none() {
-                let b = &mut srcs[i];
-                sent[i] = c.send.isend(b.whole(), i as i32, b.mh).expect("isend");
-            }
-            if got[i].is_none() {
-                got[i] = c.test_recv(rs[i]).expect("the receiver failed");
-            }
-        }
-        for s in sent.iter().flatten() {
-            let _ = c.test_send(*s);
-        }
-        assert!(Instant::now() < deadline, "sent {sent:?} got {got:?}");
-    }
-    for (i, d) in dsts.iter().enumerate() {
-        assert_eq!(d.mem.bytes(), TestMem::pattern(64, 80 + i as u64));
-    }
+    all_through(&c, &mut srcs, &[r0, r1, r2], &dsts, 80);
 }
 
 /// D3: the dead NIC's QPs, CQs and registrations may take seconds to destroy (Soft-RoCE waits
