@@ -172,10 +172,9 @@ fn all_through(c: &Conn, srcs: &mut [Buf], rs: &[usize], dsts: &[Buf], seed: u64
     }
 }
 
-/// D7 at the receiver: with clear-to-send batching, nothing is announced onto the QP a move
-/// stopped.
-#[test]
-fn with_batching_no_clear_to_send_is_posted_onto_a_stopped_qp() {
+/// A connection that may move, batching clear-to-sends (up to 8), on NICs that refuse a
+/// post to a QP in the error state (eRDMA), after one message.
+fn batching_on_erdma() -> Conn {
     let p = ConnParams {
         cts_batch: 8,
         ..mobile()
@@ -183,6 +182,14 @@ fn with_batching_no_clear_to_send_is_posted_onto_a_stopped_qp() {
     let c = connect_mobile(1, 1, p);
     c.fabric.reject_posts_in_error();
     through(&c, 64, 1);
+    c
+}
+
+/// D7 at the receiver: with clear-to-send batching, nothing is announced onto the QP a move
+/// stopped.
+#[test]
+fn with_batching_no_clear_to_send_is_posted_onto_a_stopped_qp() {
+    let c = batching_on_erdma();
     let mut dsts: Vec<Buf> = (0..6).map(|_| c.buf(false, 64, 0)).collect();
     let rs: Vec<usize> = dsts
         .iter_mut()
@@ -238,13 +245,7 @@ fn a_fault_while_the_sender_sends_again_after_a_move_moves_it_again() {
 /// comm would fail): the answer announces it.
 #[test]
 fn with_batching_a_clear_to_send_held_when_the_receiver_moves_goes_with_its_answer() {
-    let p = ConnParams {
-        cts_batch: 8,
-        ..mobile()
-    };
-    let c = connect_mobile(1, 1, p);
-    c.fabric.reject_posts_in_error();
-    through(&c, 64, 1);
+    let c = batching_on_erdma();
     let mut dsts: Vec<Buf> = (0..3).map(|_| c.buf(false, 64, 0)).collect();
     let mut srcs: Vec<Buf> = (0..3).map(|i| c.buf(true, 64, 80 + i)).collect();
     let [d0, d1, d2] = &mut dsts[..] else {
