@@ -30,29 +30,39 @@ pub(crate) struct PeerLink {
 }
 
 /// Tests: a thread stopped right after its end sent a message (descheduled there) until
-/// released, while the peer may answer; how many sends stopped so far.
+/// released, while the peer may answer.
 #[cfg(test)]
 #[derive(Clone, Default)]
-pub(crate) struct Pause(
-    std::sync::Arc<(std::sync::atomic::AtomicBool, std::sync::atomic::AtomicU32)>,
-);
+pub(crate) struct Pause(std::sync::Arc<PauseState>);
+
+#[cfg(test)]
+#[derive(Default)]
+pub(crate) struct PauseState {
+    released: std::sync::atomic::AtomicBool,
+    /// Sends that stopped so far.
+    waited: std::sync::atomic::AtomicU32,
+}
 
 #[cfg(test)]
 impl Pause {
     pub(crate) fn release(&self) {
-        self.0 .0.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.0
+            .released
+            .store(true, std::sync::atomic::Ordering::SeqCst);
     }
 
+    /// How many sends stopped so far.
     pub(crate) fn waited(&self) -> u32 {
-        self.0 .1.load(std::sync::atomic::Ordering::SeqCst)
+        self.0.waited.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// Stops the calling thread until released (30 s at most).
     fn wait(&self) {
         use std::sync::atomic::Ordering::SeqCst;
-        self.0 .1.fetch_add(1, SeqCst);
+        self.0.waited.fetch_add(1, SeqCst);
         let since = std::time::Instant::now();
-        while !self.0 .0.load(SeqCst) && since.elapsed() < std::time::Duration::from_secs(30) {
+        while !self.0.released.load(SeqCst) && since.elapsed() < std::time::Duration::from_secs(30)
+        {
             std::thread::sleep(std::time::Duration::from_millis(1));
         }
     }
