@@ -6,8 +6,8 @@
 //! at most every [`LOOK_EVERY`]; the device reads the port for all of them at most every
 //! `PortWatch::EVERY`. A healed NIC may carry the connection again: a later failover may move
 //! there, and the connection moves back to its own NICs (`failover`), at a [`Moment`] the
-//! receiver answers at once: between messages where it can (else after [`BUSY_WAIT`]), never
-//! while the receiver has nothing posted; at most [`RETURNS_PER_MINUTE`] times a minute.
+//! receiver answers at once: between messages where it can (else after [`BUSY_WAIT`]), only
+//! while a receive waits for data not sent yet; at most [`RETURNS_PER_MINUTE`] times a minute.
 
 use std::time::{Duration, Instant};
 
@@ -23,17 +23,20 @@ pub(crate) const BUSY_WAIT: Duration = Duration::from_secs(1);
 
 /// The connection's traffic as the sender sees it, which decides when a move back may begin.
 /// The move waits for the receiver's answer, and a receiver answers only from its calls, so
-/// it begins only while the receiver is testing a receive: NCCL calls nothing on a comm with
-/// nothing posted, for as long as its rank is elsewhere (a checkpoint), longer than a move
-/// may take.
+/// it begins only while a receive waits for data this end has not sent yet: the receiver
+/// tests it until the move is over. NCCL calls nothing on a comm with nothing posted, for as
+/// long as its rank is elsewhere (a checkpoint), longer than a move may take; and a receive
+/// whose data is in flight may complete before the receiver reads the offer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Moment {
-    /// The receiver waits for a send (its clear-to-send landed) and nothing is in flight:
-    /// nothing is sent again.
+    /// A receive waits for a send this end has not sent (its clear-to-send landed) and
+    /// nothing is in flight: nothing is sent again.
     Between,
-    /// Sends are in flight, their receives tested: the move sends again what did not land.
+    /// A receive waits as in `Between`, and sends are in flight: the move sends again what
+    /// did not land.
     Busy,
-    /// Nothing posted at the receiver: it may not call for minutes.
+    /// No receive waits for data not sent yet: the receiver may finish what is in flight
+    /// and not call for minutes.
     Idle,
 }
 

@@ -52,6 +52,11 @@ impl<N: Nic> VerbsReceiver<N> {
         self.state.lock().mobility.lost()
     }
 
+    /// Whether this end keeps its rails of a trial of the way home (it answered one).
+    pub(crate) fn holds_trial(&self) -> bool {
+        self.state.lock().trial.is_some()
+    }
+
     /// The NIC each rail is on now.
     pub(crate) fn rail_nics(&self) -> Vec<String> {
         let s = self.state.lock();

@@ -62,6 +62,11 @@ impl<N: Nic> VerbsSender<N> {
         self.state.lock().link.pause_after(step)
     }
 
+    /// Whether a trial of the way home is under way.
+    pub(crate) fn trying(&self) -> bool {
+        self.state.lock().trial.is_some()
+    }
+
     /// The NICs this end lost and has not seen healed (bits, in its key order).
     pub(crate) fn lost_nics(&self) -> u16 {
         self.state.lock().mobility.lost()

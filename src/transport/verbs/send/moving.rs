@@ -130,9 +130,8 @@ impl<N: Nic> SendState<N> {
         }
     }
 
-    /// Where the trial stands: passed, the connection moves back once the receiver waits for
-    /// data or sends are in flight (kept meanwhile, for as long as a receiver keeps its
-    /// side); failed, the NICs of the rails away from home count as lost again.
+    /// Where the trial stands: passed, the connection moves back once a receive waits for
+    /// data not sent yet (kept meanwhile, for as long as a receiver keeps its side); failed, the NICs of the rails away from home count as lost again.
     fn judge_trial(&mut self, now: Instant) -> Result<()> {
         let idle = self.moment() == Moment::Idle;
         let Some(trial) = &mut self.trial else {
@@ -175,15 +174,17 @@ impl<N: Nic> SendState<N> {
         }
     }
 
-    /// The traffic, as a move back weighs it.
+    /// The traffic, as a move back weighs it: a receive waits for data not sent yet (its
+    /// clear-to-send landed, unmatched or matched in part), and sends are in flight or not.
     fn moment(&self) -> Moment {
-        if self.slots.iter().any(|st| st.busy && st.posted) {
-            return Moment::Busy;
-        }
-        if cts_of_landed(&self.fifo, self.seq) || self.slots.iter().any(|st| st.busy) {
-            Moment::Between
-        } else {
+        let waits = cts_of_landed(&self.fifo, self.seq)
+            || self.slots.iter().any(|st| st.busy && !st.posted);
+        if !waits {
             Moment::Idle
+        } else if self.slots.iter().any(|st| st.busy && st.posted) {
+            Moment::Busy
+        } else {
+            Moment::Between
         }
     }
 
