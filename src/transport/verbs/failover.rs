@@ -328,7 +328,7 @@ impl<N: Nic> Mobility<N> {
     /// move back is on here and at the receiver, which said in this epoch that its own NICs
     /// can carry it, both ends can move, this end's own NICs can carry it; the traffic's
     /// `moment` lets it (between messages; with sends in flight, once it has been due for
-    /// [`heal::BUSY_WAIT`]; never with no receive waiting for data not sent); and the minute's moves
+    /// [`heal::BUSY_WAIT`]; never with nothing posted); and the minute's moves
     /// back are not spent. The sender then tries the path (`trial`) and counts the move back
     /// as it begins ([`Self::returning`]).
     pub(crate) fn back_due(&mut self, now: Instant, moment: Moment) -> bool {

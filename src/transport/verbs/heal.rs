@@ -6,8 +6,9 @@
 //! at most every [`LOOK_EVERY`]; the device reads the port for all of them at most every
 //! `PortWatch::EVERY`. A healed NIC may carry the connection again: a later failover may move
 //! there, and the connection moves back to its own NICs (`failover`), at a [`Moment`] the
-//! receiver answers at once: between messages where it can (else after [`BUSY_WAIT`]), only
-//! while a receive waits for data not sent yet; at most [`RETURNS_PER_MINUTE`] times a minute.
+//! receiver answers at once: between messages (after [`BUSY_WAIT`], made by letting the sends
+//! in flight complete), while a receive waits for a send; at most [`RETURNS_PER_MINUTE`]
+//! times a minute.
 
 use std::time::{Duration, Instant};
 
@@ -17,26 +18,27 @@ pub(crate) const LOOK_EVERY: Duration = Duration::from_millis(100);
 pub(crate) const RETURNS_PER_MINUTE: u32 = 2;
 /// How often the settling time doubles for a NIC lost again and again.
 pub(crate) const MAX_DOUBLINGS: u32 = 5;
-/// How long a move back due waits for a moment between messages (nothing in flight, so
-/// nothing is sent again) before it goes anyway: a connection NCCL keeps busy is never idle.
+/// How long a move back due waits for a moment between messages before it makes one: the
+/// sends in flight complete, nothing new posted meanwhile (a connection NCCL keeps busy is
+/// never between messages for long).
 pub(crate) const BUSY_WAIT: Duration = Duration::from_secs(1);
 
 /// The connection's traffic as the sender sees it, which decides when a move back may begin.
 /// The move waits for the receiver's answer, and a receiver answers only from its calls, so
-/// it begins only while a receive waits for data this end has not sent yet: the receiver
-/// tests it until the move is over. NCCL calls nothing on a comm with nothing posted, for as
-/// long as its rank is elsewhere (a checkpoint), longer than a move may take; and a receive
-/// whose data is in flight may complete before the receiver reads the offer.
+/// it begins only while a receive waits for data this end has not sent yet, and nothing is
+/// in flight: the receiver tests that receive until the move is over. NCCL calls nothing on
+/// a comm with nothing posted, for as long as its rank is elsewhere (a checkpoint), longer
+/// than a move may take; and a receive whose data is in flight may complete before the
+/// receiver reads the offer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Moment {
     /// A receive waits for a send this end has not sent (its clear-to-send landed) and
-    /// nothing is in flight: nothing is sent again.
+    /// nothing is in flight: the move begins, and nothing is sent again.
     Between,
-    /// A receive waits as in `Between`, and sends are in flight: the move sends again what
-    /// did not land.
+    /// Sends are in flight: the move back, due, first lets them complete, posting nothing
+    /// new, and begins if a receive waits then.
     Busy,
-    /// No receive waits for data not sent yet: the receiver may finish what is in flight
-    /// and not call for minutes.
+    /// Nothing in flight and no receive waiting: the receiver may not call for minutes.
     Idle,
 }
 

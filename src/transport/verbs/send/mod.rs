@@ -65,6 +65,10 @@ struct MovedRegs<N: Nic> {
 enum Movement<N: Nic> {
     /// Carrying data on its rails.
     Still,
+    /// A move back is due, its path tried: nothing new is posted until the sends in flight
+    /// have completed on the rails they went out on (which work), and then the move begins
+    /// where a receive waits for a send (`moving::drained`).
+    Draining,
     /// Its rails are made (again, on the NICs left, with its QPs stopped) and offered; the
     /// receiver's answer is awaited.
     Offered(Box<Offered<N>>),

@@ -130,8 +130,10 @@ impl<N: Nic> SendState<N> {
         }
     }
 
-    /// Where the trial stands: passed, the connection moves back once a receive waits for
-    /// data not sent yet (kept meanwhile, for as long as a receiver keeps its side); failed, the NICs of the rails away from home count as lost again.
+    /// Where the trial stands: passed, the connection moves back once the sends in flight
+    /// have completed, where a receive waits for a send (the trial kept meanwhile while
+    /// nothing is posted at all, for as long as a receiver keeps its side); failed, the NICs
+    /// of the rails away from home count as lost again.
     fn judge_trial(&mut self, now: Instant) -> Result<()> {
         let idle = self.moment() == Moment::Idle;
         let Some(trial) = &mut self.trial else {
@@ -145,9 +147,8 @@ impl<N: Nic> SendState<N> {
                 // Nothing in flight there, on NICs that answer: gone at once, so that the
                 // move back is sized without it.
                 self.trial = None;
-                self.mobility.returning(now);
-                let why = "the NICs the connection was placed on healed".to_string();
-                self.begin_move(self.mobility.epoch + 1, [0; 2], why)
+                self.movement = Movement::Draining;
+                self.drained()
             }
             Verdict::Failed(f) => {
                 self.bury_trial();
@@ -174,18 +175,41 @@ impl<N: Nic> SendState<N> {
         }
     }
 
-    /// The traffic, as a move back weighs it: a receive waits for data not sent yet (its
-    /// clear-to-send landed, unmatched or matched in part), and sends are in flight or not.
+    /// The traffic, as a move back weighs it: sends in flight, or else a receive waiting for
+    /// a send not sent yet (its clear-to-send landed, unmatched or matched in part).
     fn moment(&self) -> Moment {
-        let waits = cts_of_landed(&self.fifo, self.seq)
-            || self.slots.iter().any(|st| st.busy && !st.posted);
-        if !waits {
-            Moment::Idle
-        } else if self.slots.iter().any(|st| st.busy && st.posted) {
+        if self.in_flight() {
             Moment::Busy
-        } else {
+        } else if cts_of_landed(&self.fifo, self.seq)
+            || self.slots.iter().any(|st| st.busy && !st.posted)
+        {
             Moment::Between
+        } else {
+            Moment::Idle
         }
+    }
+
+    /// Whether sends are posted that NCCL has not yet seen done (`test`).
+    fn in_flight(&self) -> bool {
+        self.slots.iter().any(|st| st.busy && st.posted)
+    }
+
+    /// A move back drains (`Movement::Draining`): once no send is in flight, it begins where
+    /// a receive waits for a send, which the receiver tests until the move is over. Where
+    /// none waits, the receiver may be done with all it posted and call nothing for minutes
+    /// (a move begun then would wait for its answer past the bound): the connection carries
+    /// on where it is, and a later trial moves it back.
+    fn drained(&mut self) -> Result<()> {
+        if !matches!(self.movement, Movement::Draining) || self.in_flight() {
+            return Ok(());
+        }
+        self.movement = Movement::Still;
+        if self.moment() != Moment::Between {
+            return Ok(());
+        }
+        self.mobility.returning(Instant::now());
+        let why = "the NICs the connection was placed on healed".to_string();
+        self.begin_move(self.mobility.epoch + 1, [0; 2], why)
     }
 
     /// A move message `msg` came (outside of a move's own steps).
@@ -333,6 +357,7 @@ impl<N: Nic> SendState<N> {
             }
         }
         self.replay_due()?;
+        self.drained()?;
         Ok(matches!(self.movement, Movement::Offered(_)))
     }
 

@@ -4,7 +4,7 @@
 //! nothing back; a healed NIC takes a later failover; a move back onto a path still broken
 //! falls back to the failover path.
 
-use super::failover::{connect_mobile, deliver, isend_while, mobile, through, wait_both, Group};
+use super::failover::{connect_mobile, deliver, mobile, through, Group};
 use super::*;
 use crate::transport::verbs::heal;
 
@@ -206,14 +206,15 @@ fn a_connection_never_idle_moves_back_once_the_move_has_waited_long_enough() {
     let healed = Instant::now();
     c.fabric.cut(&c.tx_nics[0], None);
     // Pipelined as NCCL's steps are: the receiver posts ahead of the sender, and the next
-    // send is posted before the last is tested, so one is always in flight (the move back
-    // sends it again) while the next receive waits.
+    // send is asked for before the last is tested, so one is always in flight while the next
+    // receive waits. The move back lets the one in flight complete (NCCL's proxy tests it
+    // while the next `isend` says "not yet"), then begins: nothing is sent again.
     let post = |seed: u64| {
         let mut dst = c.buf(false, 1000 + seed as usize, 0);
         let r = c.irecv(&mut [&mut dst], &[1]);
         (dst, r)
     };
-    let mut last: Option<(Buf, Buf, usize, usize, u64)> = None;
+    let mut last: Option<Pipelined> = None;
     let mut seed = 10;
     let mut ahead = post(seed);
     while !home(&c) {
@@ -228,9 +229,26 @@ fn a_connection_never_idle_moves_back_once_the_move_has_waited_long_enough() {
         }
         let (dst, r) = std::mem::replace(&mut ahead, post(seed + 1));
         let mut src = c.buf(true, 1000 + seed as usize, seed);
-        let s = isend_while(&c, &mut src, 1, r);
-        if let Some(done) = last.replace((dst, src, s, r, seed)) {
-            check_pipelined(&c, done);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let s = loop {
+            if let Some(id) = c.send.isend(src.whole(), 1, src.mh).expect("isend") {
+                break id;
+            }
+            if let Some(l) = &mut last {
+                l.test(&c);
+            }
+            assert!(c.test_recv(r).expect("receive").is_none());
+            assert!(Instant::now() < deadline, "isend of {seed} never posted");
+        };
+        let next = Pipelined {
+            dst,
+            _src: src,
+            ids: (s, r),
+            seed,
+            done: (None, None),
+        };
+        if let Some(l) = last.replace(next) {
+            l.check(&c);
         }
         seed += 1;
     }
@@ -239,11 +257,51 @@ fn a_connection_never_idle_moves_back_once_the_move_has_waited_long_enough() {
         "moved back {:?} after the heal, with sends in flight",
         healed.elapsed()
     );
-    check_pipelined(&c, last.take().unwrap());
+    last.take().unwrap().check(&c);
     let (dst, r) = ahead;
     let mut src = c.buf(true, 1000 + seed as usize, seed);
     deliver(&c, (&mut src, 1), (r, &dst), (1000 + seed as usize, seed));
     through(&c, 5000, 99);
+}
+
+/// A pipelined message (`1000 + seed` bytes): its buffers, its send's and receive's ids,
+/// and what each reported so far.
+struct Pipelined {
+    dst: Buf,
+    _src: Buf,
+    ids: (usize, usize),
+    seed: u64,
+    done: (Option<Completion>, Option<Completion>),
+}
+
+impl Pipelined {
+    /// Tests the send and the receive once each, where not done yet.
+    fn test(&mut self, c: &Conn) {
+        if self.done.0.is_none() {
+            self.done.0 = c.test_send(self.ids.0).expect("the send's test");
+        }
+        if self.done.1.is_none() {
+            self.done.1 = c.test_recv(self.ids.1).expect("the receive's test");
+        }
+    }
+
+    /// Tests both until done, and checks their sizes and the bytes.
+    fn check(mut self, c: &Conn) {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.done.0.is_none() || self.done.1.is_none() {
+            self.test(c);
+            assert!(Instant::now() < deadline, "not done: {:?}", self.done);
+        }
+        let len = 1000 + self.seed as usize;
+        let one = Some(Completion::single(len));
+        assert_eq!(self.done, (one, one));
+        assert_eq!(
+            self.dst.mem.bytes(),
+            TestMem::pattern(len, self.seed),
+            "message {}",
+            self.seed
+        );
+    }
 }
 
 #[test]
@@ -318,22 +376,6 @@ fn a_move_back_waits_for_a_receive_that_waits_for_data() {
     idle_until(&c, Duration::from_secs(5), || home(&c));
 }
 
-/// Waits for a pipelined message (its receive buffer, send buffer, request ids and seed)
-/// and checks its bytes.
-fn check_pipelined(c: &Conn, (dst, _src, s, r, seed): (Buf, Buf, usize, usize, u64)) {
-    let len = 1000 + seed as usize;
-    let (sent, received) = wait_both(c, s, r).unwrap();
-    assert_eq!(
-        (sent, received),
-        (Completion::single(len), Completion::single(len))
-    );
-    assert_eq!(
-        dst.mem.bytes(),
-        TestMem::pattern(len, seed),
-        "message {seed}"
-    );
-}
-
 #[test]
 fn a_receiver_with_nothing_posted_is_not_moved_back_under() {
     // Its rank is elsewhere (a checkpoint) and calls nothing on the comm: a move back begun
@@ -375,16 +417,10 @@ fn a_home_path_that_still_drops_everything_is_tried_and_not_taken() {
     // A trial comes once the move back has waited for a moment between messages (at most
     // `BUSY_WAIT`) and fails within the failover suspect time; the NIC is lost again, and
     // after twice the settling time tried again.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while c.send.losses(0) < 3 {
-        idle_for(&c, Duration::from_millis(50));
+    idle_until(&c, Duration::from_secs(10), || {
         assert_eq!(nics_of(&c), (vec!["tx1".into()], vec!["rx1".into()]));
-        assert!(
-            Instant::now() < deadline,
-            "tried {} times",
-            c.send.losses(0) - 1
-        );
-    }
+        c.send.losses(0) >= 3
+    });
     c.fabric.cut(&c.tx_nics[0], None);
     idle_until(&c, Duration::from_secs(5), || home(&c));
     through(&c, 7000, 10);
