@@ -53,6 +53,18 @@ fn moved_off(p: ConnParams, how: Cut) -> Conn {
     c
 }
 
+/// A connection moved off `tx0` (its link down), `tx0` mended, and the receiver has looked
+/// around until it told the sender that its own NIC healed.
+fn healed_and_told(p: ConnParams) -> Conn {
+    let c = moved_off(p, Cut::Down);
+    c.fabric.cut(&c.tx_nics[0], None);
+    let t0 = Instant::now();
+    while t0.elapsed() < SETTLE + Duration::from_millis(300) {
+        c.recv.poll_once().expect("the receiver's look");
+    }
+    c
+}
+
 pub(super) fn home(c: &Conn) -> bool {
     c.send.rail_nics() == ["tx0"] && c.recv.rail_nics() == ["rx0"]
 }
@@ -318,12 +330,7 @@ fn a_move_back_waits_for_a_receive_that_waits_for_data() {
         work_timeout: Some(Duration::from_millis(500)),
         ..homing()
     };
-    let c = moved_off(p, Cut::Down);
-    c.fabric.cut(&c.tx_nics[0], None);
-    let t0 = Instant::now();
-    while t0.elapsed() < SETTLE + Duration::from_millis(300) {
-        c.recv.poll_once().expect("the receiver's look");
-    }
+    let c = healed_and_told(p);
     let mut dst = c.buf(false, 3000, 0);
     let r = c.irecv(&mut [&mut dst], &[5]);
     // The sender finds the receive waiting and tries the way home; the receiver answers.
@@ -385,13 +392,7 @@ fn a_receiver_with_nothing_posted_is_not_moved_back_under() {
         work_timeout: Some(Duration::from_millis(400)),
         ..homing()
     };
-    let c = moved_off(p, Cut::Down);
-    c.fabric.cut(&c.tx_nics[0], None);
-    // The receiver looks around until it has told the sender its own NIC healed.
-    let t0 = Instant::now();
-    while t0.elapsed() < SETTLE + Duration::from_millis(300) {
-        c.recv.poll_once().expect("the receiver's look");
-    }
+    let c = healed_and_told(p);
     let mut src = c.buf(true, 3000, 78);
     let t0 = Instant::now();
     while t0.elapsed() < SETTLE + Duration::from_secs(1) {
@@ -432,12 +433,7 @@ fn a_late_answer_to_a_trial_given_up_is_not_taken_for_the_next() {
     // sender gives the first trial up and, a second later, begins another. The receiver then
     // answers both, in turn: the first answer must not be joined to the second trial (its
     // rails are being torn down), which would fail a healthy path.
-    let c = moved_off(homing(), Cut::Down);
-    c.fabric.cut(&c.tx_nics[0], None);
-    let t0 = Instant::now();
-    while t0.elapsed() < SETTLE + Duration::from_millis(300) {
-        c.recv.poll_once().expect("the receiver's look");
-    }
+    let c = healed_and_told(homing());
     let mut dst = c.buf(false, 3000, 0);
     let r = c.irecv(&mut [&mut dst], &[79]);
     // The receiver is away; the sender finds its clear-to-send and waits for the send.
