@@ -350,6 +350,9 @@ impl Drop for FakeQp {
         let mut w = self.world.lock();
         let nic = w.qps.remove(&self.qpn).map(|q| q.nic);
         let qpn = self.qpn;
+        if let Some(n) = nic {
+            w.destroyed.insert(qpn, n);
+        }
         w.queue.retain(|op| op.qpn != qpn);
         w.late.retain(|l| l.2 .0.qp_num != qpn);
         drop(w);
@@ -462,10 +465,14 @@ unsafe impl Nic for FakeNic {
             let e = std::io::Error::from_raw_os_error(libc::ENETUNREACH);
             return Err(Error::io("ibv_modify_qp to RTR (fake fabric)", e));
         }
-        let gid_ok = w
+        // A QP the peer destroyed meanwhile still takes the join, as on a real NIC (bringing
+        // a QP up asks nothing of the peer); a QP number never made there is a wiring error.
+        let remote_nic = w
             .qps
             .get(&remote.qpn)
-            .is_some_and(|r| w.nics[r.nic].gid == remote.gid);
+            .map(|r| r.nic)
+            .or_else(|| w.destroyed.get(&remote.qpn).copied());
+        let gid_ok = remote_nic.is_some_and(|n| w.nics[n].gid == remote.gid);
         if !gid_ok {
             return Err(Error::remote(format!(
                 "fake fabric: no QP {} behind the GID given",

@@ -154,6 +154,9 @@ pub(super) struct World {
     /// How long a requester retries work over a lossy link ([`Cut::Egress`]) before it fails
     /// with a retry exceeded error; `None`: for ever.
     pub(super) retries_for: Option<std::time::Duration>,
+    /// The NIC of each QP destroyed so far: a QP may still be brought up towards one (a
+    /// real NIC does not ask the peer), and its work then finds nothing to answer it.
+    pub(super) destroyed: HashMap<u32, usize>,
 }
 
 /// What happened to an op this pass.

@@ -605,3 +605,35 @@ fn a_landed_send_completes_when_the_receiver_closes_at_once() {
 fn a_landed_send_completes_when_the_receiver_closes_at_once_after_a_move() {
     a_landed_send_completes_when_the_receiver_closes(true);
 }
+
+#[test]
+fn a_landed_receive_completes_when_the_sender_offers_a_move_and_closes_at_once() {
+    // The sender's last send landed and was acknowledged; the sender then finds its path
+    // dead and offers a move, and closes its comm, its sends done, as NCCL's rank does. The
+    // receiver, whose completion is in its CQ, reads the offer in the same look and brings
+    // its QPs up towards the offered ones, gone with the sender: a real NIC cannot tell (it
+    // asks nothing of the peer), and neither may the receiver take it for its own NIC lost.
+    // The receive that landed completes.
+    let c = connect_mobile(1, 1, mobile());
+    through(&c, 64, 1);
+    let mut dst = c.buf(false, 4096, 0);
+    let mut src = c.buf(true, 4096, 7);
+    let r = c.irecv(&mut [&mut dst], &[5]);
+    let s = c.send_buf(&mut src, 5);
+    assert_eq!(wait(|| c.test_send(s)).unwrap(), Completion::single(4096));
+    c.fabric.cut(&c.tx_nics[0], Some(Cut::Fail(RETRY_EXCEEDED)));
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while c.send.offered_qpns().is_empty() {
+        c.send.step_setup().expect("the sender's look");
+        assert!(Instant::now() < deadline, "the sender offered no move");
+    }
+    let Conn { send, recv, .. } = c;
+    drop(send);
+    // NCCL's proxy polls; the receive's completion and the offer are taken in one call.
+    for _ in 0..1000 {
+        recv.poll_once().expect("the receiver's call");
+    }
+    let received = wait(|| test_recv(&recv, r)).expect("the landed receive");
+    assert_eq!(received, Completion::single(4096));
+    assert_eq!(dst.mem.bytes(), TestMem::pattern(4096, 7));
+}
