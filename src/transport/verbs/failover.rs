@@ -324,20 +324,25 @@ impl<N: Nic> Mobility<N> {
         (0..self.cost.rails).all(|r| self.dead & (1 << r) == 0 && self.nics[r].takes_moves())
     }
 
-    /// Whether the connection, off its own NICs, moves back at `now` (the sender asks): the
-    /// move back is on here and at the receiver, which said in this epoch that its own NICs
-    /// can carry it, both ends can move, this end's own NICs can carry it; the traffic's
-    /// `moment` lets it (between messages; with sends in flight, once it has been due for
-    /// [`heal::BUSY_WAIT`]; never with nothing posted); and the minute's moves
-    /// back are not spent. The sender then tries the path (`trial`) and counts the move back
-    /// as it begins ([`Self::returning`]).
-    pub(crate) fn back_due(&mut self, now: Instant, moment: Moment) -> bool {
-        let ready = self.params.failback.1
+    /// Whether the connection, off its own NICs, may move back: the move back is on here and
+    /// at the receiver, which said in this epoch that its own NICs can carry it, both ends
+    /// can move, and this end's own NICs can carry it.
+    pub(crate) fn back_ready(&self) -> bool {
+        self.params.failback.1
             && self.enabled()
             && self.peer_home == self.epoch
             && self.away()
-            && self.homes_alive();
-        if !ready {
+            && self.homes_alive()
+    }
+
+    /// Whether the connection moves back at `now` (the sender asks): it may
+    /// ([`Self::back_ready`]); the traffic's `moment` lets it (between messages; with sends in
+    /// flight, once it has been due for [`heal::BUSY_WAIT`]: they complete first; never with
+    /// nothing in flight and no receive waiting); and the minute's moves back are not spent.
+    /// The sender then tries the path (`trial`) and counts the move back as it begins
+    /// ([`Self::returning`]).
+    pub(crate) fn back_due(&mut self, now: Instant, moment: Moment) -> bool {
+        if !self.back_ready() {
             self.back_since = None;
             return false;
         }

@@ -18,9 +18,9 @@ pub(crate) const LOOK_EVERY: Duration = Duration::from_millis(100);
 pub(crate) const RETURNS_PER_MINUTE: u32 = 2;
 /// How often the settling time doubles for a NIC lost again and again.
 pub(crate) const MAX_DOUBLINGS: u32 = 5;
-/// How long a move back due waits for a moment between messages before it makes one: the
-/// sends in flight complete, nothing new posted meanwhile (a connection NCCL keeps busy is
-/// never between messages for long).
+/// How long a move back due waits for a moment between messages before it tries to make
+/// one: the sends in flight complete, nothing new posted meanwhile, and the move begins if a
+/// receive waits then (a connection NCCL keeps busy is never between messages for long).
 pub(crate) const BUSY_WAIT: Duration = Duration::from_secs(1);
 
 /// The connection's traffic as the sender sees it, which decides when a move back may begin.
@@ -36,9 +36,10 @@ pub(crate) enum Moment {
     /// nothing is in flight: the move begins, and nothing is sent again.
     Between,
     /// Sends are in flight: the move back, due, first lets them complete, posting nothing
-    /// new, and begins if a receive waits then.
+    /// new, and begins once a receive waits (for a while: the path tried may not hold).
     Busy,
-    /// Nothing in flight and no receive waiting: the receiver may not call for minutes.
+    /// Nothing in flight and no receive waiting for a send (nothing posted, or all it posted
+    /// has its data): the receiver may not call for minutes.
     Idle,
 }
 

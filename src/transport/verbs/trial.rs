@@ -104,10 +104,10 @@ impl<N: Nic> Trial<N> {
         Ok((trial, msg))
     }
 
-    /// Whether what it found still holds at `now`: its writes went less than the time a
-    /// trial waits ago (the receiver keeps its side longer).
-    pub(crate) fn fresh(&self, now: Instant) -> bool {
-        now.duration_since(self.since) < self.within
+    /// Until when what it found holds: the time a trial waits after its writes went (the
+    /// receiver keeps its side longer).
+    pub(crate) fn holds_until(&self) -> Instant {
+        self.since + self.within
     }
 
     /// The receiver's `Tried`, `remote`: its rails (None: its own NICs could not be brought

@@ -62,6 +62,11 @@ impl<N: Nic> VerbsSender<N> {
         self.state.lock().link.pause_after(step)
     }
 
+    /// Whether a move back holds new sends until those in flight complete (its trial passed).
+    pub(crate) fn draining(&self) -> bool {
+        matches!(self.state.lock().movement, Movement::Draining(_))
+    }
+
     /// Whether a trial of the way home is under way.
     pub(crate) fn trying(&self) -> bool {
         self.state.lock().trial.is_some()

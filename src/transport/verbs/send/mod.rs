@@ -22,6 +22,7 @@ mod moving;
 mod slot;
 
 use std::sync::Arc;
+use std::time::Instant;
 
 use parking_lot::Mutex;
 
@@ -65,10 +66,11 @@ struct MovedRegs<N: Nic> {
 enum Movement<N: Nic> {
     /// Carrying data on its rails.
     Still,
-    /// A move back is due, its path tried: nothing new is posted until the sends in flight
-    /// have completed on the rails they went out on (which work), and then the move begins
-    /// where a receive waits for a send (`moving::drained`).
-    Draining,
+    /// A move back is due, its path tried and found to hold until the instant given: nothing
+    /// new is posted until the sends in flight have completed on the rails they went out on
+    /// (which work); the move then begins once a receive waits for a send, or the connection
+    /// carries on where it is if none does by that instant (`moving::drained`).
+    Draining(Instant),
     /// Its rails are made (again, on the NICs left, with its QPs stopped) and offered; the
     /// receiver's answer is awaited.
     Offered(Box<Offered<N>>),
@@ -184,7 +186,8 @@ impl<N: Nic> SendState<N> {
         }
     }
 
-    /// Whether the connection carries data on its rails (no move, and nothing to send again).
+    /// Whether the connection carries data on its rails as NCCL asks (no move, nothing to
+    /// send again, no move back holding new sends).
     #[inline]
     fn still(&self) -> bool {
         matches!(self.movement, Movement::Still)

@@ -131,23 +131,20 @@ impl<N: Nic> SendState<N> {
     }
 
     /// Where the trial stands: passed, the connection moves back once the sends in flight
-    /// have completed, where a receive waits for a send (the trial kept meanwhile while
-    /// nothing is posted at all, for as long as a receiver keeps its side); failed, the NICs
-    /// of the rails away from home count as lost again.
+    /// have completed and a receive waits for a send (`drained`); failed, the NICs of the
+    /// rails away from home count as lost again.
     fn judge_trial(&mut self, now: Instant) -> Result<()> {
-        let idle = self.moment() == Moment::Idle;
         let Some(trial) = &mut self.trial else {
             return Ok(());
         };
-        let verdict = trial.verdict(now, self.link.peer());
-        match verdict {
+        match trial.verdict(now, self.link.peer()) {
             Verdict::Waiting => Ok(()),
-            Verdict::Passed if idle && trial.fresh(now) => Ok(()),
-            Verdict::Passed if !idle => {
+            Verdict::Passed => {
                 // Nothing in flight there, on NICs that answer: gone at once, so that the
                 // move back is sized without it.
+                let holds_until = trial.holds_until();
                 self.trial = None;
-                self.movement = Movement::Draining;
+                self.movement = Movement::Draining(holds_until);
                 self.drained()
             }
             Verdict::Failed(f) => {
@@ -161,7 +158,7 @@ impl<N: Nic> SendState<N> {
                 );
                 Ok(())
             }
-            Verdict::Passed | Verdict::Unanswered => {
+            Verdict::Unanswered => {
                 self.bury_trial();
                 Ok(())
             }
@@ -195,19 +192,30 @@ impl<N: Nic> SendState<N> {
     }
 
     /// A move back drains (`Movement::Draining`): once no send is in flight, it begins where
-    /// a receive waits for a send, which the receiver tests until the move is over. Where
-    /// none waits, the receiver may be done with all it posted and call nothing for minutes
-    /// (a move begun then would wait for its answer past the bound): the connection carries
-    /// on where it is, and a later trial moves it back.
+    /// a receive waits for a send, which the receiver tests until the move is over (and
+    /// where the move back may still be made). Until then nothing could be sent anyway; a
+    /// receiver done with all it posted may call nothing for minutes, so past the instant the
+    /// trial holds until, the connection carries on where it is, and a later trial moves it
+    /// back.
     fn drained(&mut self) -> Result<()> {
-        if !matches!(self.movement, Movement::Draining) || self.in_flight() {
+        let Movement::Draining(holds_until) = self.movement else {
+            return Ok(());
+        };
+        if self.in_flight() {
+            return Ok(());
+        }
+        let now = Instant::now();
+        if self.moment() != Moment::Between {
+            if now >= holds_until {
+                self.movement = Movement::Still;
+            }
             return Ok(());
         }
         self.movement = Movement::Still;
-        if self.moment() != Moment::Between {
+        if !self.mobility.back_ready() {
             return Ok(());
         }
-        self.mobility.returning(Instant::now());
+        self.mobility.returning(now);
         let why = "the NICs the connection was placed on healed".to_string();
         self.begin_move(self.mobility.epoch + 1, [0; 2], why)
     }

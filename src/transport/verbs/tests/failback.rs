@@ -229,6 +229,8 @@ fn a_connection_never_idle_moves_back_once_the_move_has_waited_long_enough() {
     let mut last: Option<Pipelined> = None;
     let mut seed = 10;
     let mut ahead = post(seed);
+    // `isend`s answered "not yet" while the move back waited for the send in flight.
+    let mut held = 0;
     while !home(&c) {
         assert!(
             healed.elapsed() < Duration::from_secs(10),
@@ -246,6 +248,7 @@ fn a_connection_never_idle_moves_back_once_the_move_has_waited_long_enough() {
             if let Some(id) = c.send.isend(src.whole(), 1, src.mh).expect("isend") {
                 break id;
             }
+            held += usize::from(c.send.draining());
             if let Some(l) = &mut last {
                 l.test(&c);
             }
@@ -269,6 +272,7 @@ fn a_connection_never_idle_moves_back_once_the_move_has_waited_long_enough() {
         "moved back {:?} after the heal, with sends in flight",
         healed.elapsed()
     );
+    assert!(held > 0, "the move back began with a send in flight");
     last.take().unwrap().check(&c);
     let (dst, r) = ahead;
     let mut src = c.buf(true, 1000 + seed as usize, seed);
@@ -360,16 +364,14 @@ fn a_move_back_waits_for_a_receive_that_waits_for_data() {
         assert!(Instant::now() < deadline, "the receive never landed");
     };
     assert_eq!(received, Completion::single(3000));
-    // The trial passes meanwhile; nothing moves.
+    // The trial passes meanwhile: the move back waits for the send in flight.
     let t0 = Instant::now();
     while t0.elapsed() < Duration::from_millis(300) {
         assert_eq!(c.test_send(s).expect("the send's test"), None);
     }
-    assert_eq!(
-        c.send.epoch(),
-        1,
-        "a move back began with no receive waiting"
-    );
+    assert!(c.send.draining(), "the trial has not passed");
+    let unmoved = "a move back began with no receive waiting";
+    assert_eq!(c.send.epoch(), 1, "{unmoved}");
     c.fabric.cut(&c.rx_nics[1], None);
     let sent = loop {
         if let Some(done) = c.test_send(s).expect("the send's test") {
@@ -379,6 +381,13 @@ fn a_move_back_waits_for_a_receive_that_waits_for_data() {
     };
     assert_eq!(sent, Completion::single(3000));
     assert_eq!(dst.mem.bytes(), TestMem::pattern(3000, 5));
+    // The receiver posts nothing: once the trial no longer holds, the sender carries on
+    // where it is, unmoved.
+    while c.send.draining() {
+        c.send.step_setup().expect("the sender's idle call");
+        assert!(Instant::now() < deadline, "the move back never gave up");
+    }
+    assert_eq!(c.send.epoch(), 1, "{unmoved}");
     // The next receive posted waits: the connection moves back.
     idle_until(&c, Duration::from_secs(5), || home(&c));
 }
