@@ -62,7 +62,9 @@ struct MovedRegs<N: Nic> {
 }
 
 /// Where the sender is in a move (`moving`; the protocol is in `failover`). Setup is move
-/// 0: the connector's hello offered its rails, and the comm starts `Offered`.
+/// 0: the connector's hello offered its rails, and the comm starts `Offered`. A tag of its
+/// own (not a niche of the deadline's): `still()`, on every call, is one byte's compare.
+#[repr(u8)]
 enum Movement<N: Nic> {
     /// Carrying data on its rails.
     Still,
