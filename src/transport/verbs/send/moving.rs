@@ -173,13 +173,11 @@ impl<N: Nic> SendState<N> {
     }
 
     /// The traffic, as a move back weighs it: sends in flight, or else a receive waiting for
-    /// a send not sent yet (its clear-to-send landed, unmatched or matched in part).
+    /// a send not sent yet.
     fn moment(&self) -> Moment {
         if self.in_flight() {
             Moment::Busy
-        } else if cts_of_landed(&self.fifo, self.seq)
-            || self.slots.iter().any(|st| st.busy && !st.posted)
-        {
+        } else if self.receive_waits() {
             Moment::Between
         } else {
             Moment::Idle
@@ -189,6 +187,12 @@ impl<N: Nic> SendState<N> {
     /// Whether sends are posted that NCCL has not yet seen done (`test`).
     fn in_flight(&self) -> bool {
         self.slots.iter().any(|st| st.busy && st.posted)
+    }
+
+    /// Whether a receive waits for a send not sent yet: its clear-to-send landed, unmatched
+    /// or matched in part.
+    fn receive_waits(&self) -> bool {
+        cts_of_landed(&self.fifo, self.seq) || self.slots.iter().any(|st| st.busy && !st.posted)
     }
 
     /// A move back drains (`Movement::Draining`): once no send is in flight, it begins where
@@ -205,7 +209,7 @@ impl<N: Nic> SendState<N> {
             return Ok(());
         }
         let now = Instant::now();
-        if self.moment() != Moment::Between {
+        if !self.receive_waits() {
             if now >= holds_until {
                 self.movement = Movement::Still;
             }

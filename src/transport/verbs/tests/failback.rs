@@ -356,13 +356,7 @@ fn a_move_back_waits_for_a_receive_that_waits_for_data() {
         .isend(src.whole(), 5, src.mh)
         .unwrap()
         .expect("posted");
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let received = loop {
-        if let Some(done) = c.test_recv(r).expect("the receiver's test") {
-            break done;
-        }
-        assert!(Instant::now() < deadline, "the receive never landed");
-    };
+    let received = wait(|| c.test_recv(r)).expect("the receiver's test");
     assert_eq!(received, Completion::single(3000));
     // The trial passes meanwhile: the move back waits for the send in flight.
     let t0 = Instant::now();
@@ -373,16 +367,12 @@ fn a_move_back_waits_for_a_receive_that_waits_for_data() {
     let unmoved = "a move back began with no receive waiting";
     assert_eq!(c.send.epoch(), 1, "{unmoved}");
     c.fabric.cut(&c.rx_nics[1], None);
-    let sent = loop {
-        if let Some(done) = c.test_send(s).expect("the send's test") {
-            break done;
-        }
-        assert!(Instant::now() < deadline, "the send never completed");
-    };
+    let sent = wait(|| c.test_send(s)).expect("the send's test");
     assert_eq!(sent, Completion::single(3000));
     assert_eq!(dst.mem.bytes(), TestMem::pattern(3000, 5));
     // The receiver posts nothing: once the trial no longer holds, the sender carries on
     // where it is, unmoved.
+    let deadline = Instant::now() + Duration::from_secs(5);
     while c.send.draining() {
         c.send.step_setup().expect("the sender's idle call");
         assert!(Instant::now() < deadline, "the move back never gave up");
